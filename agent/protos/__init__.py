@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs; see README.md. Do not edit by hand."""
