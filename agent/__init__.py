@@ -1,0 +1,1 @@
+"""Akri-compatible device discovery agent."""

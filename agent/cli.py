@@ -1,0 +1,96 @@
+"""The ``akri`` command: ``akri agent`` and ``akri status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
+from agent.store.base import CorruptStateError
+
+EXIT_USAGE = 2
+EXIT_CORRUPT_STATE = 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="akri", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    agent = commands.add_parser("agent", help="run the node agent")
+    add_options(agent, AGENT_OPTIONS)
+    status = commands.add_parser("status", help="show Instances of a local state directory")
+    status.add_argument(
+        "--state-dir", type=Path, default=None, help="state directory [env AKRI_STATE_DIR]"
+    )
+    status.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    return parser
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def _run_agent(settings: AgentSettings) -> int:
+    from agent.app import Agent
+    from agent.store.local import LocalInstanceStore
+
+    if not settings.local:
+        logging.getLogger("agent").error(
+            "cluster mode (Kubernetes API backend) is not available in this build; run with --local"
+        )
+        return EXIT_USAGE
+    store = LocalInstanceStore(
+        settings.state_dir, settings.config, poll_interval=settings.poll_interval
+    )
+    agent = Agent(settings, store)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await agent.run(stop)
+    except CorruptStateError as error:
+        logging.getLogger("agent").error("refusing to start: %s", error)
+        return EXIT_CORRUPT_STATE
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from agent.status import to_json, to_table
+    from agent.store.local import read_state_dir
+
+    state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
+    try:
+        instances = read_state_dir(state_dir)
+    except CorruptStateError as error:
+        print(f"akri status: {error}", file=sys.stderr)
+        return EXIT_CORRUPT_STATE
+    print(to_json(instances) if args.output == "json" else to_table(instances))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``akri`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "status":
+        return _status(args)
+    try:
+        settings = AgentSettings.from_values(resolve(args, AGENT_OPTIONS, os.environ))
+    except SettingsError as error:
+        print(f"akri agent: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    _configure_logging(settings.log_level)
+    return asyncio.run(_run_agent(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Discovery: turning handler device lists into Instances."""

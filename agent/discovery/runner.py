@@ -1,0 +1,296 @@
+"""``ConfigurationRunner``: discovery for one Configuration on this node.
+
+Two tasks: the *handler task* consumes the handler's stream of full device lists (restarting it
+with capped backoff if it fails), and the *reconcile task* turns the latest list into Instance
+writes. Reconciling is sequential and idempotent: it is woken by a new device list, a
+Configuration change, an Instance change of this Configuration, or a grace deadline, and
+writes nothing when the store already matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from agent.discovery.plan import (
+    DesiredInstance,
+    DiscoveryPlan,
+    join_instance,
+    leave_instance,
+    new_instance,
+    plan_discovery,
+)
+from agent.model.configuration import Configuration
+from agent.model.instance import Instance
+from agent.store.base import (
+    AlreadyExistsError,
+    ConflictError,
+    InstanceStore,
+    NotFoundError,
+    StoreError,
+)
+from agent.store.cas import cas_update
+from discovery_handlers.base import Device, DiscoveryHandler, InvalidDiscoveryDetailsError
+
+log = logging.getLogger("agent.discovery")
+
+MAX_HANDLER_BACKOFF = 60.0
+MAX_RECONCILE_BACKOFF = 30.0
+
+
+class ConfigurationRunner:
+    """Runs one Configuration's discovery and keeps this node's Instances of it current."""
+
+    def __init__(
+        self,
+        configuration: Configuration,
+        handler: DiscoveryHandler,
+        store: InstanceStore,
+        node: str,
+        grace_for: Callable[[Configuration, bool], float],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.configuration = configuration
+        self.handler = handler
+        self.store = store
+        self.node = node
+        self._grace_for = grace_for
+        self._clock = clock
+        self._devices: list[Device] | None = None
+        self._missing_since: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._handler_task: asyncio.Task[None] | None = None
+        self._reconcile_task: asyncio.Task[None] | None = None
+        self.offline: frozenset[str] = frozenset()
+        self.devices_by_instance: dict[str, Device] = {}
+        self.reconciled = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start discovery and reconciliation."""
+        self._handler_task = asyncio.create_task(
+            self._run_handler(), name=f"handler-{self.configuration.name}"
+        )
+        self._reconcile_task = asyncio.create_task(
+            self._reconcile_loop(), name=f"reconcile-{self.configuration.name}"
+        )
+
+    async def stop(self, *, remove_instances: bool) -> None:
+        """Stop; with ``remove_instances`` this node leaves every Instance of the Configuration."""
+        for task in (self._handler_task, self._reconcile_task):
+            if task is not None:
+                task.cancel()
+        for task in (self._handler_task, self._reconcile_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if remove_instances:
+            for instance in self.store.list_cached(self.configuration.name):
+                if self.node in instance.nodes:
+                    await self._leave(instance.name)
+
+    def update(self, configuration: Configuration) -> None:
+        """Apply an edited Configuration; restarts the handler if what it sees changed."""
+        restart = configuration.discovery_hash != self.configuration.discovery_hash
+        self.configuration = configuration
+        if restart and self._handler_task is not None:
+            log.info(
+                "configuration %s: discovery details changed, restarting discovery",
+                configuration.name,
+            )
+            self._handler_task.cancel()
+            self._devices = None
+            self._handler_task = asyncio.create_task(
+                self._run_handler(), name=f"handler-{configuration.name}"
+            )
+        self.wake()
+
+    def wake(self) -> None:
+        """Ask for a reconcile (cheap; coalesces)."""
+        self._wake.set()
+
+    # -- handler -----------------------------------------------------------------------------
+    async def _run_handler(self) -> None:
+        backoff = 1.0
+        name = self.configuration.name
+        while True:
+            details = self.configuration.discovery_handler.discovery_details
+            started = self._clock()
+            try:
+                async for devices in self.handler.discover(details, {}):
+                    ids = [device.id for device in devices]
+                    log.info(
+                        "configuration %s: %s reports %d device(s): %s",
+                        name,
+                        self.handler.name,
+                        len(devices),
+                        ids,
+                    )
+                    self._devices = list(devices)
+                    self.wake()
+                log.warning(
+                    "configuration %s: handler %s ended its stream; restarting",
+                    name,
+                    self.handler.name,
+                )
+            except asyncio.CancelledError:
+                raise
+            except InvalidDiscoveryDetailsError as error:
+                log.error("configuration %s: %s", name, error)
+                await self.store.record_configuration_event(
+                    self.configuration, "InvalidDiscoveryDetails", str(error)
+                )
+                self._devices = []
+                self.wake()
+                return  # waits for an edited Configuration (update() restarts us)
+            except Exception as error:
+                log.error(
+                    "configuration %s: handler %s failed: %s: %s",
+                    name,
+                    self.handler.name,
+                    type(error).__name__,
+                    error,
+                )
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryFailed", f"{type(error).__name__}: {error}"
+                )
+                self._devices = []  # its devices are gone until it recovers (grace applies)
+                self.wake()
+            if self._clock() - started > 2 * MAX_HANDLER_BACKOFF:
+                backoff = 1.0
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_HANDLER_BACKOFF)
+
+    # -- reconcile ---------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        backoff = 0.5
+        deadline: float | None = None
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            if self._devices is None:
+                deadline = None
+                continue  # the handler has not reported yet
+            try:
+                deadline = await self.reconcile_once()
+                backoff = 0.5
+                self.reconciled.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # API errors: retry, never die
+                log.error(
+                    "configuration %s: reconcile failed (%s: %s); retrying in %.1fs",
+                    self.configuration.name,
+                    type(error).__name__,
+                    error,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_RECONCILE_BACKOFF)
+                self.wake()
+
+    def current_plan(self) -> DiscoveryPlan:
+        """The plan for the latest device list against the cache (pure)."""
+        instances: Mapping[str, Instance] = {i.name: i for i in self.store.list_cached()}
+        shared = self.handler.shared
+        return plan_discovery(
+            self.configuration,
+            self.node,
+            shared,
+            self._devices or [],
+            instances,
+            self._missing_since,
+            self._clock(),
+            self._grace_for(self.configuration, shared),
+        )
+
+    async def reconcile_once(self) -> float | None:
+        """Apply one plan; returns the next grace deadline (monotonic) or None."""
+        plan = self.current_plan()
+        for device_id in plan.duplicate_ids:
+            log.warning(
+                "configuration %s: handler reported device id %r twice; using the first",
+                self.configuration.name,
+                device_id,
+            )
+        self._missing_since = dict(plan.missing_since)
+        newly_offline = set(plan.offline) - self.offline
+        for name in sorted(newly_offline):
+            log.info(
+                "instance %s: device not seen by %s; slots Unhealthy for up to %.0fs",
+                name,
+                self.node,
+                self._grace_for(self.configuration, self.handler.shared),
+            )
+        self.offline = frozenset(plan.offline)
+        for desired in plan.upserts:
+            await self._upsert(desired)
+        self.devices_by_instance = {d.name: d.device for d in plan.upserts}
+        for name in plan.leave:
+            await self._leave(name)
+        return plan.next_deadline
+
+    async def _upsert(self, desired: DesiredInstance) -> None:
+        shared = self.handler.shared
+        for _ in range(5):
+            if self.store.get_cached(desired.name) is None:
+                try:
+                    await self.store.create(
+                        new_instance(self.configuration, desired, self.node, shared)
+                    )
+                    return
+                except AlreadyExistsError:
+                    await self._refresh(desired.name)
+                    continue
+            try:
+                await cas_update(
+                    self.store,
+                    desired.name,
+                    lambda inst: join_instance(
+                        inst, self.configuration, desired, self.node, shared
+                    ),
+                )
+                return
+            except NotFoundError:
+                continue  # deleted meanwhile (another node left last): create it again
+        raise StoreError(f"could not upsert instance {desired.name}")
+
+    async def _refresh(self, name: str) -> None:
+        with contextlib.suppress(NotFoundError):
+            await self.store.get(name)
+
+    async def _leave(self, name: str) -> None:
+        await remove_node(self.store, name, self.node)
+        self.devices_by_instance.pop(name, None)
+
+
+async def remove_node(store: InstanceStore, name: str, node: str) -> None:
+    """Remove ``node`` (and its slots) from Instance ``name``; delete the Instance if ``node``
+    was the last one, with a resourceVersion precondition so a node joining meanwhile wins."""
+    for _ in range(12):
+        instance = store.get_cached(name)
+        if instance is None:
+            try:
+                instance = await store.get(name)
+            except NotFoundError:
+                return
+        updated = leave_instance(instance, node)
+        if updated is None:
+            return
+        try:
+            if not updated.nodes:
+                await store.delete(name, resource_version=instance.resource_version)
+            else:
+                await store.update(updated)
+            return
+        except NotFoundError:
+            return
+        except ConflictError:
+            with contextlib.suppress(NotFoundError):
+                await store.get(name)
+    raise StoreError(f"could not remove node {node} from instance {name}")

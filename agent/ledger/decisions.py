@@ -1,0 +1,255 @@
+"""Pure slot decisions over one Instance: who may take which slot.
+
+No I/O here. Each function takes an Instance (as cached or freshly re-read) and a request and
+returns either the new ``deviceUsage`` or a refusal with a reason. The ledger applies the new
+map with a resourceVersion-checked write, re-deciding on conflict, so the rules below are
+enforced against the exact version being replaced.
+
+Rules (invariant 1 of DESIGN.md):
+
+* a slot is one of ``<instance>-0`` … ``<instance>-<capacity-1>``; anything else is refused;
+* a slot has at most one holder: a claim succeeds only on a free slot, or on a slot already
+  held by exactly the same owner (idempotent: "kubelet knows best"), or on a slot whose
+  current holder the caller has proven stale (``reclaimable``: usage values of this node whose
+  containers no longer exist, per kubelet's pod-resources API);
+* held slots never exceed capacity: held entries at indexes ≥ capacity (left by a capacity
+  decrease) count against capacity until released;
+* values we cannot parse count as held and are never handed out;
+* a release only frees a slot held by the releasing owner; releasing a free slot is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from agent.model.device_usage import (
+    FREE,
+    ClaimUsage,
+    ConfigurationUsage,
+    Free,
+    HeldUsage,
+    NodeUsage,
+    SlotUsage,
+    format_usage,
+    parse_usage,
+)
+from agent.model.instance import Instance
+from agent.model.naming import parse_slot_id, slot_id
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who takes a slot: a usage value for one node (IL, CL vdev, or DRA claim)."""
+
+    usage: HeldUsage
+
+    @classmethod
+    def instance_level(cls, node: str) -> Owner:
+        return cls(NodeUsage(node))
+
+    @classmethod
+    def configuration_level(cls, vdev: str, node: str) -> Owner:
+        return cls(ConfigurationUsage(vdev, node))
+
+    @classmethod
+    def claim(cls, claim_uid: str, node: str) -> Owner:
+        return cls(ClaimUsage(claim_uid, node))
+
+    @property
+    def value(self) -> str:
+        """The deviceUsage string this owner writes."""
+        return format_usage(self.usage)
+
+    @property
+    def node(self) -> str:
+        return self.usage.node
+
+
+@dataclass(frozen=True)
+class Granted:
+    """The claim succeeded. ``changed`` is False when the owner already held the slot."""
+
+    slot: str
+    device_usage: Mapping[str, str]
+    changed: bool
+    replaced: str = ""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The claim or release was refused; ``reason`` is a short code, ``message`` says why."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Released:
+    """Slots freed (``changed`` False if there was nothing to free)."""
+
+    slots: tuple[str, ...]
+    device_usage: Mapping[str, str]
+    changed: bool
+
+
+def usage_map(instance: Instance) -> dict[str, SlotUsage]:
+    """Every slot index < capacity plus any held slot beyond it, parsed."""
+    result: dict[str, SlotUsage] = {sid: FREE for sid in instance.slot_ids()}
+    for key, value in instance.device_usage.items():
+        parsed = parse_usage(value)
+        if key in result or not isinstance(parsed, Free):
+            result[key] = parsed
+    return result
+
+
+def held_count(instance: Instance) -> int:
+    """Number of slots currently held (including unknown values and beyond-capacity slots)."""
+    return sum(1 for usage in usage_map(instance).values() if not isinstance(usage, Free))
+
+
+def free_slots(instance: Instance) -> list[str]:
+    """Free slot ids in index order, empty if the held count already reaches capacity."""
+    if held_count(instance) >= instance.capacity:
+        return []
+    return [
+        sid
+        for sid in instance.slot_ids()
+        if isinstance(parse_usage(instance.device_usage.get(sid, "")), Free)
+    ]
+
+
+def slots_held_by(instance: Instance, owner: Owner) -> list[str]:
+    """Slot ids held by exactly ``owner``."""
+    return sorted(
+        (sid for sid, usage in usage_map(instance).items() if usage == owner.usage),
+        key=lambda sid: parse_slot_id(instance.name, sid) or 0,
+    )
+
+
+def _with(instance: Instance, slot: str, value: str) -> dict[str, str]:
+    usage = dict(instance.device_usage)
+    usage[slot] = value
+    return usage
+
+
+def decide_claim(
+    instance: Instance,
+    slot: str,
+    owner: Owner,
+    *,
+    reclaimable: Collection[str] = (),
+) -> Granted | Refused:
+    """Claim a specific slot for ``owner``."""
+    if instance.deletion_timestamp is not None:
+        return Refused("Deleting", f"instance {instance.name} is being deleted")
+    index = parse_slot_id(instance.name, slot)
+    if index is None:
+        return Refused("UnknownSlot", f"{slot!r} is not a slot of instance {instance.name}")
+    if index >= instance.capacity:
+        return Refused(
+            "UnknownSlot",
+            f"{slot} is beyond the capacity {instance.capacity} of instance {instance.name}",
+        )
+    current_value = instance.device_usage.get(slot, "")
+    current = parse_usage(current_value)
+    if current == owner.usage:
+        return Granted(slot, dict(instance.device_usage), changed=False)
+    if not isinstance(current, Free):
+        if current_value in reclaimable and owner.node == _node_of(current):
+            return Granted(slot, _with(instance, slot, owner.value), True, current_value)
+        return Refused("SlotInUse", f"slot {slot} is held by {current_value!r}")
+    if held_count(instance) >= instance.capacity:
+        return Refused(
+            "CapacityReached",
+            f"instance {instance.name} has all {instance.capacity} slots in use",
+        )
+    return Granted(slot, _with(instance, slot, owner.value), changed=True)
+
+
+def _node_of(usage: SlotUsage) -> str | None:
+    if isinstance(usage, NodeUsage | ConfigurationUsage | ClaimUsage):
+        return usage.node
+    return None
+
+
+def decide_claim_any(
+    instance: Instance,
+    owner: Owner,
+    *,
+    reclaimable: Collection[str] = (),
+) -> Granted | Refused:
+    """Claim one slot for ``owner``: the one it already holds, else the lowest free slot,
+    else a slot the caller proved stale."""
+    held = slots_held_by(instance, owner)
+    if held:
+        return Granted(held[0], dict(instance.device_usage), changed=False)
+    for sid in free_slots(instance):
+        return decide_claim(instance, sid, owner)
+    for sid in instance.slot_ids():
+        value = instance.device_usage.get(sid, "")
+        if value and value in reclaimable:
+            result = decide_claim(instance, sid, owner, reclaimable=reclaimable)
+            if isinstance(result, Granted):
+                return result
+    if instance.deletion_timestamp is not None:
+        return Refused("Deleting", f"instance {instance.name} is being deleted")
+    return Refused(
+        "CapacityReached", f"instance {instance.name} has all {instance.capacity} slots in use"
+    )
+
+
+def decide_release(instance: Instance, slot: str, owner: Owner) -> Released | Refused:
+    """Free ``slot`` if ``owner`` holds it."""
+    current_value = instance.device_usage.get(slot, "")
+    current = parse_usage(current_value)
+    if isinstance(current, Free):
+        return Released((), dict(instance.device_usage), changed=False)
+    if current != owner.usage:
+        return Refused(
+            "NotHolder", f"slot {slot} is held by {current_value!r}, not {owner.value!r}"
+        )
+    return Released((slot,), _release_keys(instance, [slot]), changed=True)
+
+
+def decide_release_values(instance: Instance, values: Collection[str]) -> Released:
+    """Free every slot whose usage value is in ``values`` (e.g. all of one node's stale ones)."""
+    slots = [
+        sid for sid, value in sorted(instance.device_usage.items()) if value and value in values
+    ]
+    if not slots:
+        return Released((), dict(instance.device_usage), changed=False)
+    return Released(tuple(slots), _release_keys(instance, slots), changed=True)
+
+
+def decide_release_node(instance: Instance, node: str) -> Released:
+    """Free every slot held by ``node`` (any plugin): used when the node leaves the Instance."""
+    values = {
+        value for value in instance.device_usage.values() if _node_of(parse_usage(value)) == node
+    }
+    return decide_release_values(instance, values)
+
+
+def _release_keys(instance: Instance, slots: Collection[str]) -> dict[str, str]:
+    """Write explicit ``""`` for freed slots within capacity; drop keys beyond capacity."""
+    usage = dict(instance.device_usage)
+    for sid in slots:
+        index = parse_slot_id(instance.name, sid)
+        if index is not None and index < instance.capacity:
+            usage[sid] = ""
+        else:
+            usage.pop(sid, None)
+    return usage
+
+
+def resize_usage(instance: Instance, capacity: int) -> dict[str, str]:
+    """deviceUsage for a new capacity: add free slots, drop free slots beyond it, keep held ones
+    (they drain: never handed out again, removed when released)."""
+    usage = dict(instance.device_usage)
+    for index in range(capacity):
+        usage.setdefault(slot_id(instance.name, index), "")
+    for key in list(usage):
+        position = parse_slot_id(instance.name, key)
+        if position is not None and position >= capacity and usage[key] == "":
+            del usage[key]
+    return usage

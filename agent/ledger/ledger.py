@@ -1,0 +1,151 @@
+"""``SlotLedger``: the single per-node allocator. IL and CL Allocate, DRA prepare and the
+reclaimer all go through it.
+
+Claims on one Instance are serialised inside this process (one asyncio lock per Instance) and
+written with a resourceVersion precondition; a conflict (another node, or an Akri agent, wrote
+first) re-reads the Instance and re-decides, with bounded jittered backoff (``agent.store.cas``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from agent.ledger.decisions import (
+    Granted,
+    Owner,
+    Refused,
+    Released,
+    decide_claim,
+    decide_claim_any,
+    decide_release,
+    decide_release_values,
+)
+from agent.model.instance import Instance
+from agent.store.base import InstanceStore, NotFoundError
+from agent.store.cas import DEFAULT_RETRY, RetryPolicy, cas_update
+
+log = logging.getLogger(__name__)
+
+
+class SlotRefusedError(Exception):
+    """A claim or release was refused; ``reason`` is the decision's code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """A granted claim: the slot and the Instance as written."""
+
+    slot: str
+    instance: Instance
+    changed: bool
+
+
+class SlotLedger:
+    """Claims and frees slots of Instances for owners on ``node``."""
+
+    def __init__(
+        self, store: InstanceStore, node: str, *, policy: RetryPolicy = DEFAULT_RETRY
+    ) -> None:
+        self.store = store
+        self.node = node
+        self._policy = policy
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def lock_for(self, instance: str) -> asyncio.Lock:
+        """The lock serialising this node's writes to ``instance``."""
+        return self._locks[instance]
+
+    async def _apply(
+        self, name: str, decide: Callable[[Instance], Granted | Refused | Released]
+    ) -> tuple[Instance, Granted | Released]:
+        outcome: list[Granted | Released] = []
+        refusal: list[Refused] = []
+
+        def mutate(instance: Instance) -> Instance | None:
+            outcome.clear()
+            refusal.clear()
+            decision = decide(instance)
+            if isinstance(decision, Refused):
+                refusal.append(decision)
+                return None
+            outcome.append(decision)
+            if not decision.changed:
+                return None
+            return instance.evolve(device_usage=dict(decision.device_usage))
+
+        async with self.lock_for(name):
+            try:
+                stored = await cas_update(self.store, name, mutate, policy=self._policy)
+            except NotFoundError as error:
+                raise SlotRefusedError(
+                    "UnknownInstance", f"instance {name} does not exist"
+                ) from error
+        if refusal:
+            raise SlotRefusedError(refusal[0].reason, refusal[0].message)
+        assert stored is not None and outcome
+        return stored, outcome[0]
+
+    async def claim(
+        self, instance: str, slot: str, owner: Owner, *, reclaimable: Collection[str] = ()
+    ) -> ClaimResult:
+        """Claim ``slot`` of ``instance`` for ``owner``; raises :class:`SlotRefusedError`."""
+        stored, decision = await self._apply(
+            instance, lambda inst: decide_claim(inst, slot, owner, reclaimable=reclaimable)
+        )
+        assert isinstance(decision, Granted)
+        if decision.changed:
+            log.info("slot %s: %r -> %r", slot, decision.replaced, owner.value)
+        return ClaimResult(decision.slot, stored, decision.changed)
+
+    async def claim_any(
+        self, instance: str, owner: Owner, *, reclaimable: Collection[str] = ()
+    ) -> ClaimResult:
+        """Claim the owner's slot of ``instance`` or the lowest free one."""
+        stored, decision = await self._apply(
+            instance, lambda inst: decide_claim_any(inst, owner, reclaimable=reclaimable)
+        )
+        assert isinstance(decision, Granted)
+        if decision.changed:
+            log.info("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
+        return ClaimResult(decision.slot, stored, decision.changed)
+
+    async def release(self, instance: str, slot: str, owner: Owner) -> bool:
+        """Free ``slot`` if ``owner`` holds it. Returns True if something was freed."""
+        try:
+            _, decision = await self._apply(
+                instance, lambda inst: decide_release(inst, slot, owner)
+            )
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return False
+            raise
+        assert isinstance(decision, Released)
+        if decision.changed:
+            log.info("slot %s: %r -> free", slot, owner.value)
+        return decision.changed
+
+    async def release_values(self, instance: str, values: Collection[str]) -> tuple[str, ...]:
+        """Free every slot of ``instance`` whose value is in ``values``; returns freed slots."""
+        foreign = [v for v in values if not v.endswith(":" + self.node) and v != self.node]
+        if foreign:
+            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+        try:
+            _, decision = await self._apply(
+                instance, lambda inst: decide_release_values(inst, values)
+            )
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return ()
+            raise
+        assert isinstance(decision, Released)
+        for slot in decision.slots:
+            log.info("slot %s: released (stale holder on %s)", slot, self.node)
+        return decision.slots

@@ -1,0 +1,1 @@
+"""Akri data model: names, deviceUsage values, Configuration and Instance."""

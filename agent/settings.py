@@ -1,0 +1,214 @@
+"""Command-line flags, each with a matching ``AKRI_*`` environment variable.
+
+A flag given on the command line wins over the environment; the environment wins over the
+default. Akri's own variable names are honoured as fallbacks where Akri has one
+(``AGENT_NODE_NAME``, ``DEBUG_ECHO_INSTANCES_SHARED``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off", ""}
+
+
+class SettingsError(ValueError):
+    """A flag or environment variable has an unusable value."""
+
+
+def parse_bool(text: str) -> bool:
+    """Parse a boolean environment value."""
+    value = text.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+def parse_seconds(text: str) -> float:
+    """Parse a non-negative number of seconds."""
+    value = float(text)
+    if value < 0 or value != value:
+        raise ValueError(f"expected a non-negative number of seconds, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: flag, env var (+ Akri fallbacks), parser and default."""
+
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+def _paths(text: str) -> list[Path]:
+    return [Path(part) for part in text.split(os.pathsep) if part]
+
+
+AGENT_OPTIONS = (
+    Option(
+        "--local",
+        "AKRI_LOCAL",
+        parse_bool,
+        False,
+        "run with the local file-backed store instead of the Kubernetes API",
+    ),
+    Option(
+        "--state-dir",
+        "AKRI_STATE_DIR",
+        Path,
+        Path("/var/lib/akri/state"),
+        "local mode: directory holding Instances",
+    ),
+    Option(
+        "--config",
+        "AKRI_CONFIG",
+        _paths,
+        [],
+        "local mode: Configuration YAML file or directory (repeatable; env: "
+        f"'{os.pathsep}'-separated)",
+    ),
+    Option(
+        "--node-name",
+        "AKRI_NODE_NAME",
+        str,
+        None,
+        "this node's name (default: $AGENT_NODE_NAME, then the host name)",
+        fallbacks=("AGENT_NODE_NAME",),
+    ),
+    Option("--log-level", "AKRI_LOG_LEVEL", str.upper, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    Option(
+        "--local-offline-grace",
+        "AKRI_LOCAL_OFFLINE_GRACE",
+        parse_seconds,
+        0.0,
+        "seconds a vanished local (unshared) device keeps its Instance",
+    ),
+    Option(
+        "--shared-offline-grace",
+        "AKRI_SHARED_OFFLINE_GRACE",
+        parse_seconds,
+        300.0,
+        "seconds a vanished shared device keeps this node in its Instance",
+    ),
+    Option(
+        "--debug-echo",
+        "AKRI_DEBUG_ECHO",
+        parse_bool,
+        None,
+        "enable the embedded debugEcho handler (default: on in local mode)",
+        fallbacks=("ENABLE_DEBUG_ECHO",),
+    ),
+    Option(
+        "--debug-echo-shared",
+        "AKRI_DEBUG_ECHO_SHARED",
+        parse_bool,
+        True,
+        "debugEcho devices are shared",
+        fallbacks=("DEBUG_ECHO_INSTANCES_SHARED",),
+    ),
+    Option(
+        "--debug-echo-availability-file",
+        "AKRI_DEBUG_ECHO_AVAILABILITY_FILE",
+        Path,
+        Path("/tmp/debug-echo-availability.txt"),
+        "debugEcho reports no devices while this file contains OFFLINE",
+    ),
+    Option(
+        "--poll-interval",
+        "AKRI_POLL_INTERVAL",
+        parse_seconds,
+        1.0,
+        "local mode: how often Configuration files and the state dir are re-checked",
+    ),
+)
+
+
+def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
+    """Add ``options`` to ``parser`` with defaults left unset (resolved by :func:`resolve`)."""
+    for option in options:
+        help_text = f"{option.help} [env {option.env}]"
+        if option.parse is parse_bool:
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        elif option.flag == "--config":
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                default=None,
+                action="append",
+                type=Path,
+                metavar="PATH",
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                option.flag, dest=option.dest, default=None, type=option.parse, help=help_text
+            )
+
+
+def resolve(
+    args: argparse.Namespace, options: tuple[Option, ...], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Flag, else environment, else default, for every option."""
+    values: dict[str, Any] = {}
+    for option in options:
+        value = getattr(args, option.dest, None)
+        if value is None:
+            for name in (option.env, *option.fallbacks):
+                if name in environ:
+                    try:
+                        value = option.parse(environ[name])
+                    except (ValueError, TypeError) as error:
+                        raise SettingsError(f"environment variable {name}: {error}") from error
+                    break
+        values[option.dest] = option.default if value is None else value
+    return values
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Resolved settings of ``akri agent``."""
+
+    local: bool
+    state_dir: Path
+    config: list[Path]
+    node_name: str
+    log_level: str
+    local_offline_grace: float
+    shared_offline_grace: float
+    debug_echo: bool
+    debug_echo_shared: bool
+    debug_echo_availability_file: Path
+    poll_interval: float
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:
+        data = dict(values)
+        data["node_name"] = data["node_name"] or socket.gethostname()
+        if data["debug_echo"] is None:
+            data["debug_echo"] = bool(data["local"])
+        if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise SettingsError(f"--log-level: unknown level {data['log_level']!r}")
+        return cls(**data)

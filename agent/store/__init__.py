@@ -1,0 +1,1 @@
+"""Instance stores: one interface, a local (file) backend and a Kubernetes backend."""

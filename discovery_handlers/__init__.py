@@ -1,0 +1,1 @@
+"""Discovery handlers: the handler interface and the embedded handlers."""
