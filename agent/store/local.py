@@ -105,9 +105,12 @@ class LocalInstanceStore(InstanceStore):
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self._instances_dir.mkdir(parents=True, exist_ok=True)
-        for stray in remove_stray_temp_files(self._instances_dir) + remove_stray_temp_files(
-            self.state_dir
-        ):
+        # Temp files only exist while a writer holds the flock, so any found under it were
+        # left by a killed writer (never another live process's write in progress).
+        with self._flock():
+            strays = remove_stray_temp_files(self._instances_dir)
+            strays += remove_stray_temp_files(self.state_dir)
+        for stray in strays:
             log.info("removed %s left by an interrupted write", stray)
         self._check_counter()
         self._rescan(publish=False)

@@ -1,0 +1,138 @@
+"""Configuration files: parse, re-read on change, report bad input, keep last good."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.config_files import ConfigurationFiles
+from agent.store.base import ConfigurationEvent, EventType
+
+GOOD = """apiVersion: akri.sh/v0
+kind: Configuration
+metadata: {{name: {name}}}
+spec:
+  discoveryHandler: {{name: debugEcho, discoveryDetails: "descriptions: [a]"}}
+  capacity: {capacity}
+"""
+
+
+def write(path: Path, text: str) -> None:
+    path.write_text(text)
+    # make sure the change is visible even within one mtime tick
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+
+
+@pytest.fixture
+def events() -> list[ConfigurationEvent]:
+    return []
+
+
+def test_add_modify_delete(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
+    path = tmp_path / "c.yaml"
+    write(path, GOOD.format(name="one", capacity=1) + "---\n" + GOOD.format(name="two", capacity=1))
+    files = ConfigurationFiles([path], events.append)
+    files.scan()
+    assert [(e.type, e.name) for e in events] == [
+        (EventType.ADDED, "one"),
+        (EventType.ADDED, "two"),
+    ]
+    events.clear()
+    files.scan()
+    assert events == []  # unchanged file: nothing re-emitted
+    write(path, GOOD.format(name="one", capacity=3))
+    files.scan()
+    assert [(e.type, e.name) for e in events] == [
+        (EventType.DELETED, "two"),
+        (EventType.MODIFIED, "one"),
+    ]
+    assert events[1].configuration is not None and events[1].configuration.capacity == 3
+    events.clear()
+    path.unlink()
+    files.scan()
+    assert (EventType.DELETED, "one") in [(e.type, e.name) for e in events]
+
+
+def test_directory_of_files(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
+    write(tmp_path / "a.yaml", GOOD.format(name="a", capacity=1))
+    write(tmp_path / "b.yml", GOOD.format(name="b", capacity=1))
+    write(tmp_path / "notes.txt", "ignored")
+    files = ConfigurationFiles([tmp_path], events.append)
+    files.scan()
+    assert [c.name for c in files.current()] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (": : :", "not valid YAML"),
+        (GOOD.format(name="x", capacity=-1), "spec.capacity"),
+        (GOOD.format(name="x", capacity=100000), "spec.capacity"),
+        (GOOD.format(name="x", capacity=1).replace("Configuration", "Pod"), "kind"),
+        ("- just\n- a list\n", "<root>"),
+    ],
+)
+def test_bad_files_are_reported_with_file_and_field(
+    tmp_path: Path,
+    events: list[ConfigurationEvent],
+    caplog: pytest.LogCaptureFixture,
+    text: str,
+    needle: str,
+) -> None:
+    good = tmp_path / "good.yaml"
+    bad = tmp_path / "bad.yaml"
+    write(good, GOOD.format(name="good", capacity=1))
+    write(bad, text)
+    files = ConfigurationFiles([good, bad], events.append)
+    with caplog.at_level(logging.ERROR):
+        files.scan()
+    assert [c.name for c in files.current()] == ["good"]
+    errors = [e for e in events if e.error]
+    assert len(errors) == 1
+    assert str(bad) in (errors[0].error or "") and needle in (errors[0].error or "")
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 1 and str(bad) in lines[0] and needle in lines[0]
+    caplog.clear()
+    files.scan()  # unchanged: the same problem is not logged again every poll
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_last_good_version_survives_a_broken_edit(
+    tmp_path: Path, events: list[ConfigurationEvent]
+) -> None:
+    path = tmp_path / "c.yaml"
+    write(path, GOOD.format(name="one", capacity=2))
+    files = ConfigurationFiles([path], events.append)
+    files.scan()
+    write(path, "{{{ not yaml")
+    files.scan()
+    assert [c.capacity for c in files.current()] == [2]
+    write(path, GOOD.format(name="one", capacity=-4))
+    files.scan()
+    assert [c.capacity for c in files.current()] == [2]
+    write(path, GOOD.format(name="one", capacity=4))
+    files.scan()
+    assert [c.capacity for c in files.current()] == [4]
+
+
+def test_duplicate_names_first_wins(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
+    first, second = tmp_path / "1.yaml", tmp_path / "2.yaml"
+    write(first, GOOD.format(name="same", capacity=1))
+    write(second, GOOD.format(name="same", capacity=5))
+    files = ConfigurationFiles([first, second], events.append)
+    files.scan()
+    assert [c.capacity for c in files.current()] == [1]
+    assert any(
+        "duplicate name" in (e.error or "") and str(second) in (e.error or "") for e in events
+    )
+
+
+def test_missing_file_is_reported(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
+    files = ConfigurationFiles([tmp_path / "nope.yaml"], events.append)
+    files.scan()
+    assert files.current() == []
+    assert "file not found" in (events[0].error or "")

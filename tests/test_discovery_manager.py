@@ -1,0 +1,217 @@
+"""DiscoveryManager + runners against the local store with a scriptable handler."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.model.configuration import Configuration, parse_configuration
+from agent.model.instance import Instance
+from agent.store.base import ConfigurationEvent, EventType
+from agent.store.local import LocalInstanceStore
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    DiscoveryProperties,
+    InvalidDiscoveryDetailsError,
+)
+from discovery_handlers.registry import HandlerRegistry
+
+
+class ScriptedHandler(DiscoveryHandler):
+    """Yields whatever lists the test pushes; raises if the test pushes an exception."""
+
+    name = "scripted"
+
+    def __init__(self, shared: bool = True) -> None:
+        self._shared = shared
+        self.queue: asyncio.Queue[list[Device] | Exception] = asyncio.Queue()
+        self.started = 0
+        self.details_seen: list[str] = []
+
+    @property
+    def shared(self) -> bool:
+        return self._shared
+
+    def validate(self, discovery_details: str) -> None:
+        if "invalid" in discovery_details:
+            raise InvalidDiscoveryDetailsError("scripted: details say invalid")
+
+    async def discover(
+        self, discovery_details: str, discovery_properties: DiscoveryProperties
+    ) -> AsyncIterator[list[Device]]:
+        self.started += 1
+        self.details_seen.append(discovery_details)
+        while True:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+def cfg(
+    name: str = "cfg",
+    capacity: int = 2,
+    details: str = "x",
+    handler: str = "scripted",
+    props: dict[str, str] | None = None,
+) -> Configuration:
+    return parse_configuration(
+        {
+            "apiVersion": "akri.sh/v0",
+            "kind": "Configuration",
+            "metadata": {"name": name},
+            "spec": {
+                "discoveryHandler": {"name": handler, "discoveryDetails": details},
+                "capacity": capacity,
+                "brokerProperties": props or {},
+            },
+        }
+    )
+
+
+async def until(predicate: Callable[[], bool], within: float = 3.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=0.3))
+    await manager.start()
+    yield store, handler, manager
+    await manager.close()
+    await store.close()
+
+
+def instances(store: LocalInstanceStore) -> list[Instance]:
+    return store.list_cached()
+
+
+async def test_devices_become_instances_and_edits_converge(setup) -> None:  # type: ignore[no-untyped-def]
+    store, handler, manager = setup
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await handler.queue.put([Device("d1", {"P": "1"}), Device("d2")])
+    await until(lambda: len(instances(store)) == 2)
+    first = instances(store)[0]
+    assert first.nodes == ("node-a",) and first.capacity == 2
+    assert manager.device_for(first.name) is not None
+    # capacity + brokerProperties edit: same discovery details, so no handler restart
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(capacity=3, props={"B": "2"}))
+    )
+    await until(
+        lambda: all(
+            i.capacity == 3 and i.broker_properties.get("B") == "2" for i in instances(store)
+        )
+    )
+    assert handler.started == 1
+    # details edit restarts discovery with the new details
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(capacity=3, details="y"))
+    )
+    await until(lambda: handler.started == 2)
+    assert handler.details_seen[-1] == "y"
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+    # deletion removes this node's instances
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.DELETED, "cfg", None))
+    await until(lambda: instances(store) == [])
+    assert "cfg" not in manager.runners
+
+
+async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: ignore[no-untyped-def]
+    store, handler, manager = setup
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+    name = instances(store)[0].name
+    await handler.queue.put([])
+    await until(lambda: name in manager.offline_instances())
+    assert store.get_cached(name) is not None  # kept during the grace period
+    await until(lambda: store.get_cached(name) is None, within=2)
+    assert manager.offline_instances() == frozenset()
+
+
+async def test_handler_failure_is_survived_and_restarted(setup, caplog) -> None:  # type: ignore[no-untyped-def]
+    store, handler, manager = setup
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+    with caplog.at_level(logging.ERROR):
+        await handler.queue.put(RuntimeError("boom"))
+        await until(lambda: handler.started == 2, within=3)
+    assert any("boom" in r.getMessage() for r in caplog.records)
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+
+
+async def test_unknown_handler_and_bad_details_leave_others_running(setup, caplog) -> None:  # type: ignore[no-untyped-def]
+    store, handler, manager = setup
+    with caplog.at_level(logging.ERROR):
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.ADDED, "bad", cfg(name="bad", handler="nope"))
+        )
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.ADDED, "worse", cfg(name="worse", details="invalid"))
+        )
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("spec.discoveryHandler.name" in m and "'nope'" in m for m in messages)
+    assert any("discoveryDetails" in m and "worse" in m for m in messages)
+    assert set(manager.runners) == set()
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+    # an invalid edit of a running Configuration keeps the last good version running
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(details="invalid"))
+    )
+    assert manager.runners["cfg"].configuration.discovery_handler.discovery_details == "x"
+
+
+async def test_instance_deleted_by_someone_else_is_recreated(setup) -> None:  # type: ignore[no-untyped-def]
+    store, handler, manager = setup
+    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(instances(store)) == 1)
+    name = instances(store)[0].name
+    await store.delete(name)
+    await until(lambda: store.get_cached(name) is not None)
+
+
+async def test_orphans_of_vanished_configurations_are_swept(tmp_path: Path) -> None:
+    store = LocalInstanceStore(tmp_path / "state")
+    await store.start()
+    await store.create(
+        Instance(name="gone-abcdef", configuration_name="gone", capacity=1, nodes=("node-a",))
+    )
+    await store.create(
+        Instance(
+            name="gone-bbbbbb",
+            configuration_name="gone",
+            capacity=1,
+            nodes=("node-a", "node-b"),
+            device_usage={"gone-bbbbbb-0": "node-a"},
+        )
+    )
+    manager = DiscoveryManager(store, HandlerRegistry(), "node-a")
+    await manager.start()
+    assert store.get_cached("gone-abcdef") is None
+    left = store.get_cached("gone-bbbbbb")
+    assert left is not None and left.nodes == ("node-b",)
+    assert left.device_usage["gone-bbbbbb-0"] == ""
+    await manager.close()
+    await store.close()

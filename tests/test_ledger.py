@@ -1,0 +1,141 @@
+"""SlotLedger: claims through CAS writes, retries on conflict, never double-allocates."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from agent.ledger.decisions import Owner, held_count
+from agent.ledger.ledger import SlotLedger, SlotRefusedError
+from agent.model.instance import Instance
+from agent.store.base import ConflictError
+from agent.store.cas import RetriesExhaustedError, RetryPolicy, cas_update
+from agent.store.local import LocalInstanceStore
+
+NAME = "cfg-abcdef"
+
+
+def make(capacity: int = 2) -> Instance:
+    return Instance(
+        name=NAME,
+        configuration_name="cfg",
+        capacity=capacity,
+        nodes=("node-a", "node-b", "node-c"),
+        shared=True,
+        device_usage={f"{NAME}-{i}": "" for i in range(capacity)},
+    )
+
+
+@pytest.fixture
+async def stores(tmp_path: Path) -> list[LocalInstanceStore]:
+    """Three stores on one state dir: three 'nodes' with their own caches."""
+    result = [LocalInstanceStore(tmp_path, poll_interval=0.05) for _ in range(3)]
+    for store in result:
+        await store.start()
+    yield result  # type: ignore[misc]
+    for store in result:
+        await store.close()
+
+
+async def test_claim_release_round_trip(stores: list[LocalInstanceStore]) -> None:
+    await stores[0].create(make())
+    ledger = SlotLedger(stores[0], "node-a")
+    owner = Owner.instance_level("node-a")
+    result = await ledger.claim(NAME, f"{NAME}-0", owner)
+    assert result.changed and result.instance.device_usage[f"{NAME}-0"] == "node-a"
+    again = await ledger.claim(NAME, f"{NAME}-0", owner)
+    assert not again.changed
+    assert await ledger.release(NAME, f"{NAME}-0", owner)
+    assert not await ledger.release(NAME, f"{NAME}-0", owner)
+    assert (await stores[0].get(NAME)).device_usage[f"{NAME}-0"] == ""
+
+
+async def test_stale_cache_conflict_is_redecided(stores: list[LocalInstanceStore]) -> None:
+    await stores[0].create(make())
+    await stores[1].get(NAME)  # node-b caches the fresh Instance
+    a = SlotLedger(stores[0], "node-a")
+    b = SlotLedger(stores[1], "node-b")
+    await a.claim(NAME, f"{NAME}-0", Owner.instance_level("node-a"))
+    # node-b's cache still says slot 0 is free: the CAS write conflicts, it re-reads,
+    # re-decides and is refused instead of overwriting node-a's claim
+    with pytest.raises(SlotRefusedError) as info:
+        await b.claim(NAME, f"{NAME}-0", Owner.instance_level("node-b"))
+    assert info.value.reason == "SlotInUse"
+    assert "node-a" in str(info.value)
+    got = await b.claim_any(NAME, Owner.instance_level("node-b"))
+    assert got.slot == f"{NAME}-1"
+
+
+async def test_refusals_carry_reasons(stores: list[LocalInstanceStore]) -> None:
+    await stores[0].create(make(capacity=1))
+    ledger = SlotLedger(stores[0], "node-a")
+    with pytest.raises(SlotRefusedError) as unknown:
+        await ledger.claim("missing-abcdef", "missing-abcdef-0", Owner.instance_level("node-a"))
+    assert unknown.value.reason == "UnknownInstance"
+    with pytest.raises(SlotRefusedError) as slot:
+        await ledger.claim(NAME, f"{NAME}-7", Owner.instance_level("node-a"))
+    assert slot.value.reason == "UnknownSlot"
+    await ledger.claim_any(NAME, Owner.claim("uid-1", "node-a"))
+    with pytest.raises(SlotRefusedError) as full:
+        await ledger.claim_any(NAME, Owner.instance_level("node-a"))
+    assert full.value.reason == "CapacityReached"
+
+
+async def test_release_values_only_own_node(stores: list[LocalInstanceStore]) -> None:
+    await stores[0].create(make())
+    ledger = SlotLedger(stores[0], "node-a")
+    await ledger.claim(NAME, f"{NAME}-0", Owner.configuration_level("cfg-0", "node-a"))
+    with pytest.raises(ValueError):
+        await ledger.release_values(NAME, {"C:cfg-0:node-b"})
+    assert await ledger.release_values(NAME, {"C:cfg-0:node-a"}) == (f"{NAME}-0",)
+
+
+async def test_many_nodes_contending_never_exceed_capacity(
+    stores: list[LocalInstanceStore],
+) -> None:
+    capacity = 3
+    await stores[0].create(make(capacity=capacity))
+    for store in stores[1:]:
+        await store.get(NAME)
+    nodes = ["node-a", "node-b", "node-c"]
+    ledgers = [SlotLedger(store, node) for store, node in zip(stores, nodes, strict=True)]
+    rng = random.Random(7)
+    owners = [
+        (ledger, Owner.claim(f"uid-{i}", ledger.node))
+        for i, ledger in enumerate(rng.choice(ledgers) for _ in range(12))
+    ]
+    results = await asyncio.gather(
+        *(ledger.claim_any(NAME, owner) for ledger, owner in owners), return_exceptions=True
+    )
+    granted = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, SlotRefusedError)]
+    assert len(granted) == capacity
+    assert len(refused) == len(owners) - capacity
+    final = await stores[0].get(NAME)
+    assert held_count(final) == capacity
+    holders = [v for v in final.device_usage.values() if v]
+    assert len(set(holders)) == capacity  # every slot a different claim
+    granted_slots = [r.slot for r in granted]  # type: ignore[union-attr]
+    assert len(set(granted_slots)) == capacity
+
+
+async def test_cas_update_gives_up_after_bounded_conflicts(
+    stores: list[LocalInstanceStore],
+) -> None:
+    created = await stores[0].create(make())
+    calls = 0
+
+    def always_stale(instance: Instance) -> Instance:
+        nonlocal calls
+        calls += 1
+        return instance.evolve(resource_version="999999")  # never current
+
+    policy = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.002)
+    with pytest.raises(RetriesExhaustedError):
+        await cas_update(stores[0], created.name, always_stale, policy=policy)
+    assert calls == 4
+    with pytest.raises(ConflictError):
+        await stores[0].update(created.evolve(resource_version="999999"))

@@ -1,0 +1,60 @@
+"""Settings: flags win over AKRI_* env, env over defaults; Akri fallbacks; clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
+
+
+def settings(argv: list[str], env: dict[str, str]) -> AgentSettings:
+    parser = argparse.ArgumentParser()
+    add_options(parser, AGENT_OPTIONS)
+    return AgentSettings.from_values(resolve(parser.parse_args(argv), AGENT_OPTIONS, env))
+
+
+def test_defaults() -> None:
+    s = settings([], {})
+    assert s.local is False and s.debug_echo is False
+    assert s.shared_offline_grace == 300 and s.local_offline_grace == 0
+    assert s.node_name  # host name
+
+
+def test_env_and_flags() -> None:
+    env = {
+        "AKRI_LOCAL": "true",
+        "AKRI_NODE_NAME": "env-node",
+        "AKRI_CONFIG": "/a.yaml:/b.yaml",
+        "AKRI_SHARED_OFFLINE_GRACE": "5",
+    }
+    s = settings([], env)
+    assert s.local and s.debug_echo  # debugEcho is on by default in local mode
+    assert s.node_name == "env-node"
+    assert s.config == [Path("/a.yaml"), Path("/b.yaml")]
+    assert s.shared_offline_grace == 5
+    s = settings(["--node-name", "flag-node", "--no-local", "--config", "/c.yaml"], env)
+    assert s.node_name == "flag-node" and not s.local and s.config == [Path("/c.yaml")]
+
+
+def test_akri_variable_fallbacks() -> None:
+    s = settings([], {"AGENT_NODE_NAME": "akri-node", "DEBUG_ECHO_INSTANCES_SHARED": "false"})
+    assert s.node_name == "akri-node" and s.debug_echo_shared is False
+    s = settings([], {"AGENT_NODE_NAME": "akri-node", "AKRI_NODE_NAME": "ours"})
+    assert s.node_name == "ours"
+
+
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"AKRI_SHARED_OFFLINE_GRACE": "abc"}, "AKRI_SHARED_OFFLINE_GRACE"),
+        ({"AKRI_LOCAL_OFFLINE_GRACE": "-1"}, "AKRI_LOCAL_OFFLINE_GRACE"),
+        ({"AKRI_LOCAL": "maybe"}, "AKRI_LOCAL"),
+        ({"AKRI_LOG_LEVEL": "loud"}, "log-level"),
+    ],
+)
+def test_bad_environment_values_name_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle):
+        settings([], env)

@@ -1,0 +1,214 @@
+"""Slot decisions: unit cases plus a property test over random claim/release sequences."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.ledger.decisions import (
+    Granted,
+    Owner,
+    Refused,
+    Released,
+    decide_claim,
+    decide_claim_any,
+    decide_release,
+    decide_release_node,
+    decide_release_values,
+    free_slots,
+    held_count,
+    resize_usage,
+)
+from agent.model.device_usage import parse_usage
+from agent.model.instance import Instance
+
+NAME = "cams-8120fe"
+
+
+def inst(capacity: int = 2, **usage: str) -> Instance:
+    base = Instance(name=NAME, configuration_name="cams", capacity=capacity)
+    mapping = {f"{NAME}-{i}": "" for i in range(capacity)}
+    mapping.update({f"{NAME}-{k.lstrip('s')}": v for k, v in usage.items()})
+    return base.evolve(device_usage=mapping)
+
+
+def apply(instance: Instance, decision: Granted | Released | Refused) -> Instance:
+    assert not isinstance(decision, Refused), decision
+    return instance.evolve(device_usage=dict(decision.device_usage))
+
+
+def test_claim_free_slot_then_idempotent_repeat() -> None:
+    node_a = Owner.instance_level("node-a")
+    first = decide_claim(inst(), f"{NAME}-0", node_a)
+    assert isinstance(first, Granted) and first.changed
+    after = apply(inst(), first)
+    assert after.device_usage[f"{NAME}-0"] == "node-a"
+    again = decide_claim(after, f"{NAME}-0", node_a)
+    assert isinstance(again, Granted) and not again.changed  # kubelet knows best
+
+
+def test_claim_held_slot_is_refused_with_holder() -> None:
+    result = decide_claim(inst(s0="node-b"), f"{NAME}-0", Owner.instance_level("node-a"))
+    assert isinstance(result, Refused)
+    assert result.reason == "SlotInUse"
+    assert "node-b" in result.message
+
+
+def test_unknown_and_out_of_range_slots_are_refused() -> None:
+    owner = Owner.instance_level("node-a")
+    for slot in ["other-1", f"{NAME}-2", f"{NAME}-x", f"{NAME}-01"]:
+        result = decide_claim(inst(), slot, owner)
+        assert isinstance(result, Refused) and result.reason == "UnknownSlot", slot
+
+
+def test_configuration_level_and_claim_owners_write_akri_forms() -> None:
+    cl = decide_claim(inst(), f"{NAME}-1", Owner.configuration_level("cams-0", "node-b"))
+    assert isinstance(cl, Granted)
+    assert cl.device_usage[f"{NAME}-1"] == "C:cams-0:node-b"
+    dra = decide_claim(inst(), f"{NAME}-0", Owner.claim("uid-1", "node-c"))
+    assert isinstance(dra, Granted)
+    assert dra.device_usage[f"{NAME}-0"] == "D:uid-1:node-c"
+
+
+def test_reclaimable_only_for_same_node() -> None:
+    stale = "C:cams-0:node-a"
+    held = inst(s0=stale, s1="node-b")
+    mine = decide_claim(held, f"{NAME}-0", Owner.instance_level("node-a"), reclaimable={stale})
+    assert isinstance(mine, Granted) and mine.replaced == stale
+    other = decide_claim(held, f"{NAME}-0", Owner.instance_level("node-c"), reclaimable={stale})
+    assert isinstance(other, Refused)
+
+
+def test_unknown_values_are_never_handed_out() -> None:
+    broken = inst(s0="C:garbage")
+    assert isinstance(decide_claim(broken, f"{NAME}-0", Owner.instance_level("n")), Refused)
+    any_claim = decide_claim_any(broken, Owner.instance_level("n"))
+    assert isinstance(any_claim, Granted) and any_claim.slot == f"{NAME}-1"
+
+
+def test_claim_any_prefers_held_then_lowest_free() -> None:
+    owner = Owner.instance_level("node-a")
+    held = inst(capacity=3, s1="node-a")
+    result = decide_claim_any(held, owner)
+    assert isinstance(result, Granted) and result.slot == f"{NAME}-1" and not result.changed
+    result = decide_claim_any(inst(capacity=3, s0="node-b"), owner)
+    assert isinstance(result, Granted) and result.slot == f"{NAME}-1"
+    full = inst(capacity=1, s0="node-b")
+    refused = decide_claim_any(full, owner)
+    assert isinstance(refused, Refused) and refused.reason == "CapacityReached"
+
+
+def test_release_only_by_holder_and_free_is_noop() -> None:
+    held = inst(s0="node-a")
+    ok = decide_release(held, f"{NAME}-0", Owner.instance_level("node-a"))
+    assert isinstance(ok, Released) and ok.changed
+    assert ok.device_usage[f"{NAME}-0"] == ""  # explicit free value, not a missing key
+    wrong = decide_release(held, f"{NAME}-0", Owner.instance_level("node-b"))
+    assert isinstance(wrong, Refused) and wrong.reason == "NotHolder"
+    noop = decide_release(inst(), f"{NAME}-0", Owner.instance_level("node-a"))
+    assert isinstance(noop, Released) and not noop.changed
+
+
+def test_release_node_frees_every_plugin_of_that_node_only() -> None:
+    held = inst(capacity=4, s0="node-a", s1="C:cams-0:node-a", s2="D:u:node-a", s3="node-b")
+    released = decide_release_node(held, "node-a")
+    assert released.changed and len(released.slots) == 3
+    assert dict(released.device_usage)[f"{NAME}-3"] == "node-b"
+    assert decide_release_values(held, {"nope"}).changed is False
+
+
+def test_capacity_decrease_keeps_held_slots_draining() -> None:
+    held = inst(capacity=3, s2="node-a")
+    shrunk = held.evolve(capacity=1, device_usage=resize_usage(held, 1))
+    assert f"{NAME}-1" not in shrunk.device_usage  # free slot beyond capacity dropped
+    assert shrunk.device_usage[f"{NAME}-2"] == "node-a"  # held one drains
+    assert held_count(shrunk) == 1
+    assert free_slots(shrunk) == []  # the draining slot still counts against capacity
+    refused = decide_claim(shrunk, f"{NAME}-0", Owner.instance_level("node-b"))
+    assert isinstance(refused, Refused) and refused.reason == "CapacityReached"
+    released = decide_release(shrunk, f"{NAME}-2", Owner.instance_level("node-a"))
+    assert isinstance(released, Released)
+    assert f"{NAME}-2" not in released.device_usage  # beyond capacity: key removed
+    grown = shrunk.evolve(capacity=3, device_usage=resize_usage(shrunk, 3))
+    assert set(grown.device_usage) == {f"{NAME}-{i}" for i in range(3)}
+
+
+def test_deleting_instance_refuses_claims() -> None:
+    deleting = inst().evolve(deletion_timestamp="2026-01-01T00:00:00Z")
+    assert isinstance(decide_claim(deleting, f"{NAME}-0", Owner.instance_level("n")), Refused)
+    assert isinstance(decide_claim_any(deleting, Owner.instance_level("n")), Refused)
+
+
+OWNERS = st.sampled_from(
+    [
+        Owner.instance_level("node-a"),
+        Owner.instance_level("node-b"),
+        Owner.configuration_level("cams-0", "node-a"),
+        Owner.configuration_level("cams-1", "node-b"),
+        Owner.claim("uid-1", "node-c"),
+        Owner.claim("uid-2", "node-a"),
+    ]
+)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["claim", "claim_any", "release", "resize", "reclaim"]),
+        OWNERS,
+        st.integers(min_value=0, max_value=5),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=1, max_value=4), ACTIONS)
+def test_no_sequence_yields_two_holders_or_more_than_capacity(
+    capacity: int, actions: list[tuple[str, Owner, int]]
+) -> None:
+    instance = inst(capacity=capacity)
+    holders: dict[str, str] = {}  # our own model: slot -> value
+    for action, owner, number in actions:
+        slot = f"{NAME}-{number}"
+        if action == "claim":
+            decision: Granted | Released | Refused = decide_claim(instance, slot, owner)
+        elif action == "claim_any":
+            decision = decide_claim_any(instance, owner)
+        elif action == "release":
+            decision = decide_release(instance, slot, owner)
+        elif action == "reclaim":
+            value = instance.device_usage.get(slot, "")
+            decision = decide_claim(instance, slot, owner, reclaimable={value} if value else set())
+        else:
+            new_capacity = max(1, number)
+            instance = instance.evolve(
+                capacity=new_capacity, device_usage=resize_usage(instance, new_capacity)
+            )
+            continue
+        if isinstance(decision, Refused):
+            continue
+        before = dict(instance.device_usage)
+        instance = apply(instance, decision)
+        changed = {
+            k
+            for k in set(before) | set(instance.device_usage)
+            if before.get(k, "") != instance.device_usage.get(k, "")
+        }
+        if isinstance(decision, Granted):
+            # a grant changes at most the granted slot, and only from free or a proven-stale
+            # value of the same node
+            assert changed <= {decision.slot}
+            if changed:
+                old = before.get(decision.slot, "")
+                assert old == "" or old == decision.replaced
+        for key in changed:
+            holders[key] = instance.device_usage.get(key, "")
+        if isinstance(decision, Granted) and decision.replaced:
+            # a proven-stale holder is only ever taken over by the same node
+            assert parse_usage(decision.replaced) != parse_usage("")
+            assert decision.replaced.endswith(":" + owner.node) or decision.replaced == owner.node
+        # capacity: no grant ever raises the held count above capacity
+        if isinstance(decision, Granted) and decision.changed:
+            assert held_count(instance) <= instance.capacity
+        held_in_range = [k for k in instance.slot_ids() if instance.device_usage.get(k, "")]
+        assert len(held_in_range) <= instance.capacity
+        assert all(key.startswith(NAME + "-") for key in instance.device_usage)
+    assert holders is not None
