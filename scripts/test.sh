@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install the project with its test/dev extras into .venv and run the whole suite:
+# ruff, mypy --strict, then pytest. Usage: bash scripts/test.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+echo "== ruff" && .venv/bin/ruff check .
+echo "== mypy --strict" && .venv/bin/mypy
+echo "== pytest" && .venv/bin/python -m pytest -q "$@"
