@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
-from agent.store.base import CorruptStateError
+from agent.store.base import CorruptStateError, InstanceStore, StoreError
 
 EXIT_USAGE = 2
 EXIT_CORRUPT_STATE = 3
+EXIT_UNAVAILABLE = 4
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,14 +44,32 @@ async def _run_agent(settings: AgentSettings) -> int:
     from agent.app import Agent
     from agent.store.local import LocalInstanceStore
 
-    if not settings.local:
-        logging.getLogger("agent").error(
-            "cluster mode (Kubernetes API backend) is not available in this build; run with --local"
+    store: InstanceStore
+    if settings.local:
+        store = LocalInstanceStore(
+            settings.state_dir, settings.config, poll_interval=settings.poll_interval
         )
-        return EXIT_USAGE
-    store = LocalInstanceStore(
-        settings.state_dir, settings.config, poll_interval=settings.poll_interval
-    )
+    else:
+        from agent.store.kubernetes import (
+            KubernetesInstanceStore,
+            KubernetesSettings,
+            make_api_client,
+        )
+
+        try:
+            api_client = await make_api_client(settings.kubeconfig)
+        except Exception as error:
+            logging.getLogger("agent").error(
+                "cannot configure the Kubernetes client (%s: %s); use --kubeconfig, run "
+                "in a pod, or use --local",
+                type(error).__name__,
+                error,
+            )
+            return EXIT_USAGE
+        store = KubernetesInstanceStore(
+            api_client,
+            KubernetesSettings(settings.node_name, settings.namespace, settings.kubeconfig),
+        )
     agent = Agent(settings, store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -61,6 +80,9 @@ async def _run_agent(settings: AgentSettings) -> int:
     except CorruptStateError as error:
         logging.getLogger("agent").error("refusing to start: %s", error)
         return EXIT_CORRUPT_STATE
+    except StoreError as error:
+        logging.getLogger("agent").error("cannot start: %s", error)
+        return EXIT_UNAVAILABLE
     return 0
 
 

@@ -201,6 +201,8 @@ class AgentSettings:
     debug_echo: bool
     debug_echo_shared: bool
     debug_echo_availability_file: Path
+    kubeconfig: str | None
+    namespace: str | None
     poll_interval: float
 
     @classmethod
