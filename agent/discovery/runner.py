@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -22,6 +23,11 @@ from agent.discovery.plan import (
     leave_instance,
     new_instance,
     plan_discovery,
+)
+from agent.discovery.properties import (
+    PropertyResolutionError,
+    references,
+    resolve_properties,
 )
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
@@ -67,10 +73,13 @@ class ConfigurationRunner:
         self.offline: frozenset[str] = frozenset()
         self.devices_by_instance: dict[str, Device] = {}
         self.reconciled = asyncio.Event()
+        self._stop_watching: Callable[[], None] = lambda: None
+        self._properties_digest: str | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start discovery and reconciliation."""
+        self._watch_property_sources()
         self._handler_task = asyncio.create_task(
             self._run_handler(), name=f"handler-{self.configuration.name}"
         )
@@ -80,6 +89,7 @@ class ConfigurationRunner:
 
     async def stop(self, *, remove_instances: bool) -> None:
         """Stop; with ``remove_instances`` this node leaves every Instance of the Configuration."""
+        self._stop_watching()
         for task in (self._handler_task, self._reconcile_task):
             if task is not None:
                 task.cancel()
@@ -101,12 +111,45 @@ class ConfigurationRunner:
                 "configuration %s: discovery details changed, restarting discovery",
                 configuration.name,
             )
-            self._handler_task.cancel()
-            self._devices = None
-            self._handler_task = asyncio.create_task(
-                self._run_handler(), name=f"handler-{configuration.name}"
-            )
+            self._watch_property_sources()
+            self._restart_handler()
         self.wake()
+
+    def _restart_handler(self) -> None:
+        if self._handler_task is not None:
+            self._handler_task.cancel()
+        self._handler_task = asyncio.create_task(
+            self._run_handler(), name=f"handler-{self.configuration.name}"
+        )
+
+    # -- discoveryProperties -----------------------------------------------------------------
+    def _watch_property_sources(self) -> None:
+        self._stop_watching()
+        refs = references(self.configuration.discovery_handler.discovery_properties)
+        if refs:
+            self._stop_watching = self.store.watch_objects(refs, self._property_source_changed)
+        else:
+            self._stop_watching = lambda: None
+
+    def _property_source_changed(self) -> None:
+        asyncio.get_running_loop().create_task(self._recheck_properties())
+
+    async def _recheck_properties(self) -> None:
+        try:
+            digest = _digest(await self._resolve())
+        except PropertyResolutionError:
+            digest = "unresolvable"
+        if digest != self._properties_digest:
+            log.info(
+                "configuration %s: a referenced Secret/ConfigMap changed; restarting discovery",
+                self.configuration.name,
+            )
+            self._restart_handler()
+
+    async def _resolve(self) -> dict[str, bytes | None]:
+        return await resolve_properties(
+            self.configuration.discovery_handler.discovery_properties, self.store.read_object
+        )
 
     def wake(self) -> None:
         """Ask for a reconcile (cheap; coalesces)."""
@@ -120,7 +163,9 @@ class ConfigurationRunner:
             details = self.configuration.discovery_handler.discovery_details
             started = self._clock()
             try:
-                async for devices in self.handler.discover(details, {}):
+                properties = await self._resolve()
+                self._properties_digest = _digest(properties)
+                async for devices in self.handler.discover(details, properties):
                     ids = [device.id for device in devices]
                     log.info(
                         "configuration %s: %s reports %d device(s): %s",
@@ -138,6 +183,12 @@ class ConfigurationRunner:
                 )
             except asyncio.CancelledError:
                 raise
+            except PropertyResolutionError as error:
+                # keep the last device list: a briefly missing Secret must not drop devices
+                log.error("configuration %s: %s; retrying in %.0fs", name, error, backoff)
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryPropertiesUnresolved", str(error)
+                )
             except InvalidDiscoveryDetailsError as error:
                 log.error("configuration %s: %s", name, error)
                 await self.store.record_configuration_event(
@@ -267,6 +318,15 @@ class ConfigurationRunner:
     async def _leave(self, name: str) -> None:
         await remove_node(self.store, name, self.node)
         self.devices_by_instance.pop(name, None)
+
+
+def _digest(properties: Mapping[str, bytes | None]) -> str:
+    """A fingerprint of resolved values (compared, never logged)."""
+    hasher = hashlib.sha256()
+    for key in sorted(properties):
+        value = properties[key]
+        hasher.update(key.encode() + b"\0" + (b"\1" + value if value is not None else b"\0"))
+    return hasher.hexdigest()
 
 
 async def remove_node(store: InstanceStore, name: str, node: str) -> None:

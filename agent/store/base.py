@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from agent.discovery.properties import ObjectRef, PropertyResolutionError
 from agent.events import Broadcaster, Subscription
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
@@ -127,6 +130,23 @@ class InstanceStore(abc.ABC):
     @abc.abstractmethod
     def configurations(self) -> list[Configuration]:
         """The currently known valid Configurations."""
+
+    async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """A Secret (``kind="secret"``) or ConfigMap (``"configMap"``), None if it is absent.
+
+        The local backend has neither, so a required ``valueFrom`` fails clearly there.
+        """
+        raise PropertyResolutionError(
+            f"{kind} {namespace}/{name}: valueFrom needs the Kubernetes backend "
+            "(local mode has no Secrets or ConfigMaps; use value, or optional: true)"
+        )
+
+    def watch_objects(
+        self, refs: Iterable[ObjectRef], on_change: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Call ``on_change`` whenever one of ``refs`` changes; returns a function that stops
+        watching. The local backend has nothing to watch."""
+        return lambda: None
 
     async def record_configuration_event(
         self, configuration: Configuration, reason: str, message: str, *, warning: bool = True

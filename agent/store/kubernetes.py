@@ -18,10 +18,11 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agent.discovery.properties import ObjectRef, PropertyResolutionError
 from agent.model.configuration import Configuration, ConfigurationError, parse_configuration
 from agent.model.instance import Instance, InstanceFormatError
 from agent.store.base import (
@@ -361,6 +362,110 @@ class KubernetesInstanceStore(InstanceStore):
         cached = self._instances.get(name)
         if cached is not None:
             self._instance_informer.apply_local(RawEvent("DELETED", cached.to_dict()))
+
+    # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
+    async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
+        reader = (
+            self._core.read_namespaced_secret_without_preload_content
+            if kind == "secret"
+            else self._core.read_namespaced_config_map_without_preload_content
+        )
+        self.request_count += 1
+        try:
+            response = await reader(name, namespace, _request_timeout=self.settings.request_timeout)
+        except Exception as error:
+            raise PropertyResolutionError(
+                f"cannot read {kind} {namespace}/{name}: {type(error).__name__}"
+            ) from error
+        try:
+            if response.status == 404:
+                return None
+            if response.status >= 400:
+                raise PropertyResolutionError(
+                    f"cannot read {kind} {namespace}/{name}: HTTP {response.status}"
+                )
+            obj: Mapping[str, Any] = json.loads(await response.read())
+            return obj
+        finally:
+            response.release()
+
+    def watch_objects(
+        self, refs: Iterable[ObjectRef], on_change: Callable[[], None]
+    ) -> Callable[[], None]:
+        tasks = [
+            asyncio.get_running_loop().create_task(
+                self._watch_named(ref, on_change), name=f"watch-{ref.kind}-{ref.name}"
+            )
+            for ref in refs
+        ]
+
+        def stop() -> None:
+            for task in tasks:
+                task.cancel()
+
+        return stop
+
+    async def _watch_named(self, ref: ObjectRef, on_change: Callable[[], None]) -> None:
+        """Watch one Secret/ConfigMap by name (field selector, so RBAC may use resourceNames)."""
+        selector = f"metadata.name={ref.name}"
+        if ref.kind == "secret":
+            list_call = self._core.list_namespaced_secret_without_preload_content
+        else:
+            list_call = self._core.list_namespaced_config_map_without_preload_content
+        initial = True
+
+        async def list_fn() -> tuple[list[Obj], str]:
+            self.request_count += 1
+            response = await list_call(
+                ref.namespace,
+                field_selector=selector,
+                _request_timeout=self.settings.request_timeout,
+            )
+            try:
+                if response.status >= 400:
+                    raise StoreUnavailableError(f"list {ref.kind}: HTTP {response.status}")
+                body = json.loads(await response.read())
+            finally:
+                response.release()
+            items = list(body.get("items") or [])
+            return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
+
+        async def watch_fn(version: str) -> AsyncIterator[tuple[str, Obj]]:
+            response = await list_call(
+                ref.namespace,
+                field_selector=selector,
+                watch=True,
+                resource_version=version,
+                timeout_seconds=WATCH_TIMEOUT_SECONDS,
+                allow_watch_bookmarks=True,
+                _request_timeout=WATCH_TIMEOUT_SECONDS + 30,
+            )
+            try:
+                if response.status == 410:
+                    raise WatchExpiredError("410 Gone")
+                if response.status >= 400:
+                    raise StoreUnavailableError(f"watch {ref.kind}: HTTP {response.status}")
+                async for item in parse_watch_lines(response.content):
+                    yield item
+            finally:
+                response.release()
+
+        def changed(_event: RawEvent) -> None:
+            if not initial:
+                on_change()
+
+        informer = Informer(f"{ref.kind} {ref.namespace}/{ref.name}", list_fn, watch_fn, changed)
+        while True:
+            try:
+                await informer.initial_list()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning("cannot list %s %s/%s: %s", ref.kind, ref.namespace, ref.name, error)
+                await asyncio.sleep(5)
+        initial = False
+        await informer.run()
 
     # -- Kubernetes Events -----------------------------------------------------------------
     async def record_configuration_event(
