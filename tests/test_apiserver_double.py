@@ -53,6 +53,7 @@ async def api() -> AsyncIterator[ApiServerDouble]:
         crds=[INSTANCE_CRD, CONFIGURATION_CRD], bookmark_interval=0.2
     ) as server:
         yield server
+    assert server.internal_errors == []
 
 
 @pytest.fixture
@@ -459,7 +460,63 @@ async def test_finalizers_defer_deletion(api: ApiServerDouble, co: client.Custom
     events = await collect_events(stream, 3)
     await w.close()
     assert [t for t, _ in events] == ["MODIFIED", "MODIFIED", "DELETED"]
-    assert api.get_object("instances.akri.sh", "cam-1", NS) is None
+    assert api.get("instances.akri.sh", "cam-1", NS) is None
+
+
+async def test_names_labels_and_crd_schema_are_validated(co: client.CustomObjectsApi) -> None:
+    for bad in (instance("Cam_1"), instance("ok", {"bad key!": "x"})):
+        with pytest.raises(client.ApiException) as err:
+            await create(co, bad)
+        assert err.value.status == 422 and status_of(err.value)["reason"] == "Invalid"
+    with pytest.raises(client.ApiException) as err:
+        await create(co, instance("cam-1", capacity="two"))
+    assert err.value.status == 422
+    status = status_of(err.value)
+    assert status["message"].startswith('Instance.akri.sh "cam-1" is invalid: spec.capacity: ')
+    assert status["details"]["causes"][0]["field"] == "spec.capacity"
+
+    # Unknown fields are pruned silently (fieldValidation Warn/Ignore) or rejected (Strict).
+    created = await create(
+        co, {**instance("cam-1"), "spec": {"configurationName": "c", "bogus": 1}}
+    )
+    assert created["spec"] == {"configurationName": "c"}
+    with pytest.raises(client.ApiException) as err:
+        await co.create_namespaced_custom_object(
+            GROUP,
+            VERSION,
+            NS,
+            PLURAL,
+            {**instance("cam-2"), "spec": {"bogus": 1}},
+            field_validation="Strict",
+        )
+    assert err.value.status == 400
+    assert 'strict decoding error: unknown field "spec.bogus"' in status_of(err.value)["message"]
+
+
+@pytest.mark.skipif(not (REPO / "crds").is_dir(), reason="project CRDs not present")
+async def test_project_crds_load_and_validate() -> None:
+    crds = sorted((REPO / "crds").glob("*.yaml"))
+    async with ApiServerDouble(crds=crds) as api:
+        kinds = {rt.kind for rt in api.store.registry if rt.group == "akri.sh"}
+        assert {"Instance", "Configuration"} <= kinds
+        created = api.create(
+            {
+                "apiVersion": "akri.sh/v0",
+                "kind": "Instance",
+                "metadata": {"name": "cam-1"},
+                "spec": {"configurationName": "onvif", "capacity": 1},
+            }
+        )
+        assert created["spec"]["nodes"] == [] and created["spec"]["shared"] is False  # defaults
+        with pytest.raises(Exception, match="is invalid"):
+            api.create(
+                {
+                    "apiVersion": "akri.sh/v0",
+                    "kind": "Instance",
+                    "metadata": {"name": "cam-2"},
+                    "spec": {"configurationName": "onvif", "capacity": 0},
+                }
+            )
 
 
 # --- selectors ---------------------------------------------------------------------------------
@@ -658,9 +715,9 @@ async def test_watch_too_old_resource_version_gets_410(
 
 async def test_watch_history_is_bounded() -> None:
     async with ApiServerDouble(crds=[INSTANCE_CRD], history_size=3) as api:
-        first = api.create_object(instance("a"), NS)
+        first = api.create(instance("a"), NS)
         for i in range(4):
-            api.apply_object({**instance("a"), "spec": {"capacity": i}}, NS)
+            api.apply({**instance("a"), "spec": {"capacity": i}}, NS)
         first_rv = first["metadata"]["resourceVersion"]
         url = f"{api.url}/apis/akri.sh/v0/instances?watch=1&resourceVersion={first_rv}"
         async with aiohttp.ClientSession() as http, http.get(url) as resp:
@@ -693,7 +750,7 @@ async def test_watch_timeout_seconds_ends_stream(co: client.CustomObjectsApi) ->
 
 @pytest.mark.parametrize("flag", ["true", "True", "1"])
 async def test_watch_flag_spellings_and_bookmarks(api: ApiServerDouble, flag: str) -> None:
-    api.create_object(instance("a"), NS)
+    api.create(instance("a"), NS)
     url = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances"
     params = {"watch": flag, "timeoutSeconds": "1", "allowWatchBookmarks": "true"}
     async with aiohttp.ClientSession() as http, http.get(url, params=params) as resp:
@@ -709,7 +766,7 @@ async def test_watch_flag_spellings_and_bookmarks(api: ApiServerDouble, flag: st
 
 
 async def test_watch_send_initial_events(api: ApiServerDouble) -> None:
-    api.create_object(instance("a"), NS)
+    api.create(instance("a"), NS)
     url = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances"
     params = {
         "watch": "1",
@@ -762,6 +819,20 @@ async def test_server_side_apply(co: client.CustomObjectsApi, api: ApiServerDoub
     sent = api.requests_for(verb="patch", resource="instances.akri.sh")[0]
     assert sent.content_type == "application/apply-patch+yaml"
     assert sent.query == {"fieldManager": "akri-agent", "force": "true"}
+
+
+async def test_strict_strategic_merge_patch_on_custom_resources() -> None:
+    async with ApiServerDouble(crds=[INSTANCE_CRD], strict_strategic_merge=True) as api:
+        api.create(instance("cam-1"))
+        url = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances/cam-1"
+        smp = {"Content-Type": "application/strategic-merge-patch+json"}
+        async with aiohttp.ClientSession() as http:
+            async with http.patch(url, data=b'{"spec":{"capacity":2}}', headers=smp) as resp:
+                assert resp.status == 415
+                assert (await resp.json())["reason"] == "UnsupportedMediaType"
+            yaml_body = {"Content-Type": "application/yaml"}
+            async with http.put(url, data=b"spec: {}", headers=yaml_body) as resp:
+                assert resp.status == 200  # YAML bodies are accepted for PUT/POST
 
 
 async def test_builtin_kinds(
@@ -852,10 +923,7 @@ async def test_builtin_kinds(
     assert lease["spec"]["holderIdentity"] == "me"
 
     await core.delete_namespace("akri")  # takes its objects with it
-    assert (
-        api.list_objects("pods", "akri") == []
-        and api.get_object("configmaps", "cm", "akri") is None
-    )
+    assert api.list("pods", "akri") == [] and api.get("configmaps", "cm", "akri") is None
 
 
 async def test_crd_created_over_http_is_served_immediately(
@@ -934,7 +1002,7 @@ async def test_crd_created_over_http_is_served_immediately(
 
 async def test_table_output_and_pagination(api: ApiServerDouble) -> None:
     for i in range(3):
-        api.create_object(instance(f"cam-{i}", capacity=i, nodes=["n1", "n2"]), NS)
+        api.create(instance(f"cam-{i}", capacity=i, nodes=["n1", "n2"]), NS)
     accept = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"
     url = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances"
     async with aiohttp.ClientSession() as http:
@@ -1010,7 +1078,7 @@ async def test_fault_injection(api: ApiServerDouble, co: client.CustomObjectsApi
     api.drop(verb="create", resource="instances.akri.sh")
     with pytest.raises(aiohttp.ClientError):
         await create(co, instance("cam-2"))
-    assert api.get_object("instances", "cam-2", NS) is None
+    assert api.get("instances", "cam-2", NS) is None
     assert [r.status for r in api.requests_for(verb="create", name="")][-1] == 0
 
     api.fail(429, verb="list", duration=0.3, times=None)
@@ -1203,14 +1271,14 @@ async def test_kubectl_apply_get_watch_delete(
         assert lines[0].split()[:2] == ["EVENT", "NAME"]
         modified = next(line for line in lines if line.startswith("MODIFIED")).split()
         assert modified[:2] == ["MODIFIED", "cam-1"] and modified[5] == "3"
-        assert fresh.get_object("instances.akri.sh", "cam-1", NS) is None
+        assert fresh.get("instances.akri.sh", "cam-1", NS) is None
         assert fresh.requests_for(verb="watch", resource="instances.akri.sh")
 
 
 async def test_kubectl_patch_replace_conflict_and_server_side_apply(
     api: ApiServerDouble, kubectl_env: dict[str, str], tmp_path: Path
 ) -> None:
-    api.create_object(instance("cam-1", capacity=1), NS)
+    api.create(instance("cam-1", capacity=1), NS)
     await kubectl(
         api,
         kubectl_env,
@@ -1248,16 +1316,28 @@ async def test_kubectl_patch_replace_conflict_and_server_side_apply(
     assert "serverside-applied" in await kubectl(
         api, kubectl_env, "apply", "--server-side", "-n", NS, "-f", str(applied)
     )
-    assert api.get_object("instances.akri.sh", "cam-2", NS)["spec"]["capacity"] == 7  # type: ignore[index]
+    assert api.get("instances.akri.sh", "cam-2", NS)["spec"]["capacity"] == 7  # type: ignore[index]
     resources = await kubectl(api, kubectl_env, "api-resources", "--api-group=akri.sh")
     assert "instances" in resources and "akrii" in resources
+
+    # Imperative generators post protobuf for built-in kinds.
+    await kubectl(api, kubectl_env, "create", "namespace", "akri")
+    await kubectl(api, kubectl_env, "create", "configmap", "cm", "-n", "akri", "--from-literal=a=b")
+    await kubectl(
+        api, kubectl_env, "create", "secret", "generic", "s", "-n", "akri", "--from-literal=pw=x"
+    )
+    assert api.get("configmaps", "cm", "akri")["data"] == {"a": "b"}  # type: ignore[index]
+    assert api.get("secrets", "s", "akri")["data"] == {"pw": "eA=="}  # type: ignore[index]
+    assert api.requests_for(verb="create", resource="namespaces")[0].content_type == (
+        "application/vnd.kubernetes.protobuf"
+    )
 
 
 def test_threaded_server_with_kubeconfig(tmp_path: Path) -> None:
     kubectl_path = kubectl_binary()
     with ThreadedApiServer(crds=[INSTANCE_CRD]) as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
-        api.create_object(instance("cam-1"), NS)
+        api.create(instance("cam-1"), NS)
         env = {**os.environ, "KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path)}
         out = subprocess.run(
             [kubectl_path, "get", "instances", "-o", "name"],
@@ -1275,7 +1355,7 @@ def test_threaded_server_with_kubeconfig(tmp_path: Path) -> None:
             timeout=20,
             check=True,
         )
-        assert api.get_object("instances", "cam-1", NS) is None
+        assert api.get("instances", "cam-1", NS) is None
 
 
 @pytest.fixture

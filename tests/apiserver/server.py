@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import json
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -17,9 +19,10 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from tests.apiserver import discovery, errors, openapi, tables
+from tests.apiserver import discovery, errors, openapi, protobuf, tables
 from tests.apiserver.errors import ApiError
 from tests.apiserver.faults import Fault, FaultInjector, RecordedRequest, RequestInfo
+from tests.apiserver.protobuf import ProtobufError
 from tests.apiserver.resources import GroupResource, ResourceType
 from tests.apiserver.selectors import FieldRequirement, FieldSelector, LabelSelector, SelectorError
 from tests.apiserver.store import (
@@ -28,12 +31,14 @@ from tests.apiserver.store import (
     Watcher,
 )
 
+logger = logging.getLogger(__name__)
+
 JSON = dict[str, Any]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# One value or several, for fault matching (verbs, resources).
+Names = str | tuple[str, ...] | list[str] | None
 
 _TRUE = frozenset({"1", "t", "T", "true", "TRUE", "True"})
-_INFO_KEY = web.RequestKey("api_info", RequestInfo)
-_RECORD_KEY = web.RequestKey("api_record", RecordedRequest)
 
 
 def _truthy(value: str | None) -> bool:
@@ -98,15 +103,21 @@ class ApiServerDouble:
         bookmark_interval: float = 5.0,
         strict_strategic_merge: bool = False,
         require_namespace: bool = False,
+        validate: bool = True,
         store: Store | None = None,
     ) -> None:
         self.host = host
         self.port = port
-        self.store = store or Store(history_size=history_size, require_namespace=require_namespace)
+        self.store = store or Store(
+            history_size=history_size, require_namespace=require_namespace, validate=validate
+        )
         self.bookmark_interval = bookmark_interval
         self.strict_strategic_merge = strict_strategic_merge
         self.faults = FaultInjector()
-        self.requests: list[RecordedRequest] = []
+        self.requests: builtins.list[RecordedRequest] = []
+        # Unexpected exceptions raised while serving (answered with 500); tests may assert
+        # that this stays empty.
+        self.internal_errors: builtins.list[Exception] = []
         self._runner: web.AppRunner | None = None
         self._watchers: set[Watcher] = set()
         self._offline_task: asyncio.Task[None] | None = None
@@ -220,41 +231,54 @@ class ApiServerDouble:
         """Resolve ``pods``, ``instances.akri.sh``, ``Instance``, a short name..."""
         return self.store.registry.resolve(name)
 
-    def load_crds(self, *paths: str | Path) -> list[ResourceType]:
+    def load_crds(self, *paths: str | Path) -> builtins.list[ResourceType]:
         """Register the CRDs found in YAML files (served immediately)."""
         return self.store.load_crds(*paths)
 
-    def create_object(self, obj: JSON, namespace: str | None = None) -> JSON:
-        """Create an object directly in the store (``apiVersion``/``kind`` pick the resource)."""
+    def create(self, obj: JSON, namespace: str | None = None) -> JSON:
+        """Create an object directly in the store (``apiVersion``/``kind`` pick the resource;
+        namespaced objects default to the ``default`` namespace)."""
         rt = self._rt_for(obj)
         version = str(obj["apiVersion"]).rsplit("/", 1)[-1]
-        return self.store.create(rt, version, namespace, obj)
+        return self.store.create(rt, version, self._namespace(rt, obj, namespace), obj)
 
-    def apply_object(self, obj: JSON, namespace: str | None = None) -> JSON:
-        """Create or unconditionally replace an object directly in the store."""
-        return self.store.apply_object(self._rt_for(obj), obj, namespace)
+    def apply(self, obj: JSON, namespace: str | None = None) -> JSON:
+        """Create, or unconditionally replace, an object directly in the store."""
+        rt = self._rt_for(obj)
+        return self.store.apply_object(rt, obj, self._namespace(rt, obj, namespace))
 
-    def get_object(self, resource: str, name: str, namespace: str | None = None) -> JSON | None:
+    def get(self, resource: str, name: str, namespace: str | None = None) -> JSON | None:
+        """The stored object, or None. ``resource`` as for :meth:`resource`."""
         rt = self.resource(resource)
         try:
-            return self.store.get(rt, rt.preferred_version, namespace, name)
+            return self.store.get(
+                rt, rt.preferred_version, self._namespace(rt, {}, namespace), name
+            )
         except ApiError as exc:
             if exc.code == 404:
                 return None
             raise
 
-    def list_objects(
+    def list(
         self, resource: str, namespace: str | None = None, label_selector: str | None = None
-    ) -> list[JSON]:
+    ) -> builtins.list[JSON]:
+        """Stored objects (all namespaces unless ``namespace`` is given)."""
         rt = self.resource(resource)
         items, _ = self.store.list_objects(
             rt, rt.preferred_version, namespace, LabelSelector.parse(label_selector)
         )
         return items
 
-    def delete_object(self, resource: str, name: str, namespace: str | None = None) -> JSON:
+    def delete(self, resource: str, name: str, namespace: str | None = None) -> JSON:
+        """Delete like an API client would (finalizers are honoured)."""
         rt = self.resource(resource)
-        return self.store.delete(rt, rt.preferred_version, namespace, name)
+        return self.store.delete(rt, rt.preferred_version, self._namespace(rt, {}, namespace), name)
+
+    @staticmethod
+    def _namespace(rt: ResourceType, obj: JSON, namespace: str | None) -> str | None:
+        if not rt.namespaced:
+            return None
+        return namespace or (obj.get("metadata") or {}).get("namespace") or "default"
 
     def compact_history(self, keep: int = 0) -> int:
         """Drop old watch history; watches from older resourceVersions get 410 Gone."""
@@ -278,8 +302,8 @@ class ApiServerDouble:
         self,
         status: int,
         *,
-        verb: str | tuple[str, ...] | list[str] | None = None,
-        resource: str | tuple[str, ...] | list[str] | None = None,
+        verb: Names = None,
+        resource: Names = None,
         name: str | None = None,
         namespace: str | None = None,
         subresource: str | None = None,
@@ -309,8 +333,8 @@ class ApiServerDouble:
     def drop(
         self,
         *,
-        verb: str | tuple[str, ...] | list[str] | None = None,
-        resource: str | tuple[str, ...] | list[str] | None = None,
+        verb: Names = None,
+        resource: Names = None,
         name: str | None = None,
         namespace: str | None = None,
         times: int | None = 1,
@@ -333,8 +357,8 @@ class ApiServerDouble:
         self,
         seconds: float,
         *,
-        verb: str | tuple[str, ...] | list[str] | None = None,
-        resource: str | tuple[str, ...] | list[str] | None = None,
+        verb: Names = None,
+        resource: Names = None,
         name: str | None = None,
         times: int | None = 1,
         duration: float | None = None,
@@ -353,7 +377,7 @@ class ApiServerDouble:
         resource: str | None = None,
         name: str | None = None,
         method: str | None = None,
-    ) -> list[RecordedRequest]:
+    ) -> builtins.list[RecordedRequest]:
         """Recorded requests filtered by Kubernetes verb, resource (plural or
         ``plural.group``), object name and/or HTTP method."""
         return [
@@ -384,8 +408,6 @@ class ApiServerDouble:
             headers=dict(request.headers),
             info=info,
         )
-        request[_INFO_KEY] = info
-        request[_RECORD_KEY] = record
         self.requests.append(record)
         fault = self.faults.take(info) if info.verb != "nonresource" else None
         if fault is not None and fault.delay:
@@ -396,6 +418,12 @@ class ApiServerDouble:
             response = await handler(request)
         except ApiError as exc:
             response = _error_response(exc)
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # a bug in the double: answer like the real server would
+            logger.exception("internal error serving %s %s", request.method, request.path_qs)
+            self.internal_errors.append(exc)
+            response = _error_response(errors.internal(f"{type(exc).__name__}: {exc}"))
         if fault is not None and fault.after and (fault.drop or fault.status):
             return self._apply_fault(request, record, fault)
         record.status = response.status
@@ -513,7 +541,7 @@ class ApiServerDouble:
             target = self._parse_target(path)
         if target is None:
             raise errors.endpoint_not_found()
-        verb = request[_INFO_KEY].verb
+        verb = self._verb(request.method, target, request.query)
         if verb == "watch":
             return await self._watch(request, target)
         if verb == "get":
@@ -552,6 +580,11 @@ class ApiServerDouble:
     async def _body(request: web.Request, allowed: tuple[str, ...]) -> Any:
         media = _media_type(request)
         raw = await request.read()
+        if media == protobuf.MEDIA_TYPE and "application/json" in allowed:
+            try:
+                return protobuf.decode_object(raw)
+            except ProtobufError as exc:
+                raise errors.unsupported_media_type(f"{media}: {exc}", list(allowed)) from exc
         if media not in allowed:
             raise errors.unsupported_media_type(media, list(allowed))
         if not raw:
@@ -667,7 +700,7 @@ class ApiServerDouble:
         )
 
     async def _create(self, request: web.Request, target: _Target) -> web.Response:
-        if target.subresource:
+        if target.subresource or (target.rt.namespaced and target.namespace is None):
             raise errors.method_not_allowed()
         body = await self._body(request, ("application/json", "application/yaml"))
         if not isinstance(body, dict):
@@ -678,6 +711,7 @@ class ApiServerDouble:
             target.namespace,
             body,
             dry_run=request.query.get("dryRun") == "All",
+            field_validation=request.query.get("fieldValidation", "Warn"),
         )
         return self._render(request, target, obj, 201)
 
@@ -691,6 +725,7 @@ class ApiServerDouble:
             body,
             subresource=target.subresource or None,
             dry_run=request.query.get("dryRun") == "All",
+            field_validation=request.query.get("fieldValidation", "Warn"),
         )
         return self._render(request, target, obj)
 
@@ -709,6 +744,7 @@ class ApiServerDouble:
             field_manager=request.query.get("fieldManager"),
             force=_truthy(force_param) if force_param is not None else None,
             dry_run=request.query.get("dryRun") == "All",
+            field_validation=request.query.get("fieldValidation", "Warn"),
             strict_strategic=self.strict_strategic_merge,
         )
         return self._render(request, target, obj, 201 if created else 200)
@@ -745,6 +781,8 @@ class ApiServerDouble:
         return self._render(request, target, obj, status)
 
     async def _delete_collection(self, request: web.Request, target: _Target) -> web.Response:
+        if target.rt.namespaced and target.namespace is None:
+            raise errors.method_not_allowed()
         labels, fields = self._selectors(request)
         options = await self._delete_options(request)
         items = self.store.delete_collection(

@@ -44,6 +44,7 @@ from tests.apiserver.resources import (
     resource_type_from_crd,
 )
 from tests.apiserver.selectors import FieldSelector, LabelSelector
+from tests.apiserver.validation import prune_and_default, validate_metadata, validate_schema
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # (namespace or "", name)
@@ -169,8 +170,10 @@ class Store:
         history_size: int = 1000,
         namespaces: Iterable[str] = DEFAULT_NAMESPACES,
         require_namespace: bool = False,
+        validate: bool = True,
     ) -> None:
         self.registry = ResourceRegistry(builtin_resources())
+        self.validate = validate
         self.lock = threading.RLock()
         self.require_namespace = require_namespace
         self._objects: dict[GroupResource, dict[Key, JSON]] = {}
@@ -328,6 +331,7 @@ class Store:
         body: JSON,
         *,
         dry_run: bool = False,
+        field_validation: str = "Warn",
     ) -> JSON:
         if not isinstance(body, dict):
             raise errors.bad_request("the body of the request must be a JSON object")
@@ -371,7 +375,7 @@ class Store:
                 obj.pop("status", None)
             obj["apiVersion"] = rt.api_version(version)
             obj["kind"] = rt.kind
-            self._before_write(rt, None, obj)
+            self._before_write(rt, version, None, obj, field_validation)
             if dry_run:
                 return self._output(rt, version, obj)
             meta["resourceVersion"] = self._next_rv()
@@ -392,6 +396,7 @@ class Store:
         *,
         subresource: str | None = None,
         dry_run: bool = False,
+        field_validation: str = "Warn",
     ) -> JSON:
         """PUT: replace the object (or only its status). A ``metadata.resourceVersion`` in the
         body must be current; without one the update is unconditional."""
@@ -404,7 +409,9 @@ class Store:
         with self.lock:
             self._check_namespace(rt, namespace, candidate)
             key, current = self._require(rt, namespace, name)
-            return self._write_update(rt, version, key, current, candidate, subresource, dry_run)
+            return self._write_update(
+                rt, version, key, current, candidate, subresource, dry_run, field_validation
+            )
 
     def patch(
         self,
@@ -420,6 +427,7 @@ class Store:
         force: bool | None = None,
         dry_run: bool = False,
         strict_strategic: bool = False,
+        field_validation: str = "Warn",
     ) -> tuple[JSON, bool]:
         """PATCH with any of :data:`PATCH_TYPES`. Returns ``(object, created)``; only
         server-side apply creates."""
@@ -471,7 +479,14 @@ class Store:
                     _meta(body)["name"] = name
                     if _meta(body).get("resourceVersion"):
                         raise errors.stale(rt.gr, name)
-                    return self.create(rt, version, namespace, body, dry_run=dry_run), True
+                    return self.create(
+                        rt,
+                        version,
+                        namespace,
+                        body,
+                        dry_run=dry_run,
+                        field_validation=field_validation,
+                    ), True
             if current is None:
                 raise errors.not_found(rt.gr, name)
             try:
@@ -493,7 +508,9 @@ class Store:
             if rt.namespaced and meta.get("namespace") != key[0]:
                 raise errors.namespace_mismatch()
             return (
-                self._write_update(rt, version, key, current, candidate, subresource, dry_run),
+                self._write_update(
+                    rt, version, key, current, candidate, subresource, dry_run, field_validation
+                ),
                 False,
             )
 
@@ -506,6 +523,7 @@ class Store:
         candidate: JSON,
         subresource: str | None,
         dry_run: bool,
+        field_validation: str = "Warn",
     ) -> JSON:
         name = key[1]
         cur_meta = current["metadata"]
@@ -551,6 +569,9 @@ class Store:
         meta["resourceVersion"] = cur_meta["resourceVersion"]
         new["apiVersion"] = current.get("apiVersion", rt.api_version(version))
         new["kind"] = rt.kind
+        if "finalizers" in meta and not meta["finalizers"]:
+            del meta["finalizers"]
+        self._before_write(rt, version, current, new, field_validation)
         if cur_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(cur_meta.get("finalizers") or [])
             if added:
@@ -570,9 +591,6 @@ class Store:
                 )
         if _content(new, skip_status=rt.has_status) != _content(current, skip_status=rt.has_status):
             meta["generation"] = int(cur_meta.get("generation", 0)) + 1
-        if "finalizers" in meta and not meta["finalizers"]:
-            del meta["finalizers"]
-        self._before_write(rt, current, new)
         if _without_type(new) == _without_type(current):
             return self._output(rt, version, current)  # no-op: no new resourceVersion, no event
         if dry_run:
@@ -682,7 +700,30 @@ class Store:
 
     # --- CRDs ----------------------------------------------------------------------------
 
-    def _before_write(self, rt: ResourceType, old: JSON | None, new: JSON) -> None:
+    def _before_write(
+        self,
+        rt: ResourceType,
+        version: str,
+        old: JSON | None,
+        new: JSON,
+        field_validation: str = "Warn",
+    ) -> None:
+        """Validation and server-side defaulting of a write about to be committed."""
+        name = str(_meta(new).get("name", ""))
+        if self.validate:
+            causes = validate_metadata(new, dns_label_name=rt.gr == NAMESPACES_GR)
+            schema = rt.schemas.get(version) if rt.custom else None
+            if schema is not None:
+                dropped = prune_and_default(new, schema)
+                if dropped and field_validation == "Strict":
+                    unknown = ", ".join(f'unknown field "{p}"' for p in dropped)
+                    raise errors.bad_request(
+                        f'{rt.kind} in version "{version}" cannot be handled as a {rt.kind}: '
+                        f"strict decoding error: {unknown}"
+                    )
+                causes += validate_schema(new, schema)
+            if causes:
+                raise errors.invalid(rt.gr, rt.kind, name, causes)
         if rt.gr == CRD_GR:
             try:
                 served = resource_type_from_crd(new)
