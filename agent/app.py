@@ -7,7 +7,10 @@ import contextlib
 import logging
 
 from agent.activity_log import log_instance_changes
+from agent.deviceplugin.manager import DevicePluginManager
+from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.ledger.ledger import SlotLedger
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.debug_echo import DebugEchoHandler
@@ -44,6 +47,22 @@ class Agent:
             GraceSettings(settings.local_offline_grace, settings.shared_offline_grace),
         )
         self._activity: asyncio.Task[None] | None = None
+        self.ledger = SlotLedger(store, settings.node_name)
+        self.plugins: DevicePluginManager | None = None
+        self.reclaimer: SlotReclaimer | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
+        if settings.device_plugin_dir is not None:
+            self.plugins = DevicePluginManager(
+                store, self.ledger, self.discovery, settings.device_plugin_dir
+            )
+            self.discovery.add_offline_listener(self.plugins.offline_changed)
+            self.reclaimer = SlotReclaimer(
+                self.ledger,
+                store.list_cached,
+                settings.pod_resources_socket,
+                interval=settings.reclaim_interval,
+                grace=settings.reclaim_grace,
+            )
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
@@ -52,6 +71,9 @@ class Agent:
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
         await self.discovery.start()
+        if self.plugins is not None and self.reclaimer is not None:
+            await self.plugins.start()
+            self._reclaim_task = asyncio.create_task(self.reclaimer.run(), name="reclaimer")
         log.info(
             "agent started on node %s (handlers: %s; %d configuration(s))",
             self.settings.node_name,
@@ -61,6 +83,12 @@ class Agent:
 
     async def stop(self) -> None:
         """Stop discovery; Instances and slots stay as they are for the next start."""
+        if self._reclaim_task is not None:
+            self._reclaim_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reclaim_task
+        if self.plugins is not None:
+            await self.plugins.close()
         await self.discovery.close()
         if self._activity is not None:
             self._activity.cancel()

@@ -203,6 +203,10 @@ class AgentSettings:
     debug_echo_availability_file: Path
     kubeconfig: str | None
     namespace: str | None
+    device_plugin_dir: Path | None
+    pod_resources_socket: Path
+    reclaim_interval: float
+    reclaim_grace: float
     poll_interval: float
 
     @classmethod
@@ -211,6 +215,8 @@ class AgentSettings:
         data["node_name"] = data["node_name"] or socket.gethostname()
         if data["debug_echo"] is None:
             data["debug_echo"] = bool(data["local"])
+        if data["device_plugin_dir"] is None and not data["local"]:
+            data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise SettingsError(f"--log-level: unknown level {data['log_level']!r}")
         return cls(**data)

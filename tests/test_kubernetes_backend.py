@@ -210,27 +210,29 @@ async def test_api_server_restart_and_watch_410_relist(
         await eventually(lambda: len(instances(api)) == 2)
         relists_before = node.store._instance_informer.relists
         creates_before = len(api.requests_for(verb="create", resource="instances"))
-        # someone else changes an Instance while our watch is down and history is compacted
+        # another node joins an Instance while our watch is down and history is compacted
         await api.stop()
         name = instances(api)[0]["metadata"]["name"]
         obj = api.get("instances.akri.sh", name, "default")
         assert obj is not None
-        obj["spec"]["brokerProperties"]["EXTRA"] = "x"
+        obj["spec"]["nodes"].append("node-x")
         api.store.update(api.resource("instances.akri.sh"), "v0", "default", name, obj)
         api.compact_history()
         await api.start()
         await eventually(
             lambda: node.store._instance_informer.relists > relists_before,
-            within=15,
+            within=20,
             what="relist after 410",
         )
         await eventually(
-            lambda: (node.store.get_cached(name) or Instance(name, "x", 1)).broker_properties != {},
+            lambda: "node-x" in (node.store.get_cached(name) or Instance(name, "x", 1)).nodes,
+            what="relisted state in the cache",
         )
         await asyncio.sleep(0.5)
-        # the relist was not mistaken for new devices: no duplicate creates
+        # the relist was not mistaken for new devices: no duplicate creates, nothing undone
         assert len(api.requests_for(verb="create", resource="instances")) == creates_before
         assert len(instances(api)) == 2
+        assert "node-x" in (api.get("instances.akri.sh", name, "default") or {})["spec"]["nodes"]
     finally:
         await node.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.discovery.plan import grace_for
@@ -48,6 +49,7 @@ class DiscoveryManager:
         self.node = node
         self.grace = grace
         self.runners: dict[str, ConfigurationRunner] = {}
+        self._offline_listeners: list[Callable[[], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
 
     def _grace_for(self, configuration: Configuration, shared: bool) -> float:
@@ -73,6 +75,14 @@ class DiscoveryManager:
         for runner in list(self.runners.values()):
             await runner.stop(remove_instances=False)
         self.runners.clear()
+
+    def add_offline_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever the set of offline (in-grace) Instances changes."""
+        self._offline_listeners.append(listener)
+
+    def _offline_changed(self) -> None:
+        for listener in self._offline_listeners:
+            listener()
 
     def offline_instances(self) -> frozenset[str]:
         """Instances this node has lost but keeps during the grace period (slots Unhealthy)."""
@@ -151,7 +161,14 @@ class DiscoveryManager:
             handler.name,
             configuration.capacity,
         )
-        runner = ConfigurationRunner(configuration, handler, self.store, self.node, self._grace_for)
+        runner = ConfigurationRunner(
+            configuration,
+            handler,
+            self.store,
+            self.node,
+            self._grace_for,
+            on_offline_change=self._offline_changed,
+        )
         self.runners[configuration.name] = runner
         runner.start()
 

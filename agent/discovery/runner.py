@@ -58,7 +58,9 @@ class ConfigurationRunner:
         node: str,
         grace_for: Callable[[Configuration, bool], float],
         clock: Callable[[], float] = time.monotonic,
+        on_offline_change: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_offline_change = on_offline_change
         self.configuration = configuration
         self.handler = handler
         self.store = store
@@ -97,6 +99,9 @@ class ConfigurationRunner:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        if self.offline:
+            self.offline = frozenset()
+            self._on_offline_change()
         if remove_instances:
             for instance in self.store.list_cached(self.configuration.name):
                 if self.node in instance.nodes:
@@ -278,7 +283,9 @@ class ConfigurationRunner:
                 self.node,
                 self._grace_for(self.configuration, self.handler.shared),
             )
-        self.offline = frozenset(plan.offline)
+        if frozenset(plan.offline) != self.offline:
+            self.offline = frozenset(plan.offline)
+            self._on_offline_change()
         for desired in plan.upserts:
             await self._upsert(desired)
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}

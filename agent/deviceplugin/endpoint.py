@@ -1,0 +1,141 @@
+"""One plugin's socket: serve, confirm it is up, register with kubelet, re-register on demand.
+
+Follows what kubelet expects (reference §1.4): serve first, self-dial, then ``Register`` on
+``kubelet.sock`` with the socket *file name* as endpoint and the same options that
+``GetDevicePluginOptions`` returns. Each start uses a fresh socket name
+(``<resource>-<ms>.sock``), so a restarted plugin never collides with a stale socket. A
+failed registration is retried with capped backoff while the socket keeps being served;
+the socket is removed on stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import grpc
+
+from agent.deviceplugin.service import DevicePluginService
+from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+KUBELET_SOCKET = "kubelet.sock"
+API_VERSION = "v1beta1"
+MAX_REGISTER_BACKOFF = 5.0
+
+
+def socket_file_name(resource_name: str) -> str:
+    """A unique socket name for this start (``akri.sh/x`` → ``akri.sh-x-<ms>.sock``)."""
+    base = resource_name.replace("/", "-")[:80]
+    return f"{base}-{time.time_ns() // 1_000_000}.sock"
+
+
+class PluginEndpoint:
+    """Serves one :class:`DevicePluginService` on a unix socket and keeps it registered."""
+
+    def __init__(self, service: DevicePluginService, directory: Path) -> None:
+        self.service = service
+        self.directory = directory
+        self.socket_path: Path | None = None
+        self.registered = asyncio.Event()
+        self.registrations = 0
+        self._server: grpc.aio.Server | None = None
+        self._register_task: asyncio.Task[None] | None = None
+
+    @property
+    def resource_name(self) -> str:
+        return self.service.logic.resource_name
+
+    async def start(self) -> None:
+        """Serve on a new socket and start registering."""
+        self.registered.clear()
+        self.socket_path = self.directory / socket_file_name(self.resource_name)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+        server = grpc.aio.server()
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, server)
+        server.add_insecure_port(f"unix://{self.socket_path}")
+        await server.start()
+        self._server = server
+        await self._self_dial()
+        self._register_task = asyncio.create_task(
+            self._register_until_done(), name=f"register-{self.resource_name}"
+        )
+
+    async def _self_dial(self) -> None:
+        async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), 5)
+
+    async def _register_until_done(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._register_once()
+                self.registrations += 1
+                self.registered.set()
+                log.info(
+                    "registered %s with kubelet (%s)",
+                    self.resource_name,
+                    self.socket_path.name if self.socket_path else "?",
+                )
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning(
+                    "registering %s failed (%s); retrying in %.1fs",
+                    self.resource_name,
+                    _describe(error),
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_REGISTER_BACKOFF)
+
+    async def _register_once(self) -> None:
+        assert self.socket_path is not None
+        target = f"unix://{self.directory / KUBELET_SOCKET}"
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = api_pb2_grpc.RegistrationStub(channel)
+            await stub.Register(
+                api_pb2.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=self.socket_path.name,
+                    resource_name=self.resource_name,
+                    options=self.service.options(),
+                ),
+                timeout=15,
+            )
+
+    async def stop(self) -> None:
+        """Stop serving and remove our socket (only ours)."""
+        if self._register_task is not None:
+            self._register_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._register_task
+            self._register_task = None
+        if self._server is not None:
+            await self._server.stop(0.2)
+            self._server = None
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        self.registered.clear()
+
+    async def restart(self) -> None:
+        """New socket + re-registration (after a kubelet restart wiped the directory)."""
+        await self.stop()
+        await self.start()
+
+    def socket_missing(self) -> bool:
+        """True if kubelet (or anyone) removed our socket."""
+        return self.socket_path is not None and not self.socket_path.exists()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"

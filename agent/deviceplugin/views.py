@@ -1,0 +1,220 @@
+"""Pure views: which devices each plugin lists, and which are Healthy.
+
+The rule behind every choice (DESIGN.md invariant 2): a device is Healthy exactly when an
+Allocate for it would succeed on the current cache.
+
+Instance-level plugin (resource ``akri.sh/<instance>``, on nodes in ``instance.nodes``): lists
+every slot ``<instance>-<n>`` (n < capacity).
+
+* held by this node's IL plugin → Healthy (kubelet re-offering its own device is idempotent);
+* free, with held count < capacity → Healthy;
+* held by anyone else (another node, this node's CL or DRA), draining, unknown → Unhealthy;
+* every slot is Unhealthy while the device is offline (grace period) or the Instance is being
+  deleted.
+
+Configuration-level plugin (resource ``akri.sh/<configuration>``): virtual devices
+``<configuration>-<k>``, as in Akri:
+
+* one per slot this node's CL plugin holds (``C:<vdev>:<node>``), Healthy (idempotent
+  re-allocation) unless its Instance is offline;
+* plus one free vdev per Instance (on this node, online) that has a free slot, Healthy,
+  numbered with the lowest free numbers in Instance-name order.
+
+So a single container is never offered more CL devices than there are distinct Instances with
+room, and the count shown to kubelet is what can really be given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from agent.ledger.decisions import free_slots, held_count
+from agent.model.device_usage import ConfigurationUsage, Free, NodeUsage, parse_usage
+from agent.model.instance import Instance
+from agent.model.naming import configuration_resource_name
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+RESOURCE_PREFIX = "akri.sh/"
+
+
+def instance_resource(instance: str) -> str:
+    """Kubelet resource name of the IL plugin."""
+    return RESOURCE_PREFIX + instance
+
+
+def configuration_resource(configuration: str) -> str:
+    """Kubelet resource name of the CL plugin."""
+    return RESOURCE_PREFIX + configuration_resource_name(configuration)
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    """One device as kubelet will see it."""
+
+    id: str
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class VirtualDevice:
+    """A CL virtual device: bound to an Instance, and to a slot once held."""
+
+    id: str
+    instance: str
+    slot: str | None
+    healthy: bool
+
+
+def instance_devices(instance: Instance, node: str, offline: bool) -> list[DeviceView]:
+    """The IL plugin's device list for ``instance`` on ``node``."""
+    if node not in instance.nodes:
+        return []
+    unavailable = offline or instance.deletion_timestamp is not None
+    room = held_count(instance) < instance.capacity
+    mine = NodeUsage(node)
+    result = []
+    for slot in instance.slot_ids():
+        usage = parse_usage(instance.device_usage.get(slot, ""))
+        if usage == mine:
+            healthy = not unavailable
+        elif isinstance(usage, Free):
+            healthy = room and not unavailable
+        else:
+            healthy = False
+        result.append(DeviceView(slot, healthy))
+    return result
+
+
+def held_virtual_devices(instances: Sequence[Instance], node: str) -> list[VirtualDevice]:
+    """vdevs this node's CL plugin holds, with the slot holding each."""
+    held: list[VirtualDevice] = []
+    for instance in instances:
+        for slot, value in sorted(instance.device_usage.items()):
+            usage = parse_usage(value)
+            if isinstance(usage, ConfigurationUsage) and usage.node == node:
+                held.append(VirtualDevice(usage.vdev, instance.name, slot, True))
+    return held
+
+
+def configuration_devices(
+    configuration: str,
+    instances: Sequence[Instance],
+    node: str,
+    offline: Collection[str],
+) -> list[VirtualDevice]:
+    """The CL plugin's device list: held vdevs, then one free vdev per Instance with room."""
+    mine = sorted(
+        (i for i in instances if i.configuration_name == configuration and node in i.nodes),
+        key=lambda i: i.name,
+    )
+    result: list[VirtualDevice] = []
+    used_ids: set[str] = set()
+    by_name = {i.name: i for i in mine}
+    for vdev in held_virtual_devices(mine, node):
+        if vdev.id in used_ids:
+            continue  # the same vdev twice would confuse kubelet; the reclaimer sorts it out
+        used_ids.add(vdev.id)
+        inst = by_name[vdev.instance]
+        healthy = vdev.instance not in offline and inst.deletion_timestamp is None
+        result.append(VirtualDevice(vdev.id, vdev.instance, vdev.slot, healthy))
+    prefix = configuration_resource_name(configuration)
+    number = 0
+    for inst in mine:
+        if inst.name in offline or inst.deletion_timestamp is not None or not free_slots(inst):
+            continue
+        while f"{prefix}-{number}" in used_ids:
+            number += 1
+        vdev_id = f"{prefix}-{number}"
+        used_ids.add(vdev_id)
+        result.append(VirtualDevice(vdev_id, inst.name, None, True))
+    return result
+
+
+@dataclass(frozen=True)
+class ClChoice:
+    """Where to try to put one requested vdev: candidate Instances in order of preference."""
+
+    vdev: str
+    held_in: str | None
+    candidates: tuple[str, ...]
+
+
+class InsufficientInstancesError(ValueError):
+    """More CL devices requested than there are distinct Instances with room."""
+
+
+def plan_configuration_allocation(
+    requested: Sequence[str],
+    devices: Sequence[VirtualDevice],
+    instances: Mapping[str, Instance],
+) -> list[ClChoice]:
+    """For one container request: the vdevs it already holds stay where they are; every other
+    vdev gets distinct Instances, its own bound Instance first, then the Instance with the most
+    free slots. Raises :class:`InsufficientInstancesError` when not enough Instances remain."""
+    by_id = {d.id: d for d in devices}
+    taken: set[str] = set()
+    choices: list[ClChoice] = []
+    for vdev in requested:
+        device = by_id.get(vdev)
+        if device is not None and device.slot is not None:
+            taken.add(device.instance)
+            choices.append(ClChoice(vdev, device.instance, (device.instance,)))
+    pending = [v for v in requested if by_id.get(v) is None or by_id[v].slot is None]
+    for vdev in pending:
+        device = by_id.get(vdev)
+        ranked = sorted(
+            (i for i in instances.values() if i.name not in taken and free_slots(i)),
+            key=lambda i: (-len(free_slots(i)), i.name),
+        )
+        order = [i.name for i in ranked]
+        if device is not None and device.instance in order:
+            order.remove(device.instance)
+            order.insert(0, device.instance)
+        if not order:
+            raise InsufficientInstancesError(
+                f"cannot allocate {len(requested)} device(s) of this configuration: "
+                "not enough distinct instances with a free slot"
+            )
+        taken.add(order[0])
+        choices.append(ClChoice(vdev, None, tuple(order)))
+    return choices
+
+
+def preferred_configuration_devices(
+    available: Sequence[str],
+    must_include: Sequence[str],
+    size: int,
+    devices: Sequence[VirtualDevice],
+    instances: Mapping[str, Instance],
+) -> list[str]:
+    """GetPreferredAllocation for CL: must-includes, then vdevs of distinct Instances, the
+    least-used (most free slots) first."""
+    by_id = {d.id: d for d in devices}
+    chosen = [v for v in must_include if v in available][:size]
+    used_instances = {by_id[v].instance for v in chosen if v in by_id}
+
+    def rank(vdev: str) -> tuple[int, int, str]:
+        device = by_id.get(vdev)
+        if device is None:
+            return (2, 0, vdev)
+        inst = instances.get(device.instance)
+        free = len(free_slots(inst)) if inst is not None else 0
+        return (0 if device.instance not in used_instances else 1, -free, vdev)
+
+    for vdev in sorted((v for v in available if v not in chosen), key=rank):
+        if len(chosen) >= size:
+            break
+        device = by_id.get(vdev)
+        if device is not None and device.instance in used_instances:
+            continue
+        chosen.append(vdev)
+        if device is not None:
+            used_instances.add(device.instance)
+    for vdev in available:  # fill up if distinct Instances ran out (kubelet would anyway)
+        if len(chosen) >= size:
+            break
+        if vdev not in chosen:
+            chosen.append(vdev)
+    return chosen
