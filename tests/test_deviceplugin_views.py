@@ -1,0 +1,160 @@
+"""Pure device-plugin decisions: health rules, CL virtual devices, planning, envs, reclaim."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.deviceplugin.container_env import container_edits, env_name
+from agent.deviceplugin.reclaimer import HeldSlot, held_by_plugins, stale_slots
+from agent.deviceplugin.views import (
+    InsufficientInstancesError,
+    configuration_devices,
+    configuration_resource,
+    instance_devices,
+    instance_resource,
+    plan_configuration_allocation,
+    preferred_configuration_devices,
+)
+from agent.model.instance import Instance
+from discovery_handlers.base import Device, DeviceSpec, Mount
+
+
+def inst(
+    name: str, capacity: int = 2, nodes: tuple[str, ...] = ("n1", "n2"), **usage: str
+) -> Instance:
+    mapping = {f"{name}-{i}": "" for i in range(capacity)}
+    mapping.update({f"{name}-{k[1:]}": v for k, v in usage.items()})
+    return Instance(
+        name=name,
+        configuration_name="cams",
+        capacity=capacity,
+        nodes=nodes,
+        device_usage=mapping,
+        broker_properties={"P": name},
+    )
+
+
+def health(views: list) -> dict[str, bool]:  # type: ignore[type-arg]
+    return {v.id: v.healthy for v in views}
+
+
+def test_resource_names() -> None:
+    assert instance_resource("cams-abcdef") == "akri.sh/cams-abcdef"
+    assert configuration_resource("cams") == "akri.sh/cams"
+
+
+def test_il_health_rules() -> None:
+    i = inst("cams-aaaaaa", capacity=4, s0="n1", s1="n2", s2="C:cams-0:n1")
+    assert health(instance_devices(i, "n1", offline=False)) == {
+        "cams-aaaaaa-0": True,  # ours: kubelet may re-offer it (idempotent)
+        "cams-aaaaaa-1": False,  # another node
+        "cams-aaaaaa-2": False,  # our own CL plugin: not for IL
+        "cams-aaaaaa-3": True,  # free
+    }
+    assert not any(health(instance_devices(i, "n1", offline=True)).values())
+    assert instance_devices(i, "n3", offline=False) == []  # not on this node
+    full = inst("cams-bbbbbb", capacity=1, s0="n2")
+    assert health(instance_devices(full, "n1", False)) == {"cams-bbbbbb-0": False}
+    deleting = inst("cams-cccccc").evolve(deletion_timestamp="2026-01-01T00:00:00Z")
+    assert not any(health(instance_devices(deleting, "n1", False)).values())
+
+
+def test_il_draining_slots_make_free_ones_unhealthy() -> None:
+    drained = inst("cams-dddddd", capacity=1, s0="", s1="n2")  # capacity lowered from 2
+    assert health(instance_devices(drained, "n1", False)) == {"cams-dddddd-0": False}
+
+
+def test_cl_lists_held_vdevs_plus_one_free_per_instance() -> None:
+    a = inst("cams-aaaaaa", capacity=2, s0="C:cams-0:n1")
+    b = inst("cams-bbbbbb", capacity=2)
+    c = inst("cams-cccccc", capacity=1, s0="n2")  # full
+    d = inst("cams-dddddd", capacity=2, nodes=("n2",))  # not on n1
+    devices = configuration_devices("cams", [a, b, c, d], "n1", offline=set())
+    assert [(v.id, v.instance, v.slot, v.healthy) for v in devices] == [
+        ("cams-0", "cams-aaaaaa", "cams-aaaaaa-0", True),
+        ("cams-1", "cams-aaaaaa", None, True),
+        ("cams-2", "cams-bbbbbb", None, True),
+    ]
+    offline = configuration_devices("cams", [a, b, c, d], "n1", offline={"cams-aaaaaa"})
+    assert [(v.id, v.healthy) for v in offline] == [("cams-0", False), ("cams-1", True)]
+
+
+def test_cl_plan_keeps_held_vdevs_and_spreads_new_ones() -> None:
+    a = inst("cams-aaaaaa", capacity=3, s0="C:cams-0:n1")
+    b = inst("cams-bbbbbb", capacity=3, s0="n2", s1="n2")
+    c = inst("cams-cccccc", capacity=3)
+    devices = configuration_devices("cams", [a, b, c], "n1", set())
+    by_name = {i.name: i for i in (a, b, c)}
+    plan = plan_configuration_allocation(["cams-0", "cams-9"], devices, by_name)
+    assert plan[0].held_in == "cams-aaaaaa"  # re-offered vdev stays where it is
+    assert plan[1].candidates[0] == "cams-cccccc"  # most free slots, not the held instance
+    assert "cams-aaaaaa" not in plan[1].candidates  # distinct instances per container
+    with pytest.raises(InsufficientInstancesError):
+        plan_configuration_allocation(["cams-1", "cams-2", "cams-3", "cams-4"], devices, by_name)
+
+
+def test_cl_plan_prefers_the_bound_instance() -> None:
+    a = inst("cams-aaaaaa", capacity=2)
+    b = inst("cams-bbbbbb", capacity=3)
+    devices = configuration_devices("cams", [a, b], "n1", set())
+    bound = {d.id: d.instance for d in devices}
+    plan = plan_configuration_allocation(["cams-0"], devices, {"cams-aaaaaa": a, "cams-bbbbbb": b})
+    assert plan[0].candidates[0] == bound["cams-0"]
+
+
+def test_cl_preferred_allocation_spreads_over_instances() -> None:
+    a = inst("cams-aaaaaa", capacity=3, s0="C:cams-0:n1")
+    b = inst("cams-bbbbbb", capacity=3)
+    devices = configuration_devices("cams", [a, b], "n1", set())
+    ids = [d.id for d in devices]
+    chosen = preferred_configuration_devices(
+        ids, [], 2, devices, {"cams-aaaaaa": a, "cams-bbbbbb": b}
+    )
+    instances = {next(d.instance for d in devices if d.id == v) for v in chosen}
+    assert len(chosen) == 2 and len(instances) == 2
+    assert preferred_configuration_devices(ids, ["cams-0"], 1, devices, {})[0] == "cams-0"
+
+
+def test_env_names_are_sanitised_and_suffixed() -> None:
+    assert env_name("USB_RESOURCE_AKRI_SH_UDEV-USB") == "USB_RESOURCE_AKRI_SH_UDEV_USB"
+    assert env_name("9lives") == "_9lives"
+    assert env_name("a.b/c d") == "a_b_c_d"
+    assert env_name("") == "_"
+    a = inst("cams-aaaaaa")
+    b = inst("cams-bbbbbb")
+    edits = container_edits(
+        [b, a],
+        {
+            "cams-aaaaaa": Device(
+                "x", device_specs=(DeviceSpec("/dev/video0", "/dev/video0", "rw"),)
+            ),
+            "cams-bbbbbb": Device(
+                "y",
+                device_specs=(DeviceSpec("/dev/video0", "/dev/video0", "rw"),),
+                mounts=(Mount("/data", "/host/data", True),),
+            ),
+        },
+    )
+    assert edits.envs["P"] == "cams-aaaaaa"  # deterministic: first instance name wins
+    assert edits.envs["P_AAAAAA"] == "cams-aaaaaa" and edits.envs["P_BBBBBB"] == "cams-bbbbbb"
+    assert [s.container_path for s in edits.device_specs] == ["/dev/video0"]
+    assert [m.host_path for m in edits.mounts] == ["/host/data"]
+
+
+def test_reclaim_decisions() -> None:
+    a = inst("cams-aaaaaa", capacity=4, s0="n1", s1="C:cams-3:n1", s2="n2", s3="D:uid:n1")
+    held = held_by_plugins([a], "n1")
+    assert held == [
+        HeldSlot("cams-aaaaaa", "cams-aaaaaa-0", "n1", "akri.sh/cams-aaaaaa", "cams-aaaaaa-0"),
+        HeldSlot("cams-aaaaaa", "cams-aaaaaa-1", "C:cams-3:n1", "akri.sh/cams", "cams-3"),
+    ]
+    since: dict[tuple[str, str], float] = {}
+    in_use = {"akri.sh/cams-aaaaaa": frozenset({"cams-aaaaaa-0"})}
+    assert stale_slots(held, in_use, since, now=0.0, grace=3.0) == []
+    assert stale_slots(held, in_use, since, now=2.0, grace=3.0) == []
+    due = stale_slots(held, in_use, since, now=3.0, grace=3.0)
+    assert [h.slot for h in due] == ["cams-aaaaaa-1"]
+    # back in use resets the timer
+    in_use2 = {**in_use, "akri.sh/cams": frozenset({"cams-3"})}
+    assert stale_slots(held, in_use2, since, now=10.0, grace=3.0) == []
+    assert since == {}
