@@ -49,6 +49,14 @@ def _name_of(document: Any) -> str | None:
     return None
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """One line: what is wrong and where (line/column), without PyYAML's multi-line dump."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
 class ConfigurationFiles:
     """Tracks the Configurations defined by a set of files and reports changes."""
 
@@ -57,7 +65,7 @@ class ConfigurationFiles:
         self._emit = emit
         self._files: dict[Path, _FileState] = {}
         self._current: dict[str, Configuration] = {}
-        self._reported_errors: set[str] = set()
+        self._reported_errors: set[tuple[str, str]] = set()
 
     def current(self) -> list[Configuration]:
         """The Configurations in force, sorted by name."""
@@ -74,9 +82,10 @@ class ConfigurationFiles:
 
     def _error(self, source: str, name: str, message: str) -> None:
         text = f"{source}: {message}"
-        if text in self._reported_errors:
+        file_name = source.split(" (document ")[0]
+        if (file_name, text) in self._reported_errors:
             return  # report each distinct problem once, not every poll
-        self._reported_errors.add(text)
+        self._reported_errors.add((file_name, text))
         log.error("invalid Configuration in %s", text)
         self._emit(ConfigurationEvent(EventType.MODIFIED, name, None, text, source))
 
@@ -89,7 +98,7 @@ class ConfigurationFiles:
             self._error(source, "", f"cannot read file: {error}")
             return dict(previous.configurations)
         except yaml.YAMLError as error:
-            self._error(source, "", f"not valid YAML: {error}")
+            self._error(source, "", f"not valid YAML: {_yaml_problem(error)}")
             return dict(previous.configurations)
         result: dict[str, Configuration] = {}
         for index, document in enumerate(documents):
@@ -122,9 +131,7 @@ class ConfigurationFiles:
                 self._error(str(path), "", "file not found")
                 state.configurations = {}
             else:
-                self._reported_errors = {
-                    e for e in self._reported_errors if not e.startswith(str(path))
-                }
+                self._reported_errors = {e for e in self._reported_errors if e[0] != str(path)}
                 state.configurations = self._parse_file(path, state)
             state.key = key
         for gone in set(self._files) - set(files):

@@ -524,11 +524,6 @@ def test_bad_configurations_are_reported_and_do_not_stop_good_ones(env: LocalEnv
     assert len(agent.errors(since)) == 1, agent.errors(since)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a YAML syntax error is logged as a multi-line record "
-    "(agent/config_files.py:92 formats str(yaml.YAMLError))",
-)
 def test_yaml_error_is_one_log_line(env: LocalEnv) -> None:
     bad = env.config("not-yaml.yaml")
     agent = env.start(env.config(), bad)
@@ -666,11 +661,6 @@ def test_two_agents_share_instances(env: LocalEnv) -> None:
     assert a.errors() == [] and b.errors() == [], env.logs()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an agent's own write hides another agent's earlier write from its poll "
-    "(agent/store/local.py:255 _next_version overwrites _last_counter_stat)",
-)
 def test_agent_sees_other_agents_writes_despite_its_own(env: LocalEnv) -> None:
     # Agent A polls the shared state dir every 4 s (debugEcho still every 0.5 s). Between two
     # of A's polls, agent B creates an Instance of another Configuration and then A writes

@@ -58,3 +58,12 @@ def test_akri_variable_fallbacks() -> None:
 def test_bad_environment_values_name_the_variable(env: dict[str, str], needle: str) -> None:
     with pytest.raises(SettingsError, match=needle):
         settings([], env)
+
+
+def test_every_setting_has_a_flag_and_env_var() -> None:
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(AgentSettings)}
+    options = {option.dest for option in AGENT_OPTIONS}
+    assert fields == options
+    assert all(option.env.startswith("AKRI_") for option in AGENT_OPTIONS)

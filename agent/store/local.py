@@ -69,6 +69,9 @@ def load_instance_file(path: Path) -> Instance:
 
 def read_state_dir(state_dir: Path) -> list[Instance]:
     """All Instances in ``state_dir`` (for ``akri status``); raises on a corrupt file."""
+    counter = state_dir / COUNTER_FILE
+    if counter.exists() and not counter.read_text().strip().isdigit():
+        raise CorruptStateError(str(counter), "expected an integer")
     directory = state_dir / INSTANCES_DIR
     if not directory.is_dir():
         return []
@@ -100,6 +103,7 @@ class LocalInstanceStore(InstanceStore):
         self._write_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._last_counter_stat: tuple[int, int] | None = None
+        self._rescan_pending = False
         self._config_files = ConfigurationFiles(list(config_paths), self._on_configuration)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -251,6 +255,10 @@ class LocalInstanceStore(InstanceStore):
             text = self._counter_path.read_text().strip()
             current = int(text) if text.isdigit() else 0
         current = max(current, self._max_file_version()) + 1
+        if self._counter_stat() != self._last_counter_stat:
+            # another process wrote since we last looked: our own write below would hide
+            # that from the poll, so remember to rescan
+            self._rescan_pending = True
         atomic_write_bytes(self._counter_path, f"{current}\n".encode(), durable=self._durable)
         self._last_counter_stat = self._counter_stat()
         return str(current)
@@ -267,6 +275,9 @@ class LocalInstanceStore(InstanceStore):
         return (stat.st_ino, stat.st_mtime_ns)
 
     def _counter_changed(self) -> bool:
+        if self._rescan_pending:
+            self._rescan_pending = False
+            return True
         stat = self._counter_stat()
         if stat == self._last_counter_stat:
             return False
