@@ -158,3 +158,17 @@ def test_reclaim_decisions() -> None:
     in_use2 = {**in_use, "akri.sh/cams": frozenset({"cams-3"})}
     assert stale_slots(held, in_use2, since, now=10.0, grace=3.0) == []
     assert since == {}
+
+
+def test_socket_names_fit_the_unix_path_limit(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from pathlib import Path
+
+    from agent.deviceplugin.endpoint import UNIX_PATH_MAX, socket_file_name
+
+    longest = "akri.sh/" + "a" * 59
+    for directory in [Path("/var/lib/kubelet/device-plugins"), Path("/tmp/" + "d" * 90)]:
+        name = socket_file_name(longest, directory)
+        assert len(str(directory / name)) <= UNIX_PATH_MAX
+        assert name.endswith(".sock")
+    short = socket_file_name("akri.sh/cam-8120fe", Path("/var/lib/kubelet/device-plugins"))
+    assert short.startswith("akri.sh-cam-8120fe-")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -28,10 +29,20 @@ API_VERSION = "v1beta1"
 MAX_REGISTER_BACKOFF = 5.0
 
 
-def socket_file_name(resource_name: str) -> str:
-    """A unique socket name for this start (``akri.sh/x`` → ``akri.sh-x-<ms>.sock``)."""
-    base = resource_name.replace("/", "-")[:80]
-    return f"{base}-{time.time_ns() // 1_000_000}.sock"
+UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+def socket_file_name(resource_name: str, directory: Path) -> str:
+    """A unique socket name for this start (``akri.sh/x`` → ``akri.sh-x-<ms>.sock``), shortened
+    (prefix + hash) so the full path fits the 108-byte unix socket limit."""
+    base = resource_name.replace("/", "-")
+    suffix = f"-{time.time_ns() // 1_000_000}.sock"
+    budget = UNIX_PATH_MAX - len(str(directory)) - 1 - len(suffix)
+    if len(base) > budget:
+        digest = hashlib.sha256(base.encode()).hexdigest()[:8]
+        head = base[: max(0, budget - 9)]
+        base = f"{head}-{digest}" if head else digest[: max(1, budget)]
+    return base + suffix
 
 
 class PluginEndpoint:
@@ -53,7 +64,7 @@ class PluginEndpoint:
     async def start(self) -> None:
         """Serve on a new socket and start registering."""
         self.registered.clear()
-        self.socket_path = self.directory / socket_file_name(self.resource_name)
+        self.socket_path = self.directory / socket_file_name(self.resource_name, self.directory)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
         server = grpc.aio.server()
