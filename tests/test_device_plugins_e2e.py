@@ -1,4 +1,4 @@
-"""Device plugins end to end: kubelet doubles + API double, 2–3 simulated nodes."""
+"""Device plugins end to end: kubelet doubles + API double, 2-3 simulated nodes."""
 
 from __future__ import annotations
 
