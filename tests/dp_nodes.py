@@ -65,7 +65,7 @@ async def start_dp_node(
     plugin_dir = base / "device-plugins"
     plugin_dir.mkdir(parents=True)
     (tmp / f"{name}-dir").write_text(str(base))  # where to look when debugging
-    kubelet = KubeletDouble(plugin_dir, base / "pod-resources.sock")
+    kubelet = KubeletDouble(plugin_dir, base / "pod-resources.sock", reregistration="kubelet")
     await kubelet.start()
     client = await make_api_client(str(api.write_kubeconfig(base / "kubeconfig")))
     store = KubernetesInstanceStore(client, KubernetesSettings(name, request_timeout=5))
