@@ -212,3 +212,14 @@ def test_no_sequence_yields_two_holders_or_more_than_capacity(
         assert len(held_in_range) <= instance.capacity
         assert all(key.startswith(NAME + "-") for key in instance.device_usage)
     assert holders is not None
+
+
+def test_stale_takeover_is_refused_while_draining() -> None:
+    # found by hypothesis: capacity lowered 2 -> 1 with both slots held; a takeover of the
+    # stale slot 0 would keep two holders on a capacity-1 Instance
+    held = inst(capacity=2, s0="node-b", s1="node-a")
+    shrunk = held.evolve(capacity=1, device_usage=resize_usage(held, 1))
+    result = decide_claim(
+        shrunk, f"{NAME}-0", Owner.configuration_level("cams-1", "node-b"), reclaimable={"node-b"}
+    )
+    assert isinstance(result, Refused)

@@ -11,7 +11,8 @@ Rules (invariant 1 of DESIGN.md):
 * a slot has at most one holder: a claim succeeds only on a free slot, or on a slot already
   held by exactly the same owner (idempotent: "kubelet knows best"), or on a slot whose
   current holder the caller has proven stale (``reclaimable``: usage values of this node whose
-  containers no longer exist, per kubelet's pod-resources API);
+  containers no longer exist, per kubelet's pod-resources API) — the latter only while the
+  held count is within capacity, so draining slots are not kept alive by a takeover;
 * held slots never exceed capacity: held entries at indexes ≥ capacity (left by a capacity
   decrease) count against capacity until released;
 * values we cannot parse count as held and are never handed out;
@@ -156,7 +157,12 @@ def decide_claim(
     if current == owner.usage:
         return Granted(slot, dict(instance.device_usage), changed=False)
     if not isinstance(current, Free):
-        if current_value in reclaimable and owner.node == _node_of(current):
+        if (
+            current_value in reclaimable
+            and owner.node == _node_of(current)
+            # over capacity (draining after a decrease): let the stale slot go instead
+            and held_count(instance) <= instance.capacity
+        ):
             return Granted(slot, _with(instance, slot, owner.value), True, current_value)
         return Refused("SlotInUse", f"slot {slot} is held by {current_value!r}")
     if held_count(instance) >= instance.capacity:
