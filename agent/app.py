@@ -5,12 +5,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import TYPE_CHECKING
 
 from agent.activity_log import log_instance_changes
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.events import Subscription
 from agent.ledger.ledger import SlotLedger
+from agent.store.base import InstanceEvent
+
+if TYPE_CHECKING:
+    from agent.dra.driver import DraDriver
+    from agent.dra.publisher import SlicePublisher
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.debug_echo import DebugEchoHandler
@@ -51,6 +58,9 @@ class Agent:
         self.plugins: DevicePluginManager | None = None
         self.reclaimer: SlotReclaimer | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
+        self.dra: DraDriver | None = None
+        self.publisher: SlicePublisher | None = None
+        self._slice_events: asyncio.Task[None] | None = None
         if settings.device_plugin_dir is not None:
             self.plugins = DevicePluginManager(
                 store, self.ledger, self.discovery, settings.device_plugin_dir
@@ -64,9 +74,43 @@ class Agent:
                 grace=settings.reclaim_grace,
             )
 
+    def _build_dra(self) -> None:
+        """DRA driver + slice publisher (cluster mode only: claims live in the API)."""
+        from agent.dra.cdi import CdiWriter
+        from agent.dra.checkpoint import Checkpoint
+        from agent.dra.driver import DraDriver
+        from agent.dra.publisher import SlicePublisher
+        from agent.dra.state import DraState
+        from agent.store.kubernetes import KubernetesInstanceStore
+
+        if not isinstance(self.store, KubernetesInstanceStore):
+            return
+        checkpoint = Checkpoint(self.settings.dra_plugin_dir / "checkpoint.json")
+        checkpoint.load()
+        state = DraState(
+            self.ledger,
+            self.store.list_cached,
+            self.discovery.device_for,
+            self.store.read_resource_claim,
+            CdiWriter(self.settings.cdi_dir),
+            checkpoint,
+        )
+        self.dra = DraDriver(
+            state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir
+        )
+        self.publisher = SlicePublisher(
+            self.store.api_client,
+            self.settings.node_name,
+            self.store.list_cached,
+            self.discovery.offline_instances,
+        )
+        self.discovery.add_offline_listener(self.publisher.trigger)
+
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
         await self.store.start()
+        if self.settings.dra:
+            self._build_dra()
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
@@ -74,6 +118,12 @@ class Agent:
         if self.plugins is not None and self.reclaimer is not None:
             await self.plugins.start()
             self._reclaim_task = asyncio.create_task(self.reclaimer.run(), name="reclaimer")
+        if self.dra is not None and self.publisher is not None:
+            await self.dra.start()
+            await self.publisher.start()
+            self._slice_events = asyncio.create_task(
+                self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
+            )
         log.info(
             "agent started on node %s (handlers: %s; %d configuration(s))",
             self.settings.node_name,
@@ -81,8 +131,21 @@ class Agent:
             len(self.store.configurations()),
         )
 
+    async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
+        async for _ in events:
+            if self.publisher is not None:
+                self.publisher.trigger()
+
     async def stop(self) -> None:
         """Stop discovery; Instances and slots stay as they are for the next start."""
+        if self._slice_events is not None:
+            self._slice_events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._slice_events
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.dra is not None:
+            await self.dra.stop()
         if self._reclaim_task is not None:
             self._reclaim_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -175,6 +175,34 @@ AGENT_OPTIONS = (
         "seconds a slot must be unused by any container before it is freed",
     ),
     Option(
+        "--dra",
+        "AKRI_DRA",
+        parse_bool,
+        None,
+        "run the DRA kubelet plugin and publish ResourceSlices (default: on in cluster mode)",
+    ),
+    Option(
+        "--plugins-registry-dir",
+        "AKRI_PLUGINS_REGISTRY_DIR",
+        Path,
+        Path("/var/lib/kubelet/plugins_registry"),
+        "kubelet plugin watcher directory (DRA registration socket)",
+    ),
+    Option(
+        "--dra-plugin-dir",
+        "AKRI_DRA_PLUGIN_DIR",
+        Path,
+        Path("/var/lib/kubelet/plugins/akri.sh"),
+        "DRA service socket and checkpoint directory",
+    ),
+    Option(
+        "--cdi-dir",
+        "AKRI_CDI_DIR",
+        Path,
+        Path("/var/run/cdi"),
+        "where CDI spec files for prepared claims are written",
+    ),
+    Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
         parse_seconds,
@@ -251,6 +279,10 @@ class AgentSettings:
     pod_resources_socket: Path
     reclaim_interval: float
     reclaim_grace: float
+    dra: bool
+    plugins_registry_dir: Path
+    dra_plugin_dir: Path
+    cdi_dir: Path
     poll_interval: float
 
     @classmethod
@@ -259,6 +291,10 @@ class AgentSettings:
         data["node_name"] = data["node_name"] or socket.gethostname()
         if data["debug_echo"] is None:
             data["debug_echo"] = bool(data["local"])
+        if data["dra"] is None:
+            data["dra"] = not data["local"]
+        if data["dra"] and data["local"]:
+            raise SettingsError("--dra needs the Kubernetes API (ResourceClaims): not in --local")
         if data["device_plugin_dir"] is None and not data["local"]:
             data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

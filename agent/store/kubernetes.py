@@ -122,6 +122,29 @@ class KubernetesInstanceStore(InstanceStore):
         self._events_sent: dict[tuple[str, str, str], float] = {}
         self.request_count = 0
 
+    @property
+    def api_client(self) -> Any:
+        """The shared ``kubernetes.aio`` ApiClient (for the DRA slice publisher)."""
+        return self._api_client
+
+    async def read_resource_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """A ``resource.k8s.io/v1`` ResourceClaim, or None if it does not exist."""
+        self.request_count += 1
+        try:
+            claim: Mapping[str, Any] = await self._custom.get_namespaced_custom_object(
+                "resource.k8s.io",
+                "v1",
+                namespace,
+                "resourceclaims",
+                name,
+                _request_timeout=self.settings.request_timeout,
+            )
+            return claim
+        except Exception as error:
+            if _status_of(error) == 404:
+                return None
+            raise
+
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         try:

@@ -1,0 +1,1 @@
+"""DRA kubelet plugin (driver ``akri.sh``): ResourceSlices, prepare/unprepare, CDI."""

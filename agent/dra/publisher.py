@@ -1,0 +1,313 @@
+"""Publishes this node's pools as ``resource.k8s.io/v1`` ResourceSlices and keeps them right.
+
+* follows its own slices with an informer (``fieldSelector spec.driver=akri.sh``) and re-syncs
+  on every change, so slices kubelet deletes (at its start, or 30 s after we disconnect) are
+  re-created at once;
+* pool rules: when a pool's content changes every slice of it gets ``generation + 1`` and the
+  current ``resourceSliceCount``; ≤ 128 devices per slice; an empty pool keeps one empty slice;
+* a shared Instance's pool may change publisher (the first node in ``nodes`` changes): the new
+  publisher adopts the existing slices (updates them in place with a higher generation);
+  slices of shared pools whose Instance is gone are deleted by whoever notices;
+* every write is a create, or a PUT/DELETE with the resourceVersion it was decided on;
+* after each write the returned spec is compared with what was sent: fields the API server
+  dropped (feature gate off, validation differences) are reported once, loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
+
+from agent.dra.slices import DRIVER, Pool, desired_pools
+from agent.model.instance import Instance
+from agent.store.informer import Informer, Obj, RawEvent, WatchExpiredError, parse_watch_lines
+
+log = logging.getLogger(__name__)
+
+GROUP = "resource.k8s.io"
+VERSION = "v1"
+PLURAL = "resourceslices"
+POOL_LABEL = "akri.sh/pool"
+WATCH_TIMEOUT = 290
+
+
+def _label_value(text: str) -> str:
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63].strip("-_.")
+    return value or "pool"
+
+
+def _pool_of(obj: Obj) -> str:
+    return str(((obj.get("spec") or {}).get("pool") or {}).get("name") or "")
+
+
+def _generation(obj: Obj) -> int:
+    return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+
+
+def _content(spec: dict[str, Any]) -> str:
+    keep = {k: v for k, v in spec.items() if k != "pool"}
+    return json.dumps(keep, sort_keys=True)
+
+
+class SlicePublisher:
+    """Keeps this node's ResourceSlices equal to :func:`desired_pools`."""
+
+    def __init__(
+        self,
+        api_client: Any,
+        node: str,
+        list_instances: Callable[[], list[Instance]],
+        offline: Callable[[], Collection[str]],
+        *,
+        debounce: float = 0.02,
+    ) -> None:
+        from kubernetes.aio import client
+
+        self._custom: Any = client.CustomObjectsApi(api_client)
+        self._core: Any = client.CoreV1Api(api_client)
+        self.node = node
+        self._list_instances = list_instances
+        self._offline = offline
+        self._debounce = debounce
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._informer = Informer("resourceslices", self._list, self._watch, self._on_event)
+        self._node_uid: str | None = None
+        self._reported_drops: set[str] = set()
+        self.writes = 0
+        self.syncs = 0
+        self.synced = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._informer.initial_list()
+        self._node_uid = await self._lookup_node_uid()
+        self._tasks = [
+            asyncio.create_task(self._informer.run(), name="watch-resourceslices"),
+            asyncio.create_task(self._loop(), name="publish-resourceslices"),
+        ]
+        self.trigger()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def trigger(self) -> None:
+        """Something changed (Instances, offline set, slices): re-sync soon."""
+        self._wake.set()
+
+    # -- informer plumbing ---------------------------------------------------------------
+    async def _list(self) -> tuple[list[Obj], str]:
+        result = await self._custom.list_cluster_custom_object(
+            GROUP, VERSION, PLURAL, field_selector=f"spec.driver={DRIVER}", _request_timeout=30
+        )
+        return list(result.get("items") or []), str(
+            (result.get("metadata") or {}).get("resourceVersion") or ""
+        )
+
+    async def _watch(self, version: str) -> AsyncIterator[tuple[str, Obj]]:
+        response = await self._custom.list_cluster_custom_object_without_preload_content(
+            GROUP,
+            VERSION,
+            PLURAL,
+            field_selector=f"spec.driver={DRIVER}",
+            watch=True,
+            resource_version=version,
+            timeout_seconds=WATCH_TIMEOUT,
+            allow_watch_bookmarks=True,
+            _request_timeout=WATCH_TIMEOUT + 30,
+        )
+        try:
+            if response.status == 410:
+                raise WatchExpiredError("410 Gone")
+            if response.status >= 400:
+                raise RuntimeError(f"watch resourceslices: HTTP {response.status}")
+            async for item in parse_watch_lines(response.content):
+                yield item
+        finally:
+            response.release()
+
+    def _on_event(self, event: RawEvent) -> None:
+        self.trigger()
+
+    async def _lookup_node_uid(self) -> str | None:
+        try:
+            node = await self._core.read_node_without_preload_content(self.node)
+            try:
+                if node.status != 200:
+                    return None
+                return str(json.loads(await node.read())["metadata"]["uid"])
+            finally:
+                node.release()
+        except Exception:
+            return None
+
+    # -- syncing ---------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        backoff = 0.5
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._debounce)
+            self._wake.clear()
+            try:
+                await self.sync()
+                backoff = 0.5
+                self.synced.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning(
+                    "publishing ResourceSlices failed (%s: %s); retrying in %.1fs",
+                    type(error).__name__,
+                    error,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                self._wake.set()
+
+    async def sync(self) -> None:
+        """Make every pool this node publishes match the cache; delete orphaned shared pools."""
+        self.syncs += 1
+        instances = self._list_instances()
+        pools = desired_pools(instances, self.node, self._offline())
+        by_pool: dict[str, list[Obj]] = {}
+        for obj in self._informer.cache.values():
+            by_pool.setdefault(_pool_of(obj), []).append(obj)
+        for pool in pools:
+            await self._sync_pool(pool, by_pool.get(pool.name, []))
+        existing_instances = {i.name for i in instances}
+        for name, objs in by_pool.items():
+            local_of_this_node = any(
+                (o.get("spec") or {}).get("nodeName") == self.node for o in objs
+            )
+            shared_orphan = all(not (o.get("spec") or {}).get("nodeName") for o in objs) and (
+                name not in existing_instances
+            )
+            if (local_of_this_node and name != self.node) or shared_orphan:
+                for obj in objs:
+                    await self._delete(obj)
+
+    async def _sync_pool(self, pool: Pool, existing: list[Obj]) -> None:
+        specs = pool.slice_specs()
+        existing = sorted(existing, key=lambda o: str(o["metadata"]["name"]))
+        count = len(specs)
+        generation = max((_generation(o) for o in existing), default=0)
+        unchanged = (
+            len(existing) == count
+            and len({_generation(o) for o in existing}) == 1
+            and all(
+                ((o.get("spec") or {}).get("pool") or {}).get("resourceSliceCount") == count
+                and _content(o.get("spec") or {}) == _content(spec)
+                for o, spec in zip(existing, specs, strict=True)
+            )
+        )
+        if unchanged:
+            return
+        generation += 1
+        for obj in existing[count:]:
+            await self._delete(obj)
+        for index, spec in enumerate(specs):
+            full = {
+                **spec,
+                "pool": {
+                    "name": pool.name,
+                    "generation": generation,
+                    "resourceSliceCount": count,
+                },
+            }
+            if index < len(existing):
+                await self._update(existing[index], full)
+            else:
+                await self._create(pool, full)
+
+    def _metadata(self, pool: Pool) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "generateName": f"{DRIVER}-{_label_value(pool.name)[:40]}-",
+            "labels": {POOL_LABEL: _label_value(pool.name)},
+        }
+        if pool.node_name is not None and self._node_uid:
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": self.node,
+                    "uid": self._node_uid,
+                    "controller": True,
+                }
+            ]
+        return metadata
+
+    async def _create(self, pool: Pool, spec: dict[str, Any]) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "ResourceSlice",
+            "metadata": self._metadata(pool),
+            "spec": spec,
+        }
+        created = await self._custom.create_cluster_custom_object(
+            GROUP, VERSION, PLURAL, body, _request_timeout=30
+        )
+        self.writes += 1
+        self._informer.apply_local(RawEvent("ADDED", created))
+        self._check_dropped(spec, created)
+
+    async def _update(self, obj: Obj, spec: dict[str, Any]) -> None:
+        body = dict(obj)
+        body["spec"] = spec
+        try:
+            updated = await self._custom.replace_cluster_custom_object(
+                GROUP, VERSION, PLURAL, obj["metadata"]["name"], body, _request_timeout=30
+            )
+        except Exception as error:
+            if getattr(error, "status", None) in (404, 409):
+                self.trigger()  # someone else changed or removed it: re-decide
+                return
+            raise
+        self.writes += 1
+        self._informer.apply_local(RawEvent("MODIFIED", updated))
+        self._check_dropped(spec, updated)
+
+    async def _delete(self, obj: Obj) -> None:
+        from kubernetes.aio import client
+
+        name = obj["metadata"]["name"]
+        options = client.V1DeleteOptions(
+            preconditions=client.V1Preconditions(
+                resource_version=obj["metadata"].get("resourceVersion")
+            )
+        )
+        try:
+            await self._custom.delete_cluster_custom_object(
+                GROUP, VERSION, PLURAL, name, body=options, _request_timeout=30
+            )
+            self.writes += 1
+        except Exception as error:
+            if getattr(error, "status", None) not in (404, 409):
+                raise
+        self._informer.apply_local(RawEvent("DELETED", obj))
+
+    def _check_dropped(self, sent: dict[str, Any], stored: Obj) -> None:
+        got = stored.get("spec") or {}
+        if json.dumps(got.get("devices"), sort_keys=True) == json.dumps(
+            sent.get("devices"), sort_keys=True
+        ):
+            return
+        key = str(sent.get("pool", {}).get("name"))
+        if key in self._reported_drops:
+            return
+        self._reported_drops.add(key)
+        log.error(
+            "the API server changed or dropped fields of ResourceSlice pool %s (a feature gate "
+            "may be off or the schema differs): sent %s, stored %s",
+            key,
+            json.dumps(sent.get("devices"))[:500],
+            json.dumps(got.get("devices"))[:500],
+        )

@@ -1,0 +1,204 @@
+"""Pure ResourceSlice content: which devices this node publishes, with typed attributes.
+
+Model (DESIGN.md §5): **one DRA device per slot**, so every DRA-GA cluster (≥ 1.34) can use it
+without feature gates.
+
+* **Local (unshared) Instances** go in the node's pool: pool name = node name,
+  ``spec.nodeName`` = node.
+* **Shared Instances** get a pool of their own, named after the Instance, available on exactly
+  the nodes in ``instance.nodes`` (``nodeSelector`` on ``metadata.name``), and published by one
+  deterministic agent: the node that sorts first in ``instance.nodes``. So the scheduler sees
+  each slot once, whichever node it schedules on.
+* A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
+  scheduler's accounting of existing allocations is unchanged). A slot taken through a device
+  plugin (IL ``<node>`` or CL ``C:…``) leaves the slice; so do all slots of an Instance that
+  is offline (grace period) or being deleted. The remaining race (scheduler allocates a slot
+  a device plugin claims at the same moment) is arbitrated by the Instance CAS: prepare fails
+  with an error naming the holder.
+
+Device names are DNS labels: the slot id when it is one, else a sanitised prefix + hash.
+Attributes (≤ 32 per device, names are C identifiers ≤ 32 chars, string values ≤ 64 chars):
+``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), then device properties,
+typed — integers as ``int``, ``true``/``false`` as ``bool``, semantic versions as ``version``,
+other strings ≤ 64 chars as ``string`` — in name order until the limit. Properties that do not
+fit (long values, names that cannot be C identifiers) are left out (they still reach the
+container as env vars).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.model.device_usage import ClaimUsage, Free, parse_usage
+from agent.model.instance import Instance
+from agent.model.naming import is_dns_label
+
+DRIVER = "akri.sh"
+MAX_DEVICES_PER_SLICE = 128
+MAX_ATTRIBUTES = 32
+MAX_ATTRIBUTE_NAME = 32
+MAX_STRING_VALUE = 64
+RESERVED_ATTRIBUTES = ("configuration", "instance", "slot", "shared")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INT = re.compile(r"^[+-]?\d{1,18}$")
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+
+
+def typed_attribute(value: str) -> dict[str, Any] | None:
+    """The typed DeviceAttribute for a property value, or None if it does not fit."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return {"bool": lowered == "true"}
+    if _INT.match(value.strip()):
+        number = int(value.strip())
+        if -(2**63) <= number < 2**63:
+            return {"int": number}
+    if len(value) <= MAX_STRING_VALUE and _SEMVER.match(value.strip()):
+        return {"version": value.strip()}
+    if len(value) <= MAX_STRING_VALUE:
+        return {"string": value}
+    return None
+
+
+def attribute_name(name: str) -> str | None:
+    """A C identifier (≤ 32 chars) for a property name, or None."""
+    candidate = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    if candidate and candidate[0].isdigit():
+        candidate = "_" + candidate
+    if not _C_IDENTIFIER.match(candidate) or len(candidate) > MAX_ATTRIBUTE_NAME:
+        return None
+    return candidate
+
+
+def device_name(slot: str) -> str:
+    """DRA device name (DNS label) for a slot id."""
+    if is_dns_label(slot):
+        return slot
+    digest = hashlib.sha256(slot.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^a-z0-9-]", "-", slot.lower()).strip("-")[:50].strip("-")
+    return f"{cleaned}-{digest}" if cleaned else f"d-{digest}"
+
+
+def device_attributes(instance: Instance, index: int) -> dict[str, dict[str, Any]]:
+    """Typed attributes of one slot device."""
+    attributes: dict[str, dict[str, Any]] = {
+        "configuration": {"string": instance.configuration_name[:MAX_STRING_VALUE]},
+        "instance": {"string": instance.name[:MAX_STRING_VALUE]},
+        "slot": {"int": index},
+        "shared": {"bool": instance.shared},
+    }
+    for key, value in sorted(instance.broker_properties.items()):
+        if len(attributes) >= MAX_ATTRIBUTES:
+            break
+        name = attribute_name(key)
+        if name is None or name in attributes:
+            continue
+        typed = typed_attribute(value)
+        if typed is not None:
+            attributes[name] = typed
+    return attributes
+
+
+def published_slots(instance: Instance, offline: bool) -> list[tuple[int, str]]:
+    """(index, slot id) of the slots that belong in a slice."""
+    if offline or instance.deletion_timestamp is not None:
+        return []
+    result = []
+    for index, slot in enumerate(instance.slot_ids()):
+        usage = parse_usage(instance.device_usage.get(slot, ""))
+        if isinstance(usage, Free | ClaimUsage):
+            result.append((index, slot))
+    return result
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool this node publishes."""
+
+    name: str
+    node_name: str | None  # local pool
+    nodes: tuple[str, ...] = ()  # shared pool: nodeSelector over these node names
+    devices: tuple[dict[str, Any], ...] = field(default=())
+
+    def slice_specs(self) -> list[dict[str, Any]]:
+        """Slice ``spec``s (without pool generation/count) of ≤ 128 devices each; an empty
+        pool still gets one empty slice ("empty pool" ≠ "no pool")."""
+        chunks = [
+            list(self.devices[i : i + MAX_DEVICES_PER_SLICE])
+            for i in range(0, len(self.devices), MAX_DEVICES_PER_SLICE)
+        ] or [[]]
+        specs = []
+        for chunk in chunks:
+            spec: dict[str, Any] = {"driver": DRIVER, "devices": chunk}
+            if self.node_name is not None:
+                spec["nodeName"] = self.node_name
+            else:
+                spec["nodeSelector"] = {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {
+                                    "key": "metadata.name",
+                                    "operator": "In",
+                                    "values": list(self.nodes),
+                                }
+                            ]
+                        }
+                    ]
+                }
+            specs.append(spec)
+        return specs
+
+
+def _devices(instances: Iterable[Instance], offline: Collection[str]) -> list[dict[str, Any]]:
+    devices = []
+    for instance in sorted(instances, key=lambda i: i.name):
+        for index, slot in published_slots(instance, instance.name in offline):
+            devices.append(
+                {"name": device_name(slot), "attributes": device_attributes(instance, index)}
+            )
+    return devices
+
+
+def desired_pools(instances: Sequence[Instance], node: str, offline: Collection[str]) -> list[Pool]:
+    """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
+    every shared Instance for which it is the publishing node."""
+    local = [i for i in instances if not i.shared and node in i.nodes]
+    pools = [Pool(name=node, node_name=node, devices=tuple(_devices(local, offline)))]
+    for instance in sorted(instances, key=lambda i: i.name):
+        if not instance.shared or not instance.nodes or min(instance.nodes) != node:
+            continue
+        pools.append(
+            Pool(
+                name=instance.name,
+                node_name=None,
+                nodes=tuple(sorted(instance.nodes)),
+                devices=tuple(_devices([instance], offline)),
+            )
+        )
+    return pools
+
+
+def slot_for_device(
+    pool: str, device: str, instances: Mapping[str, Instance], node: str
+) -> tuple[Instance, str] | None:
+    """Resolve an allocated (pool, device) back to (Instance, slot id)."""
+    candidates: Iterable[Instance]
+    if pool == node:
+        candidates = [i for i in instances.values() if not i.shared and node in i.nodes]
+    else:
+        found = instances.get(pool)
+        candidates = [found] if found is not None else []
+    for instance in candidates:
+        for slot in instance.slot_ids():
+            if device_name(slot) == device:
+                return instance, slot
+    return None
