@@ -12,6 +12,11 @@ from typing import Any
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.dra.cdi import CdiWriter
+from agent.dra.checkpoint import Checkpoint
+from agent.dra.driver import DraDriver
+from agent.dra.publisher import SlicePublisher
+from agent.dra.state import DraState
 from agent.ledger.decisions import held_count
 from agent.ledger.ledger import SlotLedger
 from agent.model.instance import Instance
@@ -37,6 +42,19 @@ class DpNode:
     reclaimer: SlotReclaimer
     availability: Path
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    dra: DraDriver | None = None
+    publisher: SlicePublisher | None = None
+    base: Path | None = None
+
+    @property
+    def cdi_dir(self) -> Path:
+        assert self.base is not None
+        return self.base / "cdi"
+
+    @property
+    def registry_dir(self) -> Path:
+        assert self.base is not None
+        return self.base / "plugins_registry"
 
     def offline(self, value: bool = True) -> None:
         self.availability.write_text("OFFLINE" if value else "ONLINE")
@@ -44,6 +62,10 @@ class DpNode:
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self.dra is not None:
+            await self.dra.stop()
         await self.plugins.close()
         await self.discovery.close()
         await self.store.close()
@@ -59,6 +81,7 @@ async def start_dp_node(
     grace: GraceSettings = NO_GRACE,
     reclaim_grace: float = 0.5,
     reclaim_interval: float = 0.2,
+    dra: bool = False,
 ) -> DpNode:
     # unix socket paths are limited to 108 bytes: keep the node's directory short
     base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/tmp"))
@@ -87,8 +110,38 @@ async def start_dp_node(
     await discovery.start()
     await plugins.start()
     node = DpNode(name, kubelet, store, discovery, ledger, plugins, reclaimer, availability)
+    node.base = base
     node.tasks.append(asyncio.create_task(reclaimer.run()))
+    if dra:
+        await _start_dra(node, base)
     return node
+
+
+async def _start_dra(node: DpNode, base: Path) -> None:
+    checkpoint = Checkpoint(base / "dra" / "checkpoint.json")
+    checkpoint.load()
+    state = DraState(
+        node.ledger,
+        node.store.list_cached,
+        node.discovery.device_for,
+        node.store.read_resource_claim,
+        CdiWriter(base / "cdi"),
+        checkpoint,
+    )
+    node.dra = DraDriver(state, base / "plugins_registry", base / "dra", poll=0.1)
+    node.publisher = SlicePublisher(
+        node.store.api_client, node.name, node.store.list_cached, node.discovery.offline_instances
+    )
+    node.discovery.add_offline_listener(node.publisher.trigger)
+    await node.dra.start()
+    await node.publisher.start()
+
+    async def follow() -> None:
+        async for _ in node.store.subscribe_instances():
+            assert node.publisher is not None
+            node.publisher.trigger()
+
+    node.tasks.append(asyncio.create_task(follow()))
 
 
 def api_instances(api: ApiServerDouble) -> dict[str, Instance]:
