@@ -22,6 +22,7 @@ import yaml
 
 from agent.model.configuration import Configuration, ConfigurationError, parse_configuration
 from agent.store.base import ConfigurationEvent, EventType
+from discovery_handlers.details import yaml_problem
 
 log = logging.getLogger(__name__)
 FileKey = tuple[int, int, int]
@@ -47,14 +48,6 @@ def _name_of(document: Any) -> str | None:
         if isinstance(metadata, dict) and isinstance(metadata.get("name"), str):
             return str(metadata["name"])
     return None
-
-
-def _yaml_problem(error: yaml.YAMLError) -> str:
-    """One line: what is wrong and where (line/column), without PyYAML's multi-line dump."""
-    mark = getattr(error, "problem_mark", None)
-    problem = getattr(error, "problem", None) or str(error)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
 
 
 class ConfigurationFiles:
@@ -98,7 +91,7 @@ class ConfigurationFiles:
             self._error(source, "", f"cannot read file: {error}")
             return dict(previous.configurations)
         except yaml.YAMLError as error:
-            self._error(source, "", f"not valid YAML: {_yaml_problem(error)}")
+            self._error(source, "", f"not valid YAML: {yaml_problem(error)}")
             return dict(previous.configurations)
         result: dict[str, Configuration] = {}
         for index, document in enumerate(documents):
