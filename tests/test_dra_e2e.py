@@ -266,3 +266,38 @@ async def test_v1beta1_service_works_too(api: ApiServerDouble, tmp_path: Path) -
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_path: Path) -> None:
+    import yaml
+
+    documents = yaml.safe_load_all((Path(__file__).parent.parent / "deploy/rbac.yaml").read_text())
+    role = next(d for d in documents if d["kind"] == "ClusterRole")
+    allowed = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}})
+    api.clear_requests()
+    node, kubelet = await dra_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(published(api).get("cam-8120fe", [])) == 2)
+        await claim_and_prepare(api, kubelet, "node-a", "r1")
+        await kubelet.remove_pod("pod-r1")
+        api.delete("configurations.akri.sh", "cam", "default")
+        await eventually(lambda: "cam-8120fe" not in published(api), what="orphan pool removed")
+    finally:
+        await kubelet.stop()
+        await node.stop()
+    # the test, the scheduler emulator and the DRA kubelet double use the double's Python
+    # API, so every recorded HTTP request is the agent's
+    used = {
+        (r.info.group or "", r.info.resource, r.info.verb) for r in api.requests if r.info.resource
+    }
+    assert ("resource.k8s.io", "resourceslices", "create") in used
+    assert ("resource.k8s.io", "resourceclaims", "get") in used
+    assert used <= allowed, sorted(used - allowed)
