@@ -301,3 +301,22 @@ async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_pa
     assert ("resource.k8s.io", "resourceslices", "create") in used
     assert ("resource.k8s.io", "resourceclaims", "get") in used
     assert used <= allowed, sorted(used - allowed)
+
+
+async def test_removed_registration_socket_is_served_again(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration("cam", ("foo0",), 1))
+    node, kubelet = await dra_node(api, "node-a", tmp_path)
+    try:
+        assert node.dra is not None
+        node.dra.registration_socket.unlink()
+        await eventually(lambda: node.dra is not None and node.dra.re_registrations == 1)
+        await eventually(lambda: node.dra is not None and node.dra.registration_socket.exists())
+        await kubelet.wait_for_registration("akri.sh", timeout=5)
+        await eventually(lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"])
+        uid, results = await claim_and_prepare(api, kubelet, "node-a", "after")
+        assert results[uid].devices[0].device_name == "cam-8120fe-0"
+    finally:
+        await kubelet.stop()
+        await node.stop()
