@@ -166,9 +166,11 @@ def test_socket_names_fit_the_unix_path_limit(tmp_path_factory: pytest.TempPathF
     from agent.deviceplugin.endpoint import UNIX_PATH_MAX, socket_file_name
 
     longest = "akri.sh/" + "a" * 59
-    for directory in [Path("/var/lib/kubelet/device-plugins"), Path("/tmp/" + "d" * 90)]:
+    for directory in [Path("/var/lib/kubelet/device-plugins"), Path("/tmp/" + "d" * 75)]:
         name = socket_file_name(longest, directory)
         assert len(str(directory / name)) <= UNIX_PATH_MAX
         assert name.endswith(".sock")
+    with pytest.raises(ValueError, match="too long"):
+        socket_file_name(longest, Path("/tmp/" + "d" * 95))
     short = socket_file_name("akri.sh/cam-8120fe", Path("/var/lib/kubelet/device-plugins"))
     assert short.startswith("akri.sh-cam-8120fe-")

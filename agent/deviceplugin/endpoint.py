@@ -38,6 +38,11 @@ def socket_file_name(resource_name: str, directory: Path) -> str:
     base = resource_name.replace("/", "-")
     suffix = f"-{time.time_ns() // 1_000_000}.sock"
     budget = UNIX_PATH_MAX - len(str(directory)) - 1 - len(suffix)
+    if budget < 8:
+        raise ValueError(
+            f"device plugin directory {directory} is too long for unix socket paths "
+            f"({UNIX_PATH_MAX} bytes)"
+        )
     if len(base) > budget:
         digest = hashlib.sha256(base.encode()).hexdigest()[:8]
         head = base[: max(0, budget - 9)]
