@@ -166,7 +166,7 @@ def test_socket_names_fit_the_unix_path_limit(tmp_path_factory: pytest.TempPathF
     from agent.deviceplugin.endpoint import UNIX_PATH_MAX, socket_file_name
 
     longest = "akri.sh/" + "a" * 59
-    for directory in [Path("/var/lib/kubelet/device-plugins"), Path("/tmp/" + "d" * 75)]:
+    for directory in [Path("/var/lib/kubelet/device-plugins"), Path("/tmp/" + "d" * 65)]:
         name = socket_file_name(longest, directory)
         assert len(str(directory / name)) <= UNIX_PATH_MAX
         assert name.endswith(".sock")
