@@ -22,6 +22,7 @@ from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.registry import HandlerRegistry
+from discovery_handlers.udev import UdevHandler
 
 log = logging.getLogger("agent")
 
@@ -29,6 +30,7 @@ log = logging.getLogger("agent")
 def build_handlers(settings: AgentSettings) -> HandlerRegistry:
     """The embedded handlers this agent runs."""
     registry = HandlerRegistry()
+    registry.register(UdevHandler())  # only runs when a Configuration names "udev"
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(
