@@ -272,6 +272,17 @@ def test_alternatives_as_udev(value: str, candidate: str, expected: bool) -> Non
     assert matches(f'ENV{{P}}!="{value}"', device) is (not expected)
 
 
+def test_question_star_keeps_the_written_operator() -> None:
+    (m,) = parse_rule('ENV{P}=="?*"').matches
+    assert not m.negate and m.invert  # udev evaluates it as ENV{P}!=""
+    device = FakeDevice("/devices/x", properties={"P": "1"}, attributes={"a": b"  "})
+    assert matches('ENV{P}=="?*"', device) and not matches('ENV{P}!="?*"', device)
+    assert not matches('ENV{Q}=="?*"', device) and matches('ENV{Q}!="?*"', device)
+    assert not matches('ATTR{a}=="?*"', device)  # whitespace-only: stripped to ""
+    # udev's TAG=="?*" is TAG!="" which no non-empty tag can fail: always true
+    assert matches('TAG=="?*"', FakeDevice("/devices/y"))
+
+
 def test_plain_values_compare_literally_and_globs_unescape() -> None:
     device = FakeDevice("/devices/x", properties={"P": "a\\b"})
     assert matches('ENV{P}=="a\\b"', device)  # no glob char: strcmp, backslash kept

@@ -138,6 +138,7 @@ class Match:
     column: int
     text: str
     kind: str = field(init=False)
+    invert: bool = field(init=False)
     alternatives: tuple[bytes, ...] = field(init=False)
     with_empty: bool = field(init=False)
     strip_trailing_whitespace: bool = field(init=False)
@@ -160,7 +161,7 @@ class Match:
         parts = value.split(b"|")
         alternatives = tuple(part for part in parts if part)
         with_empty = any(part == b"" for part in parts)
-        object.__setattr__(self, "negate", negate)
+        object.__setattr__(self, "invert", negate)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "alternatives", alternatives)
         object.__setattr__(self, "with_empty", with_empty)
@@ -193,7 +194,7 @@ class Match:
         return any(fnmatch(alt, value, casefold=self.case_insensitive) for alt in self.alternatives)
 
     def _test(self, value: bytes) -> bool:
-        return self._matches_string(value) != self.negate
+        return self._matches_string(value) != self.invert
 
     def evaluate(self, device: UdevDevice) -> bool:
         """This pair on ``device`` alone (no parent walking)."""
@@ -221,8 +222,8 @@ class Match:
         # TAG / TAGS: true for == when some tag matches, for != when none does
         for tag in device.tags:
             if self._matches_string(_encode(tag)):
-                return not self.negate
-        return self.negate
+                return not self.invert
+        return self.invert
 
 
 @dataclass(frozen=True)
