@@ -221,6 +221,16 @@ def test_drain_reports_lost_events_and_reads_moves() -> None:
         assert not any(path.startswith("/devices/virtual/net/") for path in watcher.found)
     finally:
         watcher.close()
+    # devices outside /devices are never enumerated, so their events are ignored too
+    modules = UdevWatcher((parse_rule('SUBSYSTEM=="module"'),), "kernel")
+    try:
+        modules.full_scan()
+        assert modules.found == {}
+        for name in sorted(os.listdir("/sys/module"))[:3]:
+            modules.apply([Uevent("add", f"/module/{name}")])
+        assert modules.found == {}
+    finally:
+        modules.close()
 
 
 # -- real kernel uevents (root): a veth pair in a private network namespace ---------------

@@ -87,10 +87,7 @@ class UdevHandler(DiscoveryHandler):
             await asyncio.to_thread(watcher.full_scan)
             last = self._devices(details, watcher.found)
             log.info(
-                "udev: %d matching device(s) at start (uevent source %s): %s",
-                len(last),
-                source,
-                [device.id for device in last],
+                "udev: %d matching device(s) at start; following %s uevents", len(last), source
             )
             yield last
             while True:

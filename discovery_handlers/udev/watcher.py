@@ -217,8 +217,14 @@ class UdevWatcher:
         self.found.update(seen)
 
     def apply(self, events: list[Uevent]) -> None:
-        """Update the matching devices for a batch of events (reads sysfs)."""
+        """Update the matching devices for a batch of events (reads sysfs).
+
+        Events outside ``/devices`` (kernel modules, ``/bus``) are ignored: libudev's
+        enumeration, and so the initial scan, only ever finds devices below ``/devices``.
+        """
         for event in events:
+            if not event.devpath.startswith("/devices/"):
+                continue
             if event.action == "remove":
                 self._forget_subtree(event.devpath)
                 continue
