@@ -25,7 +25,7 @@ from typing import Any
 
 from agent.dra.slices import DRIVER, Pool, desired_pools
 from agent.model.instance import Instance
-from agent.store.informer import Informer, Obj, RawEvent, WatchExpiredError, parse_watch_lines
+from agent.store.informer import Informer, Obj, RawEvent, watch_events
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +124,8 @@ class SlicePublisher:
             allow_watch_bookmarks=True,
             _request_timeout=WATCH_TIMEOUT + 30,
         )
-        try:
-            if response.status == 410:
-                raise WatchExpiredError("410 Gone")
-            if response.status >= 400:
-                raise RuntimeError(f"watch resourceslices: HTTP {response.status}")
-            async for item in parse_watch_lines(response.content):
-                yield item
-        finally:
-            response.release()
+        async for item in watch_events(response, PLURAL):
+            yield item
 
     def _on_event(self, event: RawEvent) -> None:
         self.trigger()

@@ -180,3 +180,17 @@ async def parse_watch_lines(lines: AsyncIterator[bytes]) -> AsyncIterator[tuple[
                 raise WatchExpiredError(obj.get("message", "Gone"))
             raise RuntimeError(f"watch error {code}: {obj.get('message')}")
         yield kind, obj
+
+
+async def watch_events(response: Any, what: str) -> AsyncIterator[tuple[str, Obj]]:
+    """Events of a raw watch HTTP response (``aiohttp.ClientResponse``); 410 → relist."""
+    try:
+        if response.status == 410:
+            raise WatchExpiredError("410 Gone")
+        if response.status >= 400:
+            body = await response.text()
+            raise RuntimeError(f"watch {what}: HTTP {response.status}: {body[:200]}")
+        async for item in parse_watch_lines(response.content):
+            yield item
+    finally:
+        response.release()

@@ -36,7 +36,7 @@ from agent.store.base import (
     StoreError,
     StoreUnavailableError,
 )
-from agent.store.informer import Informer, Obj, RawEvent, WatchExpiredError, parse_watch_lines
+from agent.store.informer import Informer, Obj, RawEvent, watch_events
 
 log = logging.getLogger(__name__)
 
@@ -206,17 +206,8 @@ class KubernetesInstanceStore(InstanceStore):
                 response = await self._custom.list_cluster_custom_object_without_preload_content(
                     GROUP, VERSION, plural, **kwargs
                 )
-            raw = response  # aiohttp.ClientResponse
-            try:
-                if raw.status == 410:
-                    raise WatchExpiredError("410 Gone")
-                if raw.status >= 400:
-                    body = await raw.text()
-                    raise StoreUnavailableError(f"watch {plural}: HTTP {raw.status}: {body[:200]}")
-                async for item in parse_watch_lines(raw.content):
-                    yield item
-            finally:
-                raw.release()
+            async for item in watch_events(response, plural):
+                yield item
 
         return watch_fn
 
@@ -463,15 +454,8 @@ class KubernetesInstanceStore(InstanceStore):
                 allow_watch_bookmarks=True,
                 _request_timeout=WATCH_TIMEOUT_SECONDS + 30,
             )
-            try:
-                if response.status == 410:
-                    raise WatchExpiredError("410 Gone")
-                if response.status >= 400:
-                    raise StoreUnavailableError(f"watch {ref.kind}: HTTP {response.status}")
-                async for item in parse_watch_lines(response.content):
-                    yield item
-            finally:
-                response.release()
+            async for item in watch_events(response, ref.kind):
+                yield item
 
         def changed(_event: RawEvent) -> None:
             if not initial:
