@@ -30,7 +30,8 @@ log = logging.getLogger("agent")
 def build_handlers(settings: AgentSettings) -> HandlerRegistry:
     """The embedded handlers this agent runs."""
     registry = HandlerRegistry()
-    registry.register(UdevHandler())  # only runs when a Configuration names "udev"
+    # only runs when a Configuration names "udev"
+    registry.register(UdevHandler(monitor_source=settings.udev_monitor_source))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(

@@ -203,6 +203,14 @@ AGENT_OPTIONS = (
         "where CDI spec files for prepared claims are written",
     ),
     Option(
+        "--udev-monitor-source",
+        "AKRI_UDEV_MONITOR_SOURCE",
+        str,
+        None,
+        "udev hotplug events from 'udev' (needs udevd and hostNetwork) or 'kernel' "
+        "(default: udev if /run/udev/control exists, else kernel)",
+    ),
+    Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
         parse_seconds,
@@ -283,6 +291,7 @@ class AgentSettings:
     plugins_registry_dir: Path
     dra_plugin_dir: Path
     cdi_dir: Path
+    udev_monitor_source: str | None
     poll_interval: float
 
     @classmethod
@@ -291,6 +300,10 @@ class AgentSettings:
         data["node_name"] = data["node_name"] or socket.gethostname()
         if data["debug_echo"] is None:
             data["debug_echo"] = bool(data["local"])
+        if data["udev_monitor_source"] not in (None, "udev", "kernel"):
+            raise SettingsError(
+                f"--udev-monitor-source: expected udev or kernel, got {data['udev_monitor_source']!r}"
+            )
         if data["dra"] is None:
             data["dra"] = not data["local"]
         if data["dra"] and data["local"]:
