@@ -300,10 +300,9 @@ class AgentSettings:
         data["node_name"] = data["node_name"] or socket.gethostname()
         if data["debug_echo"] is None:
             data["debug_echo"] = bool(data["local"])
-        if data["udev_monitor_source"] not in (None, "udev", "kernel"):
-            raise SettingsError(
-                f"--udev-monitor-source: expected udev or kernel, got {data['udev_monitor_source']!r}"
-            )
+        source = data["udev_monitor_source"]
+        if source not in (None, "udev", "kernel"):
+            raise SettingsError(f"--udev-monitor-source: expected udev or kernel, got {source!r}")
         if data["dra"] is None:
             data["dra"] = not data["local"]
         if data["dra"] and data["local"]:
