@@ -2,7 +2,10 @@
 
 Each path is a YAML file (one or more ``---`` documents) or a directory of ``*.yaml``/``*.yml``
 files. Files are re-checked by ``scan()`` (the local store calls it every poll interval);
-only files whose size, mtime or inode changed are re-parsed.
+only files whose size, mtime or inode changed are re-parsed, and only once the change has been
+stable for one poll interval: a file caught half-written (truncated by an editor, ``cp`` or a
+shell redirection) would otherwise look like deleted Configurations. Files present at start
+are read at once.
 
 Bad input never stops the others: a file that is not YAML, a document that is not a valid
 Configuration, or a duplicate name produces one error event naming the file and the field;
@@ -32,6 +35,8 @@ FileKey = tuple[int, int, int]
 class _FileState:
     key: FileKey | None = None
     configurations: dict[str, Configuration] = field(default_factory=dict)
+    seen: bool = False
+    pending: FileKey | None = None
 
 
 def _file_key(path: Path) -> FileKey | None:
@@ -117,8 +122,16 @@ class ConfigurationFiles:
         for path in files:
             state = self._files.setdefault(path, _FileState())
             key = _file_key(path)
-            if key == state.key and state.key is not None:
+            if key == state.key and state.seen:
+                state.pending = None
                 continue
+            if state.seen and key != state.pending:
+                # changed since the last look: apply it only once two polls agree, so a file
+                # caught half-written (editors, cp, shell redirection) is never acted on
+                state.pending = key
+                continue
+            state.seen = True
+            state.pending = None
             changed = True
             if key is None:
                 self._error(str(path), "", "file not found")

@@ -27,6 +27,12 @@ def write(path: Path, text: str) -> None:
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
 
 
+def settle(files: ConfigurationFiles) -> None:
+    """Two polls: a change is applied once it has been stable for one poll."""
+    files.scan()
+    files.scan()
+
+
 @pytest.fixture
 def events() -> list[ConfigurationEvent]:
     return []
@@ -36,16 +42,16 @@ def test_add_modify_delete(tmp_path: Path, events: list[ConfigurationEvent]) -> 
     path = tmp_path / "c.yaml"
     write(path, GOOD.format(name="one", capacity=1) + "---\n" + GOOD.format(name="two", capacity=1))
     files = ConfigurationFiles([path], events.append)
-    files.scan()
+    settle(files)
     assert [(e.type, e.name) for e in events] == [
         (EventType.ADDED, "one"),
         (EventType.ADDED, "two"),
     ]
     events.clear()
-    files.scan()
+    settle(files)
     assert events == []  # unchanged file: nothing re-emitted
     write(path, GOOD.format(name="one", capacity=3))
-    files.scan()
+    settle(files)
     assert [(e.type, e.name) for e in events] == [
         (EventType.DELETED, "two"),
         (EventType.MODIFIED, "one"),
@@ -53,7 +59,7 @@ def test_add_modify_delete(tmp_path: Path, events: list[ConfigurationEvent]) -> 
     assert events[1].configuration is not None and events[1].configuration.capacity == 3
     events.clear()
     path.unlink()
-    files.scan()
+    settle(files)
     assert (EventType.DELETED, "one") in [(e.type, e.name) for e in events]
 
 
@@ -62,7 +68,7 @@ def test_directory_of_files(tmp_path: Path, events: list[ConfigurationEvent]) ->
     write(tmp_path / "b.yml", GOOD.format(name="b", capacity=1))
     write(tmp_path / "notes.txt", "ignored")
     files = ConfigurationFiles([tmp_path], events.append)
-    files.scan()
+    settle(files)
     assert [c.name for c in files.current()] == ["a", "b"]
 
 
@@ -89,7 +95,7 @@ def test_bad_files_are_reported_with_file_and_field(
     write(bad, text)
     files = ConfigurationFiles([good, bad], events.append)
     with caplog.at_level(logging.ERROR):
-        files.scan()
+        settle(files)
     assert [c.name for c in files.current()] == ["good"]
     errors = [e for e in events if e.error]
     assert len(errors) == 1
@@ -97,7 +103,7 @@ def test_bad_files_are_reported_with_file_and_field(
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(lines) == 1 and str(bad) in lines[0] and needle in lines[0]
     caplog.clear()
-    files.scan()  # unchanged: the same problem is not logged again every poll
+    settle(files)  # unchanged: the same problem is not logged again every poll
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
@@ -107,15 +113,15 @@ def test_last_good_version_survives_a_broken_edit(
     path = tmp_path / "c.yaml"
     write(path, GOOD.format(name="one", capacity=2))
     files = ConfigurationFiles([path], events.append)
-    files.scan()
+    settle(files)
     write(path, "{{{ not yaml")
-    files.scan()
+    settle(files)
     assert [c.capacity for c in files.current()] == [2]
     write(path, GOOD.format(name="one", capacity=-4))
-    files.scan()
+    settle(files)
     assert [c.capacity for c in files.current()] == [2]
     write(path, GOOD.format(name="one", capacity=4))
-    files.scan()
+    settle(files)
     assert [c.capacity for c in files.current()] == [4]
 
 
@@ -124,7 +130,7 @@ def test_duplicate_names_first_wins(tmp_path: Path, events: list[ConfigurationEv
     write(first, GOOD.format(name="same", capacity=1))
     write(second, GOOD.format(name="same", capacity=5))
     files = ConfigurationFiles([first, second], events.append)
-    files.scan()
+    settle(files)
     assert [c.capacity for c in files.current()] == [1]
     assert any(
         "duplicate name" in (e.error or "") and str(second) in (e.error or "") for e in events
@@ -133,6 +139,24 @@ def test_duplicate_names_first_wins(tmp_path: Path, events: list[ConfigurationEv
 
 def test_missing_file_is_reported(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
     files = ConfigurationFiles([tmp_path / "nope.yaml"], events.append)
-    files.scan()
+    settle(files)
     assert files.current() == []
     assert "file not found" in (events[0].error or "")
+
+
+def test_half_written_file_is_not_acted_on(
+    tmp_path: Path, events: list[ConfigurationEvent]
+) -> None:
+    path = tmp_path / "c.yaml"
+    write(path, GOOD.format(name="one", capacity=2))
+    files = ConfigurationFiles([path], events.append)
+    files.scan()  # files present at start are read at once
+    assert [e.name for e in events] == ["one"]
+    events.clear()
+    write(path, "")  # truncated by an editor...
+    files.scan()
+    write(path, GOOD.format(name="one", capacity=3))  # ...and written again before the next poll
+    files.scan()
+    assert events == []  # never saw a stable empty file: nothing deleted
+    files.scan()
+    assert [(e.type, e.name) for e in events] == [(EventType.MODIFIED, "one")]
