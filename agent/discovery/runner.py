@@ -171,7 +171,8 @@ class ConfigurationRunner:
                 properties = await self._resolve()
                 self._properties_digest = _digest(properties)
                 async for devices in self.handler.discover(details, properties):
-                    ids = [device.id for device in devices]
+                    shown = [device.id[:80] for device in devices[:10]]
+                    ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
                     log.info(
                         "configuration %s: %s reports %d device(s): %s",
                         name,
