@@ -1,0 +1,305 @@
+"""Benchmarks of the agent, run as a subprocess against the API-server and kubelet doubles.
+
+    python benchmarks/run.py [--quick] [--out FILE] [--seed N] [--only SECTION ...]
+
+Prints one JSON object on stdout (progress goes to stderr) and writes it to ``--out``. See
+docs/performance.md for what each figure means and the results on the reference machine.
+A measurement that fails is reported as ``{"error": "..."}`` under its key; the exit code is
+1 if any did, 130 if interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``tests`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.contention import ContentionPlan, run_contention
+from benchmarks.harness import PROCESSES, ROOT, AgentOptions, ApiServer, agent_flags, log
+from benchmarks.latency import LatencyBench, LatencyPlan
+from benchmarks.scale import ScalePlan, run_scale
+
+PLANS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "latency": LatencyPlan(
+            discovery=5,
+            flips=0,  # skipped: bounded by debugEcho's 0.5 s poll, ~1 s per sample
+            allocations=15,
+            restarts=2,
+            reclaim_spacing=0.02,
+            alloc_devices=8,
+        ),
+        # quick: no kubelet restart / SIGTERM measurement at scale (time budget)
+        "scale": ScalePlan(
+            instances=200,
+            idle_seconds=10,
+            settle_seconds=0.5,
+            measure_restart=False,
+            measure_shutdown=False,
+        ),
+        "contention": ContentionPlan(),
+    },
+    "full": {
+        "latency": LatencyPlan(
+            discovery=100, flips=20, allocations=100, restarts=10, reclaim_spacing=0.05
+        ),
+        "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
+        "contention": ContentionPlan(),
+    },
+}
+SECTIONS = ("latency", "scale", "contention")
+LATENCY_KEYS = (
+    "discovery_to_kubelet_ms",
+    "discovery_online_flip_ms",
+    "allocate_il_ms",
+    "allocate_cl_ms",
+    "reclaim_ms",
+    "kubelet_restart_reregister_ms",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small run, under a minute")
+    parser.add_argument("--out", type=Path, help="also write the JSON result to this file")
+    parser.add_argument("--seed", type=int, default=20261122, help="random seed")
+    parser.add_argument(
+        "--only", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="sections to run"
+    )
+    parser.add_argument("--logs", type=Path, help="copy every agent's log into this directory")
+    parser.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every agent process (repeatable; e.g. --agent-arg=--no-dra)",
+    )
+    return parser
+
+
+# --------------------------------------------------------------------------------------------
+# Environment
+# --------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip()
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None
+
+
+def environment() -> dict[str, Any]:
+    status = _git("status", "--porcelain", "--", "agent", "discovery_handlers")
+    flags = agent_flags()
+    return {
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "machine": platform.machine(),
+        "platform": platform.platform(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        # uncommitted changes to the agent's code at the time of the run
+        "agent_code_dirty": bool(status) if status is not None else None,
+        "agent_has_dra": "--dra" in flags,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Orchestration
+# --------------------------------------------------------------------------------------------
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    text = str(exc).strip() or repr(exc)
+    return {"error": f"{type(exc).__name__}: {text[:2000]}"}
+
+
+async def measure(
+    results: dict[str, Any], key: str, run: Callable[[], Awaitable[Any]], within: float
+) -> None:
+    """``results[key] = await run()``, or ``{"error": ...}`` if it fails or overruns."""
+    log(f"measuring {key} (load average {os.getloadavg()[0]:.2f})")
+    results.setdefault("load_average_before", {})[key] = round(os.getloadavg()[0], 2)
+    started = time.monotonic()
+    try:
+        results[key] = await asyncio.wait_for(run(), within)
+    except asyncio.CancelledError:
+        raise
+    except TimeoutError as exc:
+        results[key] = _error(exc) if str(exc) else {"error": f"timed out after {within:.0f}s"}
+    except Exception as exc:
+        results[key] = _error(exc)
+    log(f"{key}: done in {time.monotonic() - started:.1f}s")
+
+
+async def latency_section(
+    results: dict[str, Any], plan: LatencyPlan, options: AgentOptions, rng: random.Random
+) -> None:
+    api = ApiServer()
+    api.start()
+    bench = LatencyBench(api, plan, rng, options)
+    try:
+        try:
+            results["latency_setup"] = await asyncio.wait_for(bench.setup(), 120)
+        except Exception as exc:
+            failure = _error(exc)
+            results["latency_setup"] = failure
+            for key in LATENCY_KEYS:
+                results[key] = {"error": f"setup failed: {failure['error']}"}
+            return
+        steps: list[tuple[str, Callable[[], Awaitable[Any]], float]] = [
+            ("discovery_to_kubelet_ms", bench.discovery, 60 + plan.discovery * 3),
+            ("discovery_online_flip_ms", bench.online_flip, 30 + plan.flips * 5),
+            ("allocate_il_ms", lambda: bench.allocate("il"), 60 + plan.allocations),
+            ("allocate_cl_ms", lambda: bench.allocate("cl"), 60 + plan.allocations),
+            ("reclaim_ms", bench.reclaim, 90 + plan.allocations * 2 * plan.reclaim_spacing * 2),
+            ("kubelet_restart_reregister_ms", bench.kubelet_restart, 30 + plan.restarts * 10),
+        ]
+        for key, run, timeout in steps:
+            if key == "discovery_online_flip_ms" and plan.flips == 0:
+                results[key] = {"skipped": "not measured in this mode"}
+                continue
+            await measure(results, key, run, timeout)
+    finally:
+        problems = await bench.close()
+        results["latency_setup"]["agent_problems"] = problems[:5] if problems else None
+        api.stop()
+
+
+async def scale_section(results: dict[str, Any], plan: ScalePlan, options: AgentOptions) -> None:
+    api = ApiServer()
+    api.start()
+    try:
+        timeout = plan.startup_timeout + plan.idle_seconds + 60
+        await measure(results, "scale", lambda: run_scale(api, plan, options), timeout)
+    finally:
+        api.stop()
+
+
+async def contention_section(
+    results: dict[str, Any], plan: ContentionPlan, options: AgentOptions, rng: random.Random
+) -> None:
+    api = ApiServer()
+    api.start()
+    try:
+        await measure(results, "contention", lambda: run_contention(api, plan, options, rng), 400)
+    finally:
+        api.stop()
+
+
+def targets(results: dict[str, Any]) -> dict[str, bool | None]:
+    """The project's targets, checked against the figures (None: not measured)."""
+
+    def get(key: str, *path: str) -> Any:
+        value: Any = results.get(key)
+        for part in path:
+            if not isinstance(value, dict) or "error" in value:
+                return None
+            value = value.get(part)
+        return value
+
+    def below(value: Any, limit: float) -> bool | None:
+        return None if value is None else value < limit
+
+    return {
+        "discovery_p99_below_50ms": below(get("discovery_to_kubelet_ms", "p99"), 50),
+        "allocate_il_p99_below_50ms": below(get("allocate_il_ms", "p99"), 50),
+        "allocate_cl_p99_below_50ms": below(get("allocate_cl_ms", "p99"), 50),
+        "reregistration_p99_below_1s": below(get("kubelet_restart_reregister_ms", "p99"), 1000),
+        "reclaim_p99_below_5s": below(get("reclaim_ms", "p99"), 5000),
+        "rss_below_100mb": below(get("scale", "rss_mb"), 100),
+        "idle_cpu_below_1_percent": below(get("scale", "idle_cpu_percent"), 1),
+        "idle_api_requests_zero": below(get("scale", "api_requests_idle"), 1),
+        "zero_double_allocations": below(get("contention", "double_allocations"), 1),
+        "zero_leaked_slots": below(get("contention", "final_leaked_slots"), 1),
+    }
+
+
+async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    mode = "quick" if args.quick else "full"
+    plans = PLANS[mode]
+    options = AgentOptions(extra_args=tuple(args.agent_arg), logs_dir=args.logs)
+    rng = random.Random(args.seed)
+    results["mode"] = mode
+    results["env"] = environment()
+    results["settings"] = {
+        "agent": asdict(options),
+        "plans": {name: asdict(plan) for name, plan in plans.items() if name in args.only},
+        "seed": args.seed,
+    }
+    if "latency" in args.only:
+        await latency_section(results, plans["latency"], options, rng)
+    if "scale" in args.only:
+        await scale_section(results, plans["scale"], options)
+    if "contention" in args.only:
+        await contention_section(results, plans["contention"], options, rng)
+
+
+async def amain(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await run(args, results)
+    finally:
+        PROCESSES.kill_all()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    results: dict[str, Any] = {}
+    started = time.monotonic()
+    interrupted = False
+    try:
+        asyncio.run(amain(args, results))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        interrupted = True
+        results["interrupted"] = True
+    finally:
+        PROCESSES.kill_all()
+    results["duration_s"] = round(time.monotonic() - started, 1)
+    results["targets"] = targets(results)
+    failed = sorted(k for k, v in results.items() if isinstance(v, dict) and "error" in v)
+    results["failed"] = failed
+    text = json.dumps(results, indent=2, default=str)
+    print(text, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if interrupted:
+        return 130
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
