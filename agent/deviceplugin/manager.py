@@ -26,6 +26,7 @@ from agent.model.instance import Instance
 from agent.store.base import InstanceEvent, InstanceStore
 
 log = logging.getLogger(__name__)
+OWN_SOCKET_CHECK_EVERY = 10
 
 
 class DevicePluginManager:
@@ -154,13 +155,18 @@ class DevicePluginManager:
         return (stat.st_ino, stat.st_ctime_ns)
 
     async def _watch_kubelet(self) -> None:
-        """Poll (cheap ``stat`` calls) for a re-created kubelet.sock or wiped plugin sockets."""
+        """Poll for a re-created kubelet.sock (one ``stat`` per poll: the kubelet-restart
+        signal) and, every ``OWN_SOCKET_CHECK_EVERY`` polls, for plugin sockets someone else
+        removed (one ``stat`` per plugin: kept rare so idle CPU stays low with many plugins)."""
+        polls = 0
         while True:
             await asyncio.sleep(self.kubelet_poll)
+            polls += 1
             current = self._kubelet_socket_id()
             recreated = current is not None and current != self._kubelet_id
             self._kubelet_id = current
-            wiped = [e for e in self.endpoints() if e.socket_missing()]
+            check_own = polls % OWN_SOCKET_CHECK_EVERY == 0
+            wiped = [e for e in self.endpoints() if e.socket_missing()] if check_own else []
             if not recreated and not wiped:
                 continue
             if recreated:
