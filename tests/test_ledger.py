@@ -139,3 +139,64 @@ async def test_cas_update_gives_up_after_bounded_conflicts(
     assert calls == 4
     with pytest.raises(ConflictError):
         await stores[0].update(created.evolve(resource_version="999999"))
+
+
+async def test_release_keeps_slots_granted_after_the_evidence(
+    stores: list[LocalInstanceStore],
+) -> None:
+    import time
+
+    await stores[0].create(make())
+    ledger = SlotLedger(stores[0], "node-a")
+    owner = Owner.instance_level("node-a")
+    await ledger.claim(NAME, f"{NAME}-0", owner)
+    evidence = time.monotonic()  # "unused" observed now...
+    await ledger.claim(NAME, f"{NAME}-0", owner)  # ...then re-granted (idempotent, no write)
+    assert ledger.last_granted(NAME, f"{NAME}-0") is not None
+    kept = await ledger.release_values(NAME, {"node-a"}, unless_granted_since=evidence)
+    assert kept == ()
+    freed = await ledger.release_values(NAME, {"node-a"}, unless_granted_since=time.monotonic() + 1)
+    assert freed == (f"{NAME}-0",)
+
+
+async def test_reclaimer_keeps_a_slot_re_granted_during_its_check(
+    stores: list[LocalInstanceStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the benchmark (premature releases under load): kubelet re-offers a slot this
+    node still holds for a deleted pod; the idempotent re-grant writes nothing, so a reclaim
+    decision based on an older pod-resources answer must not free it."""
+    from agent.deviceplugin import reclaimer as reclaimer_module
+    from agent.deviceplugin.reclaimer import SlotReclaimer
+
+    await stores[0].create(make())
+    ledger = SlotLedger(stores[0], "node-a")
+    owner = Owner.instance_level("node-a")
+    await ledger.claim(NAME, f"{NAME}-0", owner)  # held for a pod that is now gone
+    socket = tmp_path / "pod-resources.sock"
+    socket.touch()
+    now = [100.0]
+    calls = 0
+
+    async def stale_list(path: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            # kubelet admits a new pod with the same device while our List is in flight
+            await ledger.claim(NAME, f"{NAME}-0", owner)
+        return {}  # the answer predates that admission
+
+    monkeypatch.setattr(reclaimer_module, "list_pod_resources", stale_list)
+    reclaimer = SlotReclaimer(
+        ledger, stores[0].list_cached, socket, grace=3.0, clock=lambda: now[0]
+    )
+    monkeypatch.setattr(reclaimer_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr("agent.ledger.ledger.time.monotonic", lambda: now[0])
+    assert await reclaimer.reclaim_once() == []  # first seen unused at t=100
+    now[0] = 104.0  # grace over
+    assert await reclaimer.reclaim_once() == []  # but re-granted at t=104: kept
+    assert (await stores[0].get(NAME)).device_usage[f"{NAME}-0"] == "node-a"
+    now[0] = 105.0
+    assert await reclaimer.reclaim_once() == []  # a new observation starts
+    now[0] = 108.0
+    freed = await reclaimer.reclaim_once()  # unused for the whole grace since: freed
+    assert [h.slot for h in freed] == [f"{NAME}-0"]

@@ -147,6 +147,8 @@ class SlotReclaimer:
                 )
                 self._warned = True
             return []
+        # taken before asking kubelet: anything granted after this is not covered by the answer
+        snapshot = self._clock()
         try:
             in_use = await list_pod_resources(self.socket)
         except grpc.aio.AioRpcError as error:
@@ -161,10 +163,14 @@ class SlotReclaimer:
             self._warned = False
         instances = [i for i in self._list() if self.ledger.node in i.nodes or i.device_usage]
         held = held_by_plugins(instances, self.ledger.node)
-        due = stale_slots(held, in_use, self._unused_since, self._clock(), self.grace)
+        due = stale_slots(held, in_use, self._unused_since, snapshot, self.grace)
         freed = []
         for slot in due:
-            released = await self.ledger.release_values(slot.instance, {slot.value})
+            key = (slot.instance, slot.slot)
+            since = self._unused_since.get(key, snapshot)
+            released = await self.ledger.release_values(
+                slot.instance, {slot.value}, unless_granted_since=since
+            )
             if slot.slot in released:
                 log.info(
                     "reclaimed slot %s (%s): no container uses %s any more",
@@ -172,7 +178,10 @@ class SlotReclaimer:
                     slot.value,
                     slot.device_id,
                 )
-                self._unused_since.pop((slot.instance, slot.slot), None)
+                self._unused_since.pop(key, None)
                 self.freed += 1
                 freed.append(slot)
+            else:
+                # granted again (kubelet re-offered it) since we saw it unused: start over
+                self._unused_since.pop(key, None)
         return freed

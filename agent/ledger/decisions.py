@@ -218,10 +218,15 @@ def decide_release(instance: Instance, slot: str, owner: Owner) -> Released | Re
     return Released((slot,), _release_keys(instance, [slot]), changed=True)
 
 
-def decide_release_values(instance: Instance, values: Collection[str]) -> Released:
-    """Free every slot whose usage value is in ``values`` (e.g. all of one node's stale ones)."""
+def decide_release_values(
+    instance: Instance, values: Collection[str], *, keep: Collection[str] = ()
+) -> Released:
+    """Free every slot whose usage value is in ``values`` (e.g. all of one node's stale ones),
+    except the slots in ``keep``."""
     slots = [
-        sid for sid, value in sorted(instance.device_usage.items()) if value and value in values
+        sid
+        for sid, value in sorted(instance.device_usage.items())
+        if value and value in values and sid not in keep
     ]
     if not slots:
         return Released((), dict(instance.device_usage), changed=False)

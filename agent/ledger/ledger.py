@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -58,6 +59,14 @@ class SlotLedger:
         self.node = node
         self._policy = policy
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # (instance, slot) -> monotonic time of the last grant by this node, including
+        # idempotent re-grants that write nothing: the reclaimer must not free a slot that was
+        # handed out again after it judged the slot unused (the CAS cannot see such re-grants)
+        self._granted: dict[tuple[str, str], float] = {}
+
+    def last_granted(self, instance: str, slot: str) -> float | None:
+        """Monotonic time this node last granted ``slot`` (None if never, in this process)."""
+        return self._granted.get((instance, slot))
 
     def lock_for(self, instance: str) -> asyncio.Lock:
         """The lock serialising this node's writes to ``instance``."""
@@ -88,6 +97,8 @@ class SlotLedger:
                 raise SlotRefusedError(
                     "UnknownInstance", f"instance {name} does not exist"
                 ) from error
+            if outcome and isinstance(outcome[0], Granted):
+                self._granted[(name, outcome[0].slot)] = time.monotonic()
         if refusal:
             raise SlotRefusedError(refusal[0].reason, refusal[0].message)
         assert stored is not None and outcome
@@ -132,15 +143,34 @@ class SlotLedger:
             log.info("slot %s: %r -> free", slot, owner.value)
         return decision.changed
 
-    async def release_values(self, instance: str, values: Collection[str]) -> tuple[str, ...]:
-        """Free every slot of ``instance`` whose value is in ``values``; returns freed slots."""
+    async def release_values(
+        self,
+        instance: str,
+        values: Collection[str],
+        *,
+        unless_granted_since: float | None = None,
+    ) -> tuple[str, ...]:
+        """Free every slot of ``instance`` whose value is in ``values``; returns freed slots.
+
+        With ``unless_granted_since`` (monotonic time), slots this node granted at or after
+        that time are kept: the caller's evidence that they are unused predates the grant.
+        """
         foreign = [v for v in values if not v.endswith(":" + self.node) and v != self.node]
         if foreign:
             raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
         try:
-            _, decision = await self._apply(
-                instance, lambda inst: decide_release_values(inst, values)
-            )
+
+            def decide(inst: Instance) -> Released:
+                keep = set()
+                if unless_granted_since is not None:
+                    keep = {
+                        slot
+                        for (name, slot), when in self._granted.items()
+                        if name == instance and when >= unless_granted_since
+                    }
+                return decide_release_values(inst, values, keep=keep)
+
+            _, decision = await self._apply(instance, decide)
         except SlotRefusedError as error:
             if error.reason == "UnknownInstance":
                 return ()
