@@ -5,14 +5,20 @@ one device through IL (a random Instance) or CL (the Configuration), half and ha
 Each kubelet double admits its pods one at a time (like the kubelet's device manager), so the
 three nodes race each other for the same slots through resourceVersion-checked writes.
 
-Checks, after the burst (``double_allocations`` is the sum, must be 0):
+Then half of the live pods are deleted, the reclaimers free their slots, and 150 more
+admissions race for them (churn + refill), and finally every pod is deleted.
 
-* ``shared_slots`` — an API slot backing devices of two live pods;
-* ``unbacked_devices`` — a device of a live pod whose slot does not name that pod's node (its
-  slot could be given to someone else);
+Audits of the API Instances against the kubelet doubles' live pods, after the burst, after the
+churn and after the refill (``double_allocations`` is the worst of the three, must be 0; it is
+``unbacked_devices + over_capacity``):
+
+* ``unbacked_devices`` — a device of a live pod whose slot in the API does not name that pod's
+  node (free: it can be given to a second pod — ``unbacked_slot_free_in_api``; someone else's:
+  it has been);
+* ``shared_slots`` — a slot used by two live pods (the second is always an unbacked one);
 * ``over_capacity`` — slots held beyond an Instance's capacity;
 
-then every pod is deleted and ``final_leaked_slots`` counts the slots still held after the
+``final_leaked_slots`` counts the slots still held after every pod was deleted and the
 reclaimers ran (must be 0).
 """
 
@@ -20,16 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import time
 from collections import Counter, defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from benchmarks.harness import (
     AgentOptions,
     ApiServer,
     Node,
+    RunqueueWindow,
     debug_echo_configuration,
     log,
     start_node,
@@ -49,6 +57,11 @@ class ContentionPlan:
     capacity: int = 2
     pods: int = 300
     il_share: float = 0.5
+    refill: int = 150  # admissions after half of the pods were deleted and reclaimed
+    # shorter than the defaults (1 s / 3 s) to keep the run short, and harder on the agent:
+    # the window between a claim and kubelet listing the container is closer to the grace
+    reclaim_interval: float = 0.5
+    reclaim_grace: float = 1.0
 
 
 def _usage(api: ApiServer) -> dict[str, dict[str, Any]]:
@@ -72,8 +85,11 @@ def audit(api: ApiServer, nodes: list[Node]) -> dict[str, Any]:
         over_capacity += max(0, len(held) - int(spec.get("capacity", 0)))
         for slot in held:
             by_value[usage[slot]].append((name, slot))
+    # an IL device id *is* the slot: (instance, slot) -> every live pod using it
     holders: dict[tuple[str, str], list[str]] = defaultdict(list)
     unbacked: list[str] = []
+    unbacked_ids: set[str] = set()
+    freed_in_use = 0
     duplicated_vdevs = 0
     live = 0
     for node in nodes:
@@ -88,20 +104,31 @@ def audit(api: ApiServer, nodes: list[Node]) -> dict[str, Any]:
                         if resource == CL:
                             slots = by_value.get(f"C:{device}:{node.name}", [])
                             duplicated_vdevs += max(0, len(slots) - 1)
-                        else:
-                            instance = resource.removeprefix("akri.sh/")
-                            value = (specs.get(instance, {}).get("deviceUsage") or {}).get(device)
-                            slots = [(instance, device)] if value == node.name else []
-                        if not slots:
-                            unbacked.append(who)
-                        for slot in slots[:1]:
-                            holders[slot].append(who)
+                            if not slots:
+                                unbacked.append(f"{who} (no slot holds this vdev)")
+                                unbacked_ids.add(who)
+                            for slot in slots[:1]:
+                                holders[slot].append(who)
+                            continue
+                        instance = resource.removeprefix("akri.sh/")
+                        value = (specs.get(instance, {}).get("deviceUsage") or {}).get(device)
+                        holders[(instance, device)].append(who)
+                        if value != node.name:
+                            unbacked.append(f"{who} (slot value in the API: {value!r})")
+                            unbacked_ids.add(who)
+                            freed_in_use += not value
     shared = {f"{i}/{s}": who for (i, s), who in holders.items() if len(who) > 1}
     shared_count = sum(len(who) - 1 for who in shared.values())
+    # a slot shared by live pods always involves an unbacked one, unless the API itself backs
+    # both (impossible with one value per slot, but counted if it happens)
+    shared_all_backed = sum(
+        len(who) - 1 for who in shared.values() if not unbacked_ids.intersection(who)
+    )
     return {
-        "double_allocations": shared_count + len(unbacked) + over_capacity,
+        "double_allocations": len(unbacked) + over_capacity + shared_all_backed,
         "shared_slots": shared_count,
         "unbacked_devices": len(unbacked),
+        "unbacked_slot_free_in_api": freed_in_use,
         "over_capacity": over_capacity,
         "vdevs_held_twice": duplicated_vdevs,
         "live_pods": live,
@@ -114,6 +141,9 @@ async def run_contention(
 ) -> dict[str, Any]:
     descriptions = [f"c{i}" for i in range(plan.instances)]
     api.api.create(debug_echo_configuration(SHARED, descriptions, plan.capacity))
+    options = replace(
+        options, reclaim_interval=plan.reclaim_interval, reclaim_grace=plan.reclaim_grace
+    )
     nodes: list[Node] = []
     try:
         for i in range(plan.nodes):
@@ -139,59 +169,64 @@ async def run_contention(
         il_resources = sorted(f"akri.sh/{name}" for name in _usage(api))
         mark = api.request_mark()
         timing_marks = [len(n.kubelet.allocate_timings) for n in nodes]
+        audits: dict[str, dict[str, Any]] = {}
 
-        async def admit(k: int) -> Any:
-            node = nodes[k % len(nodes)]
-            resource = rng.choice(il_resources) if rng.random() < plan.il_share else CL
-            return await node.kubelet.admit_pod("default", f"p{k}", [("c", {resource: 1})])
-
-        start = time.monotonic()
-        results = await asyncio.wait_for(
-            asyncio.gather(*(admit(k) for k in range(plan.pods)), return_exceptions=True), 180
-        )
-        elapsed = time.monotonic() - start
-        admitted = [r for r in results if not isinstance(r, BaseException) and r.admitted]
-        crashed = [repr(r) for r in results if isinstance(r, BaseException)]
-        refusals = Counter(
-            (r.grpc_code.name if r.grpc_code else "kubelet: no device")
-            for r in results
-            if not isinstance(r, BaseException) and not r.admitted
-        )
-        checks = audit(api, nodes)
+        # 1. the burst
+        pids = {n.name: n.agent.pid for n in nodes if n.agent} | {"doubles": os.getpid()}
+        window = RunqueueWindow(pids)
+        burst = await _burst(nodes, il_resources, plan, rng, range(plan.pods))
+        burst["runqueue_wait_percent"] = window.result()
+        audits["after_burst"] = audit(api, nodes)
+        held_after_burst = held_slots(api)
         conflicts = _conflicts(api, mark)
+
+        # 2. churn: half of the pods go away, the reclaimers free their slots; the other
+        #    half must keep theirs
+        live = [(node, pod) for node in nodes for pod in node.kubelet.pods()]
+        for node, pod in rng.sample(live, len(live) // 2):
+            await node.kubelet.delete_pod(pod.namespace, pod.name)
+        await asyncio.sleep(plan.reclaim_interval + plan.reclaim_grace + 0.75)
+        audits["after_churn"] = audit(api, nodes)
+
+        # 3. refill: new pods race for the freed slots
+        refill: dict[str, Any] | None = None
+        if plan.refill:
+            first = plan.pods
+            numbers = range(first, first + plan.refill)
+            refill = await _burst(nodes, il_resources, plan, rng, numbers)
+            audits["after_refill"] = audit(api, nodes)
         timings = [
             t.seconds
             for node, m in zip(nodes, timing_marks, strict=True)
             for t in node.kubelet.allocate_timings[m:]
         ]
-        held_after_burst = held_slots(api)
+        conflicts_total = _conflicts(api, mark)
 
-        # every pod goes away; the reclaimers (1 s / 3 s) must free every slot
+        # 4. every pod goes away; the reclaimers must free every slot
         for node in nodes:
             for pod in list(node.kubelet.pods()):
                 await node.kubelet.delete_pod(pod.namespace, pod.name)
         freed_start = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await wait_until(
-                lambda: held_slots(api) == 0, within=30, what="all slots free", interval=0.1
+                lambda: held_slots(api) == 0, within=30, what="all slots free", interval=0.05
             )
         leaked = held_slots(api)
+        worst = max(a["double_allocations"] for a in audits.values())
         return {
             "nodes": plan.nodes,
             "instances": plan.instances,
             "capacity": plan.capacity,
             "pods": plan.pods,
-            "admitted": len(admitted),
-            "refused": dict(sorted(refusals.items())),
-            "admission_exceptions": crashed[:3] or None,
-            "burst_s": round(elapsed, 2),
-            "claims_per_s": round(len(admitted) / elapsed, 1),
-            "admissions_per_s": round(plan.pods / elapsed, 1),
+            "reclaim": f"interval {plan.reclaim_interval:g} s, grace {plan.reclaim_grace:g} s",
+            **burst,
+            "refill": refill,
             "allocate_ms": summarize(ms(timings)),
-            "double_allocations": checks.pop("double_allocations"),
-            "checks": checks,
+            "double_allocations": worst,
+            "audits": audits,
             "slots_held_after_burst": held_after_burst,
             "cas_conflicts": conflicts,
+            "cas_conflicts_with_refill": conflicts_total,
             "cas_conflicts_startup": startup_conflicts,
             "final_leaked_slots": leaked,
             "all_freed_s": round(time.monotonic() - freed_start, 2) if leaked == 0 else None,
@@ -199,6 +234,43 @@ async def run_contention(
         }
     finally:
         await asyncio.gather(*(node.close() for node in nodes), return_exceptions=True)
+
+
+async def _burst(
+    nodes: list[Node],
+    il_resources: list[str],
+    plan: ContentionPlan,
+    rng: random.Random,
+    numbers: range,
+) -> dict[str, Any]:
+    """Admit pods ``p<k>`` for every k in ``numbers`` at once, round-robin over the nodes."""
+
+    async def admit(k: int) -> Any:
+        node = nodes[k % len(nodes)]
+        resource = rng.choice(il_resources) if rng.random() < plan.il_share else CL
+        return await node.kubelet.admit_pod("default", f"p{k}", [("c", {resource: 1})])
+
+    start = time.monotonic()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(admit(k) for k in numbers), return_exceptions=True), 180
+    )
+    elapsed = time.monotonic() - start
+    admitted = [r for r in results if not isinstance(r, BaseException) and r.admitted]
+    refusals = Counter(
+        (r.grpc_code.name if r.grpc_code else "kubelet: no device")
+        for r in results
+        if not isinstance(r, BaseException) and not r.admitted
+    )
+    return {
+        "attempts": len(numbers),
+        "admitted": len(admitted),
+        "refused": dict(sorted(refusals.items())),
+        "admission_exceptions": [repr(r) for r in results if isinstance(r, BaseException)][:3]
+        or None,
+        "burst_s": round(elapsed, 2),
+        "claims_per_s": round(len(admitted) / elapsed, 1),
+        "admissions_per_s": round(len(numbers) / elapsed, 1),
+    }
 
 
 def _conflicts(api: ApiServer, mark: int) -> int:

@@ -133,6 +133,40 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / CLOCK_TICKS
 
 
+def runqueue_wait_seconds(pid: int) -> float:
+    """Time the main thread of ``pid`` spent runnable but waiting for a CPU (schedstat field 2):
+    how much other load on the machine delayed it."""
+    fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return int(fields[1]) / 1e9
+
+
+class RunqueueWindow:
+    """Share of a time window that processes spent waiting for a CPU, in %."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.start = time.monotonic()
+        self.before = {name: _wait_or_none(pid) for name, pid in pids.items()}
+
+    def result(self) -> dict[str, float | None]:
+        elapsed = time.monotonic() - self.start
+        out: dict[str, float | None] = {}
+        for name, pid in self.pids.items():
+            before, after = self.before[name], _wait_or_none(pid)
+            if before is None or after is None or elapsed <= 0:
+                out[name] = None
+            else:
+                out[name] = round((after - before) / elapsed * 100, 1)
+        return out
+
+
+def _wait_or_none(pid: int) -> float | None:
+    try:
+        return runqueue_wait_seconds(pid)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # The API-server double
 # --------------------------------------------------------------------------------------------
@@ -446,7 +480,7 @@ class Node:
         tmp.write_text("ONLINE\n" if online else "OFFLINE\n")
         os.replace(tmp, self.availability)
 
-    async def close(self, keep_dir: bool = False, grace: float = 0.5) -> None:
+    async def close(self, keep_dir: bool = False, grace: float = 0.3) -> None:
         """Stop the agent (SIGTERM, ``grace`` seconds, SIGKILL) and the kubelet double."""
         for agent in self.agents_started:
             if agent.running:

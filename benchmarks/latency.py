@@ -18,9 +18,11 @@ receive times with the same clock.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ from benchmarks.harness import (
     AgentOptions,
     ApiServer,
     Node,
+    RunqueueWindow,
     WaitTimeout,
     debug_echo_configuration,
     expected_resources,
@@ -77,6 +80,7 @@ class LatencyBench:
     ) -> None:
         self.api = api
         self.options = options
+        self.agent_command: list[str] | None = None  # e.g. benchmarks/profiled_agent.py
         self.plan = plan
         self.rng = rng
         self.node: Node | None = None
@@ -93,7 +97,7 @@ class LatencyBench:
         self.api.api.create(debug_echo_configuration(ALLOC, devices, 4))
         self.api.api.create(debug_echo_configuration(FLIP, ["flip0"], 1))
         self.node = await start_node(self.api, NODE, self.options)
-        agent = self.node.start_agent()
+        agent = self.node.start_agent(self.agent_command)
         self.resources = await wait_node_ready(
             self.api, self.node, [ALLOC, FLIP], len(devices) + 1, within=90
         )
@@ -110,6 +114,15 @@ class LatencyBench:
                 problems = self.node.agent.problems()
             await self.node.close()
         return problems
+
+    async def timed(self, run: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """``run()``'s result plus how long the agent and this process (the doubles) waited
+        for a CPU during it (other load on the machine shows up here)."""
+        assert self.node is not None and self.node.agent is not None
+        window = RunqueueWindow({"agent": self.node.agent.pid, "doubles": os.getpid()})
+        result = await run()
+        result["runqueue_wait_percent"] = window.result()
+        return result
 
     def _check_agent(self) -> None:
         assert self.node is not None and self.node.agent is not None
@@ -142,6 +155,7 @@ class LatencyBench:
         total: list[float] = []
         to_create: list[float] = []
         to_register: list[float] = []
+        phases: list[dict[str, float | None]] = []
         for i in range(self.plan.discovery):
             name = f"disc-{i}"
             prefix = f"akri.sh/{name}-"  # its IL resource; the CL one is "akri.sh/disc-<i>"
@@ -170,6 +184,13 @@ class LatencyBench:
             ]
             if regs:
                 to_register.append(regs[0] - start)
+            phases.append(
+                {
+                    "total": round((event.time - start) * 1000, 1),
+                    "instance_create_request": _ms(creates[0].time - start) if creates else None,
+                    "plugin_registered": _ms(regs[0] - start) if regs else None,
+                }
+            )
             # remove it again so every sample starts from the same state
             assert self.node is not None and self.node.agent is not None
             since = self.node.agent.log_mark()
@@ -192,6 +213,7 @@ class LatencyBench:
             "method": "new Configuration (1 debugEcho device) written to the API → first "
             "ListAndWatch listing its slots Healthy; the Configuration is deleted between "
             "samples and the next sample starts once the agent has removed its plugins",
+            "slowest_ms": sorted(phases, key=lambda p: -(p["total"] or 0))[:3],
             "breakdown_p50_ms": {
                 "to_instance_create_request": _p50(to_create),
                 "to_plugin_registered": _p50(to_register),
@@ -252,6 +274,7 @@ class LatencyBench:
         rpc: list[float] = []
         admission: list[float] = []
         verified = 0
+        requests = self.api.request_mark()
         for i in range(self.plan.allocations):
             resource = il_resources[i % len(il_resources)] if kind == "il" else cl_resource
             pod = f"{kind}-{i}"
@@ -274,6 +297,8 @@ class LatencyBench:
             **summarize(ms(rpc)),
             "admission_ms": summarize(ms(admission)),
             "slots_verified_in_api": verified,
+            # API requests the agent made during the measurement ("verb resource status")
+            "api_requests": _request_counts(self.api.requests_since(requests)),
             "method": "Allocate RPC round trip measured in the kubelet double (includes the "
             "resourceVersion-checked Instance write); admission_ms is the whole pod admission "
             + ADMISSION_STEPS[kind],
@@ -299,21 +324,27 @@ class LatencyBench:
 
     async def reclaim(self) -> dict[str, Any]:
         """Delete the pods of :meth:`allocate` one by one (random spacing, so deletions fall at
-        every phase of the reclaim period) and time each slot until it is free in the API."""
+        every phase of the reclaim period) and time each slot until it is free in the API.
+
+        The slots of pods not deleted yet are watched too: one found free while its pod still
+        runs is a *premature release* (the slot could be given to a second pod) and is not a
+        latency sample; nor is a deleted pod's slot freed sooner than the reclaim grace allows
+        (it was freed as a side effect of releasing another slot)."""
         if not self.pods:
             raise RuntimeError("no pods from the allocate measurement to delete")
+        grace = self.options.reclaim_grace
         pods = list(self.pods)
         self.rng.shuffle(pods)
         deleted: dict[HeldPod, float] = {}
         samples: list[float] = []
-        done = asyncio.Event()
+        premature: list[str] = []
+        early: list[str] = []
 
         async def delete_all() -> None:
             for held in pods:
                 deleted[held] = time.monotonic()
                 await self.kubelet.delete_pod("default", held.pod)
                 await asyncio.sleep(self.rng.uniform(0.5, 1.5) * self.plan.reclaim_spacing)
-            done.set()
 
         deleter = asyncio.create_task(delete_all())
         try:
@@ -323,12 +354,23 @@ class LatencyBench:
                 if time.monotonic() > deadline:
                     raise WaitTimeout(f"{len(pending)} slot(s) not reclaimed in time")
                 self._check_agent()
-                for held in [p for p in pending if p in deleted]:
-                    obj = self.api.instance(held.instance) or {}
-                    usage = (obj.get("spec") or {}).get("deviceUsage") or {}
-                    if not usage.get(held.slot):
-                        samples.append(time.monotonic() - deleted[held])
-                        pending.discard(held)
+                usage = {
+                    name: (obj.get("spec") or {}).get("deviceUsage") or {}
+                    for name in {p.instance for p in pending}
+                    if (obj := self.api.instance(name)) is not None
+                }
+                now = time.monotonic()
+                for held in list(pending):
+                    if usage.get(held.instance, {}).get(held.slot) == held.value:
+                        continue
+                    pending.discard(held)
+                    what = f"{held.pod}: {held.instance}/{held.slot} ({held.value})"
+                    if held not in deleted:
+                        premature.append(what)
+                    elif now - deleted[held] < grace:
+                        early.append(f"{what} after {(now - deleted[held]) * 1000:.0f} ms")
+                    else:
+                        samples.append(now - deleted[held])
                 await asyncio.sleep(0.01)
             await asyncio.wait_for(deleter, 10)
         finally:
@@ -336,8 +378,12 @@ class LatencyBench:
             self.pods = []
         return {
             **summarize(ms(samples)),
+            "premature_releases": len(premature),
+            "freed_before_grace": len(early),
+            "examples": (premature[:3] + early[:3]) or None,
             "method": "pod deleted in the kubelet double → its slot free in the Instance "
-            "(API double's store polled every 10 ms)",
+            f"(API double's store polled every 10 ms; reclaim interval "
+            f"{self.options.reclaim_interval:g} s, grace {grace:g} s)",
         }
 
     # ---------------------------------------------------------------- kubelet restart
@@ -375,6 +421,15 @@ class LatencyBench:
             "method": "kubelet.restart() called → the last of the node's plugins registered "
             "again (the agent notices the new kubelet.sock by polling it every 0.2 s)",
         }
+
+
+def _request_counts(requests: list[Any]) -> dict[str, int]:
+    counts = Counter(f"{r.verb} {r.resource} {r.status}" for r in requests if r.verb != "watch")
+    return dict(sorted(counts.items()))
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 def _p50(seconds: list[float]) -> float | None:

@@ -15,6 +15,7 @@ with N descriptions, written before the agent starts: a first start that creates
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from benchmarks.harness import (
     AgentOptions,
     ApiServer,
     Node,
+    RunqueueWindow,
     cpu_seconds,
     debug_echo_configuration,
     expected_resources,
@@ -44,7 +46,8 @@ NODE = "bench-s"
 class ScalePlan:
     instances: int
     idle_seconds: float
-    settle_seconds: float = 3.0
+    settle_seconds: float = 3.0  # after startup, before waiting for the agent to go quiet
+    quiet_seconds: float = 1.0  # idle starts once the API saw no request for this long
     startup_timeout: float = 300.0
     # SIGTERM → exit is bounded like Kubernetes' default terminationGracePeriodSeconds
     shutdown_grace: float = 30.0
@@ -59,6 +62,7 @@ async def run_scale(api: ApiServer, plan: ScalePlan, options: AgentOptions) -> d
     try:
         startup_mark = api.request_mark()
         agent = node.start_agent()
+        startup_wait = RunqueueWindow({"agent": agent.pid, "doubles": os.getpid()})
         kubelet = node.kubelet
         start = agent.started
 
@@ -80,6 +84,7 @@ async def run_scale(api: ApiServer, plan: ScalePlan, options: AgentOptions) -> d
             )
         last_registration = registered_since(kubelet, resources, start)
         assert last_registration is not None
+        startup_runqueue = startup_wait.result()
         startup_requests = Counter(
             f"{r.verb} {r.resource} {r.status}".strip()
             for r in api.requests_since(startup_mark)
@@ -95,6 +100,8 @@ async def run_scale(api: ApiServer, plan: ScalePlan, options: AgentOptions) -> d
         log(f"scale: {n} Instances, {n + 1} plugins up in {last_registration - start:.1f}s")
 
         await asyncio.sleep(plan.settle_seconds)
+        # finish the startup work (e.g. DRA slices still being published) before "idle"
+        quiet = await _wait_quiet(api, plan.quiet_seconds, within=60)
         pid = agent.pid
         rss_start = rss_mb(pid)
         cpu_before = cpu_seconds(pid)
@@ -117,11 +124,14 @@ async def run_scale(api: ApiServer, plan: ScalePlan, options: AgentOptions) -> d
             "rss_peak_mb": round(rss_mb(pid, "VmHWM"), 1),
             "threads": _threads(pid),
             "idle_seconds": round(idle_end - idle_start, 1),
+            "idle_started_after_s": round(idle_start - start, 2),
+            "quiet_before_idle": quiet,
             "idle_cpu_percent": round((cpu_after - cpu_before) / (idle_end - idle_start) * 100, 2),
             "api_requests_idle": len(non_watch),
             "api_requests_idle_by_verb": dict(sorted(by_verb.items())),
             # requests until every plugin was registered: "verb resource HTTP-status"
             "startup_requests": dict(sorted(startup_requests.items())),
+            "startup_runqueue_wait_percent": startup_runqueue,
         }
         if plan.measure_restart:
             idle["kubelet_restart_reregister_s"] = await _restart(node, resources, plan)
@@ -137,6 +147,19 @@ async def run_scale(api: ApiServer, plan: ScalePlan, options: AgentOptions) -> d
         return idle
     finally:
         await node.close()
+
+
+async def _wait_quiet(api: ApiServer, quiet: float, within: float) -> bool:
+    """Wait until the API double received no request (watches aside) for ``quiet`` seconds.
+    False if that did not happen within ``within`` seconds (the idle window starts anyway)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        requests = [r for r in api.api.requests[-200:] if r.verb != "watch"]
+        last = requests[-1].time if requests else 0.0
+        if time.monotonic() - last >= quiet:
+            return True
+        await asyncio.sleep(0.1)
+    return False
 
 
 async def _restart(node: Node, resources: set[str], plan: ScalePlan) -> float | dict[str, str]:
