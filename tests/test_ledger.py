@@ -200,3 +200,37 @@ async def test_reclaimer_keeps_a_slot_re_granted_during_its_check(
     now[0] = 108.0
     freed = await reclaimer.reclaim_once()  # unused for the whole grace since: freed
     assert [h.slot for h in freed] == [f"{NAME}-0"]
+
+
+async def test_reclaimer_frees_only_the_stale_il_slot(
+    stores: list[LocalInstanceStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the benchmark: IL values are just the node name, so two IL slots of one
+    Instance held by this node share a value; freeing the stale one must not free the other."""
+    from agent.deviceplugin import reclaimer as reclaimer_module
+    from agent.deviceplugin.reclaimer import SlotReclaimer
+
+    await stores[0].create(make())
+    ledger = SlotLedger(stores[0], "node-a")
+    owner = Owner.instance_level("node-a")
+    await ledger.claim(NAME, f"{NAME}-0", owner)  # live pod
+    await ledger.claim(NAME, f"{NAME}-1", owner)  # pod gone
+    socket = tmp_path / "pod-resources.sock"
+    socket.touch()
+
+    async def listing(path: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
+        return {f"akri.sh/{NAME}": frozenset({f"{NAME}-0"})}
+
+    monkeypatch.setattr(reclaimer_module, "list_pod_resources", listing)
+    import time
+
+    now = [time.monotonic() + 1]  # same clock as the ledger's grant times, after the grants
+    reclaimer = SlotReclaimer(
+        ledger, stores[0].list_cached, socket, grace=1.0, clock=lambda: now[0]
+    )
+    assert await reclaimer.reclaim_once() == []
+    now[0] += 2
+    freed = await reclaimer.reclaim_once()
+    assert [h.slot for h in freed] == [f"{NAME}-1"]
+    usage = (await stores[0].get(NAME)).device_usage
+    assert usage == {f"{NAME}-0": "node-a", f"{NAME}-1": ""}

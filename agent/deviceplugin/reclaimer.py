@@ -168,8 +168,8 @@ class SlotReclaimer:
         for slot in due:
             key = (slot.instance, slot.slot)
             since = self._unused_since.get(key, snapshot)
-            released = await self.ledger.release_values(
-                slot.instance, {slot.value}, unless_granted_since=since
+            released = await self.ledger.release_slots(
+                slot.instance, {slot.slot: slot.value}, unless_granted_since=since
             )
             if slot.slot in released:
                 log.info(

@@ -233,6 +233,22 @@ def decide_release_values(
     return Released(tuple(slots), _release_keys(instance, slots), changed=True)
 
 
+def decide_release_slots(
+    instance: Instance, expected: Mapping[str, str], *, keep: Collection[str] = ()
+) -> Released:
+    """Free exactly the slots in ``expected`` whose value is still the expected one (IL values
+    are just the node name, so releasing by value alone would free every IL slot of the node
+    in this Instance), except those in ``keep``."""
+    slots = [
+        sid
+        for sid, value in sorted(expected.items())
+        if value and instance.device_usage.get(sid) == value and sid not in keep
+    ]
+    if not slots:
+        return Released((), dict(instance.device_usage), changed=False)
+    return Released(tuple(slots), _release_keys(instance, slots), changed=True)
+
+
 def decide_release_node(instance: Instance, node: str) -> Released:
     """Free every slot held by ``node`` (any plugin): used when the node leaves the Instance."""
     values = {

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from agent.ledger.decisions import (
@@ -23,6 +23,7 @@ from agent.ledger.decisions import (
     decide_claim,
     decide_claim_any,
     decide_release,
+    decide_release_slots,
     decide_release_values,
 )
 from agent.model.instance import Instance
@@ -142,6 +143,40 @@ class SlotLedger:
         if decision.changed:
             log.info("slot %s: %r -> free", slot, owner.value)
         return decision.changed
+
+    async def release_slots(
+        self,
+        instance: str,
+        expected: Mapping[str, str],
+        *,
+        unless_granted_since: float | None = None,
+    ) -> tuple[str, ...]:
+        """Free the given slots if they still hold the expected values (this node's only);
+        slots granted at or after ``unless_granted_since`` are kept. Returns freed slots."""
+        foreign = [
+            v for v in expected.values() if not v.endswith(":" + self.node) and v != self.node
+        ]
+        if foreign:
+            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+
+        def decide(inst: Instance) -> Released:
+            keep = set()
+            if unless_granted_since is not None:
+                keep = {
+                    slot
+                    for (name, slot), when in self._granted.items()
+                    if name == instance and when >= unless_granted_since
+                }
+            return decide_release_slots(inst, expected, keep=keep)
+
+        try:
+            _, decision = await self._apply(instance, decide)
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return ()
+            raise
+        assert isinstance(decision, Released)
+        return decision.slots
 
     async def release_values(
         self,
