@@ -48,7 +48,11 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     node = await start_node(api, "bench-p")
     summary: dict[str, Any] = {"instances": n, "memory_traced": args.memory}
     try:
-        own = [str(out)] + (["--tracemalloc"] if args.memory else ["--profile-startup"])
+        own = [str(out)]
+        if args.memory:
+            own.append("--tracemalloc")
+        elif not args.skip_startup:
+            own.append("--profile-startup")
         command = [sys.executable, str(HERE / "profiled_agent.py"), *own, "--"]
         agent = node.start_agent(command)
         kubelet = node.kubelet
@@ -107,6 +111,9 @@ def main() -> int:
         action="store_true",
         help="trace allocations instead of profiling the startup (the idle window and the "
         "kubelet restart are still profiled)",
+    )
+    parser.add_argument(
+        "--skip-startup", action="store_true", help="do not profile the startup (faster)"
     )
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--shutdown-grace", type=float, default=300.0)

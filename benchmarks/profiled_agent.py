@@ -7,16 +7,24 @@ figures: profiling slows the agent down).
 * SIGUSR1 starts cProfile, SIGUSR2 stops it and writes ``OUT_DIR/cpu-<k>.txt`` (pstats sorted
   by own time and by cumulative time);
 * ``--tracemalloc``: allocations are traced from the start; every SIGUSR2 also writes
-  ``OUT_DIR/mem-<k>.txt`` (top allocation sites and traced total).
+  ``OUT_DIR/mem-<k>.txt`` (top allocation sites and traced total);
+* ``--gc-log``: every garbage collection of 5 ms or more is appended to ``OUT_DIR/gc.txt``
+  (monotonic time, generation, milliseconds, objects collected);
+* ``--gc-freeze-after=S``: ``gc.collect(); gc.freeze()`` S seconds after the start, from a
+  helper thread (an experiment for the suggested fix of the GC pauses, see
+  docs/performance.md).
 """
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import pstats
 import signal
 import sys
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 from types import FrameType
@@ -69,6 +77,33 @@ class Hooks:
             (self.out / f"mem-{self.count}.txt").write_text("\n".join(lines) + "\n")
 
 
+def log_gc_pauses(path: Path, threshold: float = 0.005) -> None:
+    started: list[float] = [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        took = time.perf_counter() - started[0]
+        if took >= threshold:
+            with open(path, "a") as handle:
+                handle.write(
+                    f"{time.monotonic():.3f} gen{info['generation']} {took * 1000:.1f} ms "
+                    f"collected={info['collected']}\n"
+                )
+
+    gc.callbacks.append(callback)
+
+
+def freeze_after(seconds: float) -> None:
+    def run() -> None:
+        time.sleep(seconds)
+        gc.collect()
+        gc.freeze()
+
+    threading.Thread(target=run, name="gc-freeze", daemon=True).start()
+
+
 def main() -> int:
     argv = sys.argv[1:]
     if "--" not in argv:
@@ -79,8 +114,13 @@ def main() -> int:
     out = Path(own[0])
     out.mkdir(parents=True, exist_ok=True)
     hooks = Hooks(out, startup="--profile-startup" in own, trace_memory="--tracemalloc" in own)
+    if "--gc-log" in own:
+        log_gc_pauses(out / "gc.txt")
     signal.signal(signal.SIGUSR1, hooks.start)
     signal.signal(signal.SIGUSR2, hooks.dump)
+    for option in own:
+        if option.startswith("--gc-freeze-after="):
+            freeze_after(float(option.split("=", 1)[1]))
     from agent.cli import main as akri_main
 
     return akri_main(["agent", *agent_args])
