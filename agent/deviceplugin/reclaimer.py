@@ -54,6 +54,8 @@ def held_by_plugins(instances: Iterable[Instance], node: str) -> list[HeldSlot]:
     result = []
     for instance in instances:
         for slot, value in sorted(instance.device_usage.items()):
+            if not value:
+                continue  # free: most slots, and this runs every reclaim pass
             usage = parse_usage(value)
             if usage == NodeUsage(node):
                 result.append(

@@ -13,6 +13,8 @@ Semantics follow the Kubernetes API server so the rest of the agent is backend-a
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -91,6 +93,18 @@ class InstanceStore(abc.ABC):
     def __init__(self) -> None:
         self._instance_events: Broadcaster[InstanceEvent] = Broadcaster()
         self._configuration_events: Broadcaster[ConfigurationEvent] = Broadcaster()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def _stop_watching(self) -> None:
+        """Cancel the backend's background tasks and end every subscription."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        self._instance_events.close()
+        self._configuration_events.close()
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -118,7 +118,6 @@ class KubernetesInstanceStore(InstanceStore):
             self._watcher(CONFIGURATIONS),
             self._on_configuration,
         )
-        self._tasks: list[asyncio.Task[None]] = []
         self._events_sent: dict[tuple[str, str, str], float] = {}
         self.request_count = 0
 
@@ -158,14 +157,7 @@ class KubernetesInstanceStore(InstanceStore):
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        self._instance_events.close()
-        self._configuration_events.close()
+        await self._stop_watching()
         await self._api_client.close()
 
     # -- list / watch plumbing -------------------------------------------------------------

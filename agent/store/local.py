@@ -101,7 +101,6 @@ class LocalInstanceStore(InstanceStore):
         self._durable = durable
         self._poll_interval = poll_interval
         self._write_lock = asyncio.Lock()
-        self._tasks: list[asyncio.Task[None]] = []
         self._last_counter_stat: tuple[int, int] | None = None
         self._rescan_pending = False
         self._config_files = ConfigurationFiles(list(config_paths), self._on_configuration)
@@ -124,14 +123,7 @@ class LocalInstanceStore(InstanceStore):
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks = []
-        self._instance_events.close()
-        self._configuration_events.close()
+        await self._stop_watching()
 
     def _check_counter(self) -> None:
         if not self._counter_path.exists():
