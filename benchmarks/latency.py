@@ -9,7 +9,9 @@
 * ``allocate_il_ms`` / ``allocate_cl_ms`` — the Allocate RPC round trip seen by the kubelet
   double during a pod admission; the Instance write is part of it (checked afterwards);
 * ``reclaim_ms`` — pod deleted in the kubelet double → its slot free in the API double;
-* ``kubelet_restart_reregister_ms`` — ``kubelet.restart()`` → every plugin registered again.
+* ``kubelet_restart_reregister_ms`` — ``kubelet.restart()`` → every plugin registered again;
+* ``dra_prepare_ms`` — the DRA kubelet double's ``NodePrepareResources`` round trip for a claim
+  the scheduler emulator allocated from the agent's ResourceSlices.
 
 Start and end times are ``time.monotonic()`` of this process: the kubelet double records its
 receive times with the same clock.
@@ -32,6 +34,7 @@ from benchmarks.harness import (
     Node,
     RunqueueWindow,
     WaitTimeout,
+    agent_flags,
     debug_echo_configuration,
     expected_resources,
     registered_since,
@@ -40,11 +43,14 @@ from benchmarks.harness import (
     wait_until,
 )
 from benchmarks.stats import ms, summarize
+from tests.dra_kubelet import DraKubeletDouble
+from tests.dra_scheduler import RESOURCE_CLAIMS, AllocationError, allocate_claim, create_claim
 
 ALLOC = "alloc"
 FLIP = "flip"
 HEALTHY = "Healthy"
 NODE = "bench-a"
+DRA_DRIVER = "akri.sh"
 ADMISSION_STEPS = {
     "il": "(device choice + Allocate)",
     "cl": "(GetPreferredAllocation + Allocate)",
@@ -59,6 +65,7 @@ class LatencyPlan:
     restarts: int
     reclaim_spacing: float  # mean seconds between pod deletions
     alloc_devices: int = 64  # capacity 4 each: 256 slots for the IL + CL pods
+    dra_claims: int = 20  # claims prepared (and unprepared) one after another
 
 
 @dataclass(frozen=True)
@@ -421,6 +428,84 @@ class LatencyBench:
             "method": "kubelet.restart() called → the last of the node's plugins registered "
             "again (the agent notices the new kubelet.sock by polling it every 0.2 s)",
         }
+
+    # ---------------------------------------------------------------- DRA prepare
+
+    async def dra_prepare(self) -> dict[str, Any]:
+        """For each sample: a ResourceClaim is created and allocated on this node by the
+        scheduler emulator (from the agent's ResourceSlices), then the DRA kubelet double calls
+        ``NodePrepareResources`` (timed: the RPC round trip, which includes the Instance write
+        claiming the slot and the CDI spec file), then ``NodeUnprepareResources`` (timed too)
+        when the pod goes, and the claim is deleted so every sample starts from free slots."""
+        assert self.node is not None
+        if "--dra" not in agent_flags():
+            return {"skipped": "this agent version has no DRA kubelet plugin"}
+        kubelet = TimedDraKubelet(self.node.base / "plugins_registry", NODE, self.api.api)
+        await kubelet.start()
+        prepare: list[float] = []
+        unprepare: list[float] = []
+        verified = 0
+        requests = self.api.request_mark()
+        try:
+            await kubelet.wait_for_registration(DRA_DRIVER, timeout=20)
+            for i in range(self.plan.dra_claims):
+                name = f"dra-{i}"
+                claim = create_claim(self.api.api, "default", name)
+                uid = claim["metadata"]["uid"]
+                pod = f"pod-{name}"
+                await wait_until(
+                    lambda n=name, p=pod: _try_allocate(self.api.api, n, p),
+                    within=15,
+                    what=f"claim {name} allocated from the agent's ResourceSlices",
+                    interval=0.02,
+                )
+                await kubelet.prepare(pod, [("default", uid, name)])
+                prepare.append(kubelet.timings["NodePrepareResources"][-1])
+                if any(
+                    value == f"D:{uid}:{NODE}"
+                    for obj in self.api.instances(ALLOC)
+                    for value in ((obj.get("spec") or {}).get("deviceUsage") or {}).values()
+                ):
+                    verified += 1
+                await kubelet.remove_pod(pod)
+                unprepare.append(kubelet.timings["NodeUnprepareResources"][-1])
+                self.api.api.delete(RESOURCE_CLAIMS, name, "default")
+                await asyncio.sleep(0.05)
+        finally:
+            await kubelet.stop()
+        return {
+            **summarize(ms(prepare)),
+            "unprepare_ms": summarize(ms(unprepare)),
+            "slots_verified_in_api": verified,
+            "api_requests": _request_counts(self.api.requests_since(requests)),
+            "method": "NodePrepareResources round trip seen by the DRA kubelet double for one "
+            "allocated claim (includes reading the claim, the resourceVersion-checked Instance "
+            "write and the CDI spec); unprepare_ms is NodeUnprepareResources after the pod went",
+        }
+
+
+def _try_allocate(api: Any, claim: str, pod: str) -> bool:
+    """Allocate ``claim`` on the node like the scheduler would; False while nothing fits yet
+    (the agent's slices may still be catching up with freed slots)."""
+    try:
+        allocate_claim(api, "default", claim, NODE, pod_name=pod, pod_uid=pod)
+    except AllocationError:
+        return False
+    return True
+
+
+class TimedDraKubelet(DraKubeletDouble):
+    """The DRA kubelet double, also recording each RPC's round trip (seconds, by method)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timings: dict[str, list[float]] = {}
+
+    async def _call(self, registration: Any, service: str, method: str, claims: Any) -> Any:
+        start = time.monotonic()
+        response = await super()._call(registration, service, method, claims)
+        self.timings.setdefault(method, []).append(time.monotonic() - start)
+        return response
 
 
 def _request_counts(requests: list[Any]) -> dict[str, int]:

@@ -43,6 +43,7 @@ PLANS: dict[str, dict[str, Any]] = {
             restarts=2,
             reclaim_spacing=0.02,
             alloc_devices=8,
+            dra_claims=10,
         ),
         # quick: no kubelet restart / SIGTERM measurement at scale (time budget)
         "scale": ScalePlan(
@@ -56,13 +57,19 @@ PLANS: dict[str, dict[str, Any]] = {
     },
     "full": {
         "latency": LatencyPlan(
-            discovery=100, flips=20, allocations=100, restarts=10, reclaim_spacing=0.05
+            discovery=100,
+            flips=20,
+            allocations=100,
+            restarts=10,
+            reclaim_spacing=0.05,
+            dra_claims=100,
         ),
         "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
         "contention": ContentionPlan(),
     },
 }
-SECTIONS = ("latency", "scale", "contention")
+UDEV_SAMPLES = {"quick": 5, "full": 20}
+SECTIONS = ("latency", "scale", "contention", "udev")
 LATENCY_KEYS = (
     "discovery_to_kubelet_ms",
     "discovery_online_flip_ms",
@@ -70,6 +77,7 @@ LATENCY_KEYS = (
     "allocate_cl_ms",
     "reclaim_ms",
     "kubelet_restart_reregister_ms",
+    "dra_prepare_ms",
 )
 
 
@@ -184,6 +192,7 @@ async def latency_section(
             ("allocate_cl_ms", lambda: bench.allocate("cl"), 60 + plan.allocations),
             ("reclaim_ms", bench.reclaim, 90 + plan.allocations * 2 * plan.reclaim_spacing * 2),
             ("kubelet_restart_reregister_ms", bench.kubelet_restart, 30 + plan.restarts * 10),
+            ("dra_prepare_ms", bench.dra_prepare, 60 + plan.dra_claims * 2),
         ]
         steps = [(key, lambda r=run: bench.timed(r), limit) for key, run, limit in steps]
         for key, run, timeout in steps:
@@ -221,6 +230,45 @@ async def contention_section(
         api.stop()
 
 
+async def udev_section(results: dict[str, Any], samples: int) -> None:
+    """``benchmarks/udev_hotplug.py`` as a subprocess (it needs root and re-executes itself
+    under ``umockdev-wrapper``); its figures are merged in, or ``{"skipped": reason}``."""
+
+    async def run_script() -> dict[str, Any]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(ROOT / "benchmarks" / "udev_hotplug.py"),
+            "--samples",
+            str(samples),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            out, err = await proc.communicate()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        try:
+            parsed: dict[str, Any] = json.loads(out)
+        except ValueError:
+            raise RuntimeError(f"udev_hotplug.py printed no JSON: {err.decode()[-1000:]}") from None
+        if "error" in parsed:
+            raise RuntimeError(str(parsed["error"]))
+        return parsed
+
+    figures: dict[str, Any] = {}
+    await measure(figures, "udev", run_script, 300)
+    udev = figures["udev"]
+    results.setdefault("load_average_before", {}).update(figures.get("load_average_before", {}))
+    if "udev_hotplug_ms" in udev:
+        method = udev.pop("method", None)
+        results.update(udev)
+        results["udev_hotplug_ms"]["method"] = method
+    else:  # skipped (no root / no umockdev) or failed: one entry says why
+        results["udev_hotplug_ms"] = udev
+
+
 def targets(results: dict[str, Any]) -> dict[str, bool | None]:
     """The project's targets, checked against the figures (None: not measured)."""
 
@@ -239,6 +287,8 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
         "discovery_p99_below_50ms": below(get("discovery_to_kubelet_ms", "p99"), 50),
         "allocate_il_p99_below_50ms": below(get("allocate_il_ms", "p99"), 50),
         "allocate_cl_p99_below_50ms": below(get("allocate_cl_ms", "p99"), 50),
+        "dra_prepare_p99_below_50ms": below(get("dra_prepare_ms", "p99"), 50),
+        "udev_hotplug_p99_below_50ms": below(get("udev_hotplug_ms", "p99"), 50),
         "reregistration_p99_below_1s": below(get("kubelet_restart_reregister_ms", "p99"), 1000),
         "reclaim_p99_below_5s": below(get("reclaim_ms", "p99"), 5000),
         "reclaim_never_frees_a_live_pods_slot": below(get("reclaim_ms", "premature_releases"), 1),
@@ -268,6 +318,8 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         await scale_section(results, plans["scale"], options)
     if "contention" in args.only:
         await contention_section(results, plans["contention"], options, rng)
+    if "udev" in args.only:
+        await udev_section(results, UDEV_SAMPLES[mode])
 
 
 async def amain(args: argparse.Namespace, results: dict[str, Any]) -> None:
