@@ -111,9 +111,10 @@ async def test_prepare_writes_valid_cdi_and_unprepare_frees(
         assert "DEBUG_ECHO_DESCRIPTION=foo0" in env and "DEBUG_ECHO_DESCRIPTION_8120FE=foo0" in env
         # the DRA-held slot stays published (the scheduler accounts for it via the claim)
         assert published(api)["cam-8120fe"] == ["cam-8120fe-0", "cam-8120fe-1"]
-        # a repeated prepare (kubelet retry) gives the same answer
-        again = await kubelet.prepare_v1beta1("pod-c1", [("default", uid, "c1")]) if False else None
-        del again
+        # a repeated prepare (kubelet retry) gives the same answer and claims nothing more
+        again = await kubelet.node_prepare_resources([("default", uid, "c1")])
+        assert again.claims[uid] == results[uid]
+        assert held_count(api_instances(api)["cam-8120fe"]) == 1
         await kubelet.remove_pod("pod-c1")
         assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == ""
         assert list(node.cdi_dir.glob("*.json")) == []
