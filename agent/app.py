@@ -75,6 +75,7 @@ class Agent:
                 settings.pod_resources_socket,
                 interval=settings.reclaim_interval,
                 grace=settings.reclaim_grace,
+                events=store.subscribe_instances,
             )
 
     def _build_dra(self) -> None:

@@ -1,41 +1,73 @@
 """Frees slots this node holds for containers that no longer exist.
 
-Every ``interval`` seconds the reclaimer asks kubelet's pod-resources API (``List``) which
-device IDs are assigned to live containers, per resource. A slot this node holds through a
-device plugin is *in use* if its device ID is listed under its resource:
+kubelet's pod-resources API (``List``) says which device IDs are assigned to live containers,
+per resource. A slot this node holds through a device plugin is *in use* if its device ID is
+listed under its resource:
 
 * IL value ``<node>`` in Instance I, slot S → ``S`` listed under ``akri.sh/I``;
 * CL value ``C:<vdev>:<node>`` in an Instance of configuration C → ``vdev`` listed under
   ``akri.sh/C``.
 
 (Both are compared in kubelet's own format, so unlike Akri 0.13 IL slots are really freed.)
-A slot seen unused continuously for ``grace`` seconds is released through the ledger. DRA
-slots (``D:…``) belong to the DRA driver and are never touched here. If the pod-resources
+DRA slots (``D:…``) belong to the DRA driver and are never touched here. If the pod-resources
 socket is missing, reclaim is off and the log says so once.
+
+Timing. Passes run at a fixed rate, ``interval`` apart measured start to start. A pass takes
+a clock reading, then asks kubelet: a slot missing from the answer is *seen unused* from that
+reading on (``first_seen``), and gets its own deadline ``first_seen + grace``. The reclaimer
+wakes at the earliest deadline (not at the next whole pass) and runs a pass there, which asks
+kubelet again: a slot is released only when an answer obtained after its deadline still does
+not list it. A slot that shows up in any answer in between starts over. Reclaim latency is
+therefore about ``grace`` plus the time to the first pass that sees the pod gone
+(≤ ``interval``), not a whole number of passes. A deadline that falls just after a pass time
+(within ``TICK_SLACK`` of the interval) is confirmed in that pass, delayed to the deadline, so
+the deadlines of slots seen unused in the same pass cost one ``List``, not two.
+
+Release. Due slots are grouped by Instance: each Instance gets one CAS write for all its due
+slots (the ledger re-reads and re-decides on conflict, frees a slot only if it still holds
+the expected value, and keeps any slot this node granted again since it was first seen
+unused). Different Instances are released concurrently, at most ``concurrency`` at a time.
+
+Idle cost. The slots this node holds through plugins are kept in an index (:class:`HeldIndex`)
+fed by the store's Instance events when the reclaimer is given ``events`` (the agent does
+this), so a pass costs O(events since the last pass + held slots), not a parse of every slot
+of every Instance. When the node holds no plugin slot, a pass does not call kubelet at all.
+Without ``events`` the index is refreshed from ``list_instances()`` on every pass, re-parsing
+only Instances that changed.
+
+The decisions (which slots are held, stale, due; when to wake) are pure functions below; the
+I/O is in :class:`SlotReclaimer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from agent.deviceplugin.views import configuration_resource, instance_resource
+from agent.events import Subscription
 from agent.ledger.ledger import SlotLedger
 from agent.model.device_usage import ConfigurationUsage, NodeUsage, parse_usage
 from agent.model.instance import Instance
 from agent.protos.podresources.v1 import api_pb2 as pr_pb2
 from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.store.base import EventType, InstanceEvent
 
 log = logging.getLogger(__name__)
 
 InUse = Mapping[str, frozenset[str]]  # resource name -> device ids assigned to live containers
+SlotKey = tuple[str, str]  # (instance, slot)
+
+TICK_SLACK = 0.1  # fraction of the interval a pass may move to confirm a deadline with it
+DEFAULT_CONCURRENCY = 8  # Instances released at the same time
 
 
 @dataclass(frozen=True)
@@ -48,48 +80,173 @@ class HeldSlot:
     resource: str
     device_id: str
 
+    @property
+    def key(self) -> SlotKey:
+        return (self.instance, self.slot)
+
+
+def held_in(instance: Instance, node: str) -> tuple[HeldSlot, ...]:
+    """The IL/CL slots of one Instance that ``node`` holds (DRA and other nodes' excluded)."""
+    result = []
+    for slot, value in sorted(instance.device_usage.items()):
+        if not value:
+            continue  # free: most slots
+        usage = parse_usage(value)
+        if usage == NodeUsage(node):
+            result.append(
+                HeldSlot(instance.name, slot, value, instance_resource(instance.name), slot)
+            )
+        elif isinstance(usage, ConfigurationUsage) and usage.node == node:
+            resource = configuration_resource(instance.configuration_name)
+            result.append(HeldSlot(instance.name, slot, value, resource, usage.vdev))
+    return tuple(result)
+
 
 def held_by_plugins(instances: Iterable[Instance], node: str) -> list[HeldSlot]:
     """Every IL/CL slot ``node`` holds (DRA and other nodes' slots excluded)."""
-    result = []
-    for instance in instances:
-        for slot, value in sorted(instance.device_usage.items()):
-            if not value:
-                continue  # free: most slots, and this runs every reclaim pass
-            usage = parse_usage(value)
-            if usage == NodeUsage(node):
-                result.append(
-                    HeldSlot(instance.name, slot, value, instance_resource(instance.name), slot)
-                )
-            elif isinstance(usage, ConfigurationUsage) and usage.node == node:
-                resource = configuration_resource(instance.configuration_name)
-                result.append(HeldSlot(instance.name, slot, value, resource, usage.vdev))
-    return result
+    return [slot for instance in instances for slot in held_in(instance, node)]
+
+
+class HeldIndex:
+    """The slots ``node`` holds through plugins, per Instance, kept up to date by
+    :meth:`update` / :meth:`remove` (from Instance events) or :meth:`sync` (from a list)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._held: dict[str, tuple[HeldSlot, ...]] = {}  # only Instances with held slots
+        self._seen: dict[str, Instance] = {}  # the object each entry was computed from
+
+    def update(self, instance: Instance) -> None:
+        """Record the current state of ``instance``."""
+        name = instance.name
+        previous = self._seen.get(name)
+        self._seen[name] = instance
+        if previous is not None and (
+            previous is instance
+            or (
+                previous.device_usage == instance.device_usage
+                and previous.configuration_name == instance.configuration_name
+            )
+        ):
+            return  # no slot changed (status, nodes, properties, resourceVersion only)
+        held = held_in(instance, self.node)
+        if held:
+            self._held[name] = held
+        else:
+            self._held.pop(name, None)
+
+    def remove(self, name: str) -> None:
+        """``name`` was deleted."""
+        self._seen.pop(name, None)
+        self._held.pop(name, None)
+
+    def apply(self, event: InstanceEvent) -> None:
+        """Apply one store event."""
+        if event.type == EventType.DELETED:
+            self.remove(event.instance.name)
+        else:
+            self.update(event.instance)
+
+    def sync(self, instances: Iterable[Instance]) -> None:
+        """Make the index match ``instances`` (every cached Instance)."""
+        names = set()
+        for instance in instances:
+            names.add(instance.name)
+            self.update(instance)
+        for name in [n for n in self._seen if n not in names]:
+            self.remove(name)
+
+    def clear(self) -> None:
+        self._held.clear()
+        self._seen.clear()
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def __len__(self) -> int:
+        return sum(len(slots) for slots in self._held.values())
+
+    def __iter__(self) -> Iterator[HeldSlot]:
+        for slots in self._held.values():
+            yield from slots
+
+
+@dataclass(frozen=True)
+class ReclaimPlan:
+    """One pass's decision: the slots to release now, and when the next one becomes due."""
+
+    due: tuple[HeldSlot, ...]
+    next_deadline: float | None  # earliest first_seen + grace still after ``now``
+
+
+def plan_reclaim(
+    held: Iterable[HeldSlot],
+    in_use: InUse,
+    unused_since: dict[SlotKey, float],
+    now: float,
+    grace: float,
+) -> ReclaimPlan:
+    """Decide on one ``List`` answer, obtained after the clock read ``now``.
+
+    ``unused_since`` (slot -> first time seen unused) is updated in place: slots listed in
+    ``in_use`` or no longer held are forgotten, newly unused ones start at ``now``. A slot is
+    due when ``now`` has reached its deadline ``first_seen + grace``: two answers, one from
+    ``first_seen`` and this one from after the deadline, both show it unused (and no answer in
+    between showed it in use, or it would have started over)."""
+    due = []
+    current: set[SlotKey] = set()
+    next_deadline: float | None = None
+    for slot in held:
+        key = slot.key
+        current.add(key)
+        if slot.device_id in in_use.get(slot.resource, frozenset()):
+            unused_since.pop(key, None)
+            continue
+        deadline = unused_since.setdefault(key, now) + grace
+        if now >= deadline:
+            due.append(slot)
+        elif next_deadline is None or deadline < next_deadline:
+            next_deadline = deadline
+    for key in [k for k in unused_since if k not in current]:
+        del unused_since[key]
+    return ReclaimPlan(tuple(sorted(due, key=lambda s: s.key)), next_deadline)
 
 
 def stale_slots(
     held: Iterable[HeldSlot],
     in_use: InUse,
-    unused_since: dict[tuple[str, str], float],
+    unused_since: dict[SlotKey, float],
     now: float,
     grace: float,
 ) -> list[HeldSlot]:
     """Slots unused for at least ``grace`` seconds; updates ``unused_since`` in place."""
-    due = []
-    current: set[tuple[str, str]] = set()
-    for slot in held:
-        key = (slot.instance, slot.slot)
-        current.add(key)
-        if slot.device_id in in_use.get(slot.resource, frozenset()):
-            unused_since.pop(key, None)
-            continue
-        since = unused_since.setdefault(key, now)
-        if now - since >= grace:
-            due.append(slot)
-    for key in list(unused_since):
-        if key not in current:
-            del unused_since[key]
-    return due
+    return list(plan_reclaim(held, in_use, unused_since, now, grace).due)
+
+
+def by_instance(slots: Iterable[HeldSlot]) -> dict[str, list[HeldSlot]]:
+    """Slots grouped per Instance (one write each), in the order given."""
+    groups: defaultdict[str, list[HeldSlot]] = defaultdict(list)
+    for slot in slots:
+        groups[slot.instance].append(slot)
+    return dict(groups)
+
+
+def wake_time(next_tick: float, deadline: float | None, slack: float) -> float:
+    """When the next pass should start: the next tick of the fixed-rate schedule, or the
+    earliest deadline if that comes first. A deadline at most ``slack`` after the tick moves
+    that tick's pass to the deadline, so one ``List`` serves both."""
+    if deadline is None or deadline > next_tick + slack:
+        return next_tick
+    return deadline
+
+
+def next_tick_after(started: float, tick: float, interval: float, slack: float) -> float:
+    """The next tick of the schedule ``tick + k * interval`` once a pass started at
+    ``started``. A pass that started at most ``slack`` before a tick counts as that tick's
+    pass; ticks missed by a long pass are skipped (no burst of catch-up passes)."""
+    if started + slack < tick:
+        return tick  # an early pass for a deadline: the schedule stays
+    return tick + (math.floor((started + slack - tick) / interval) + 1) * interval
 
 
 async def list_pod_resources(socket: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
@@ -106,7 +263,12 @@ async def list_pod_resources(socket: Path, rpc_timeout: float = 5.0) -> dict[str
 
 
 class SlotReclaimer:
-    """Periodically frees this node's stale IL/CL slots."""
+    """Frees this node's stale IL/CL slots.
+
+    ``clock`` must be the clock of the ledger's grant times (monotonic); ``sleep`` waits on
+    it. ``events`` (the store's ``subscribe_instances``) keeps the held-slot index without
+    listing every Instance on every pass; without it ``list_instances`` is read each pass.
+    """
 
     def __init__(
         self,
@@ -117,30 +279,81 @@ class SlotReclaimer:
         interval: float = 1.0,
         grace: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        events: Callable[[], Subscription[InstanceEvent]] | None = None,
+        concurrency: int = DEFAULT_CONCURRENCY,
     ) -> None:
         self.ledger = ledger
         self._list = list_instances
         self.socket = socket
         self.interval = interval
         self.grace = grace
+        self.concurrency = max(1, concurrency)
         self._clock = clock
-        self._unused_since: dict[tuple[str, str], float] = {}
+        self._sleep = sleep
+        self._events = events
+        self._subscription: Subscription[InstanceEvent] | None = None
+        self.index = HeldIndex(ledger.node)
+        self._unused_since: dict[SlotKey, float] = {}
+        self._next_deadline: float | None = None
         self._warned = False
         self.freed = 0
+        self.passes = 0  # passes that asked kubelet
+        self.skipped = 0  # passes that did not need to (nothing held)
+
+    @property
+    def next_deadline(self) -> float | None:
+        """The earliest deadline of a slot seen unused (None if there is none)."""
+        return self._next_deadline
 
     async def run(self) -> None:
-        """Reclaim forever."""
-        while True:
+        """Reclaim until cancelled: passes at a fixed rate, plus one at each deadline."""
+        slack = self.interval * TICK_SLACK
+        next_tick = self._clock()
+        try:
+            while True:
+                wake = wake_time(next_tick, self._next_deadline, slack)
+                now = self._clock()
+                while now < wake:
+                    await self._sleep(wake - now)
+                    now = self._clock()
+                next_tick = next_tick_after(now, next_tick, self.interval, slack)
+                try:
+                    await self.reclaim_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self._next_deadline = None  # retried at the next tick, not in a tight loop
+                    log.exception("slot reclaim pass failed")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop following Instance events."""
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+
+    async def _refresh_index(self) -> None:
+        if self._events is None:
+            self.index.sync(self._list())
+            return
+        if self._subscription is None:
+            self.index.clear()  # the new subscription starts with every Instance as ADDED
+            self._subscription = self._events()
+        subscription = self._subscription
+        while subscription.pending():
             try:
-                await self.reclaim_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("slot reclaim pass failed")
-            await asyncio.sleep(self.interval)
+                event = await anext(subscription)  # queued: returns without waiting
+            except StopAsyncIteration:  # the store closed it: start over next time
+                self._subscription = None
+                return
+            self.index.apply(event)
 
     async def reclaim_once(self) -> list[HeldSlot]:
         """One pass; returns the slots freed."""
+        self._next_deadline = None
+        await self._refresh_index()  # even while reclaim is off: keeps the event queue short
         if not self.socket.exists():
             if not self._warned:
                 log.warning(
@@ -149,6 +362,10 @@ class SlotReclaimer:
                 )
                 self._warned = True
             return []
+        if not self.index:
+            self._unused_since.clear()
+            self.skipped += 1
+            return []  # nothing held through plugins: nothing to ask kubelet about
         # taken before asking kubelet: anything granted after this is not covered by the answer
         snapshot = self._clock()
         try:
@@ -160,30 +377,50 @@ class SlotReclaimer:
                 )
                 self._warned = True
             return []
+        self.passes += 1
         if self._warned:
             log.info("pod-resources API available: slot reclaim is on")
             self._warned = False
-        instances = [i for i in self._list() if self.ledger.node in i.nodes or i.device_usage]
-        held = held_by_plugins(instances, self.ledger.node)
-        due = stale_slots(held, in_use, self._unused_since, snapshot, self.grace)
+        await self._refresh_index()  # what was granted while kubelet answered
+        plan = plan_reclaim(self.index, in_use, self._unused_since, snapshot, self.grace)
+        self._next_deadline = plan.next_deadline
+        if not plan.due:
+            return []
+        return await self._release(plan.due)
+
+    async def _release(self, due: Sequence[HeldSlot]) -> list[HeldSlot]:
+        """Release ``due``: one write per Instance, Instances concurrently (bounded)."""
+        limit = asyncio.Semaphore(self.concurrency)
+        groups = by_instance(due)
+
+        async def release(name: str, slots: list[HeldSlot]) -> tuple[str, ...]:
+            expected = {slot.slot: slot.value for slot in slots}
+            since = {slot.slot: self._unused_since[slot.key] for slot in slots}
+            async with limit:
+                return await self.ledger.release_slots(name, expected, unless_granted_since=since)
+
+        results = await asyncio.gather(
+            *(release(name, slots) for name, slots in groups.items()), return_exceptions=True
+        )
         freed = []
-        for slot in due:
-            key = (slot.instance, slot.slot)
-            since = self._unused_since.get(key, snapshot)
-            released = await self.ledger.release_slots(
-                slot.instance, {slot.slot: slot.value}, unless_granted_since=since
-            )
-            if slot.slot in released:
-                log.info(
-                    "reclaimed slot %s (%s): no container uses %s any more",
-                    slot.slot,
-                    slot.value,
-                    slot.device_id,
-                )
-                self._unused_since.pop(key, None)
-                self.freed += 1
-                freed.append(slot)
-            else:
-                # granted again (kubelet re-offered it) since we saw it unused: start over
-                self._unused_since.pop(key, None)
+        for (name, slots), result in zip(groups.items(), results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                # kept as seen unused: due again at the next pass
+                log.warning("releasing stale slots of %s failed: %s", name, result)
+                continue
+            for slot in slots:
+                self._unused_since.pop(slot.key, None)
+                if slot.slot in result:
+                    log.info(
+                        "reclaimed slot %s (%s): no container uses %s any more",
+                        slot.slot,
+                        slot.value,
+                        slot.device_id,
+                    )
+                    self.freed += 1
+                    freed.append(slot)
+                # else: granted again (kubelet re-offered it) since we saw it unused, or its
+                # value changed: it starts over
         return freed

@@ -249,6 +249,17 @@ def decide_release_slots(
     return Released(tuple(slots), _release_keys(instance, slots), changed=True)
 
 
+def regranted(granted: Mapping[str, float], since: float | Mapping[str, float]) -> set[str]:
+    """Slots granted (``granted``: slot -> grant time) at or after ``since``: one time for
+    every slot, or a time per slot (slots missing from the mapping are not guarded).
+
+    A release based on evidence gathered from ``since`` on must keep these: the evidence that
+    they are unused predates the grant."""
+    if isinstance(since, Mapping):
+        return {slot for slot, when in granted.items() if slot in since and when >= since[slot]}
+    return {slot for slot, when in granted.items() if when >= since}
+
+
 def decide_release_node(instance: Instance, node: str) -> Released:
     """Free every slot held by ``node`` (any plugin): used when the node leaves the Instance."""
     values = {

@@ -25,6 +25,7 @@ from agent.ledger.decisions import (
     decide_release,
     decide_release_slots,
     decide_release_values,
+    regranted,
 )
 from agent.model.instance import Instance
 from agent.store.base import InstanceStore, NotFoundError
@@ -54,20 +55,37 @@ class SlotLedger:
     """Claims and frees slots of Instances for owners on ``node``."""
 
     def __init__(
-        self, store: InstanceStore, node: str, *, policy: RetryPolicy = DEFAULT_RETRY
+        self,
+        store: InstanceStore,
+        node: str,
+        *,
+        policy: RetryPolicy = DEFAULT_RETRY,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self.node = node
         self._policy = policy
+        # grant times must come from the same clock as the reclaimer's evidence (monotonic)
+        self._clock = clock
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        # (instance, slot) -> monotonic time of the last grant by this node, including
-        # idempotent re-grants that write nothing: the reclaimer must not free a slot that was
-        # handed out again after it judged the slot unused (the CAS cannot see such re-grants)
-        self._granted: dict[tuple[str, str], float] = {}
+        # instance -> slot -> time of the last grant by this node, including idempotent
+        # re-grants that write nothing: the reclaimer must not free a slot that was handed out
+        # again after it judged the slot unused (the CAS cannot see such re-grants). A slot
+        # this ledger frees loses its entry: any later holder is granted (and recorded) anew.
+        self._granted: defaultdict[str, dict[str, float]] = defaultdict(dict)
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else time.monotonic()
 
     def last_granted(self, instance: str, slot: str) -> float | None:
-        """Monotonic time this node last granted ``slot`` (None if never, in this process)."""
-        return self._granted.get((instance, slot))
+        """Time (monotonic) this node last granted ``slot`` (None if never, or if this ledger
+        freed it since)."""
+        return self._granted.get(instance, {}).get(slot)
+
+    def _regranted(self, instance: str, since: float | Mapping[str, float] | None) -> set[str]:
+        if since is None:
+            return set()
+        return regranted(self._granted.get(instance, {}), since)
 
     def lock_for(self, instance: str) -> asyncio.Lock:
         """The lock serialising this node's writes to ``instance``."""
@@ -98,8 +116,13 @@ class SlotLedger:
                 raise SlotRefusedError(
                     "UnknownInstance", f"instance {name} does not exist"
                 ) from error
-            if outcome and isinstance(outcome[0], Granted):
-                self._granted[(name, outcome[0].slot)] = time.monotonic()
+            done = outcome[0] if outcome else None
+            if isinstance(done, Granted):
+                self._granted[name][done.slot] = self._now()
+            elif isinstance(done, Released) and done.changed and name in self._granted:
+                grants = self._granted[name]
+                for slot in done.slots:
+                    grants.pop(slot, None)
         if refusal:
             raise SlotRefusedError(refusal[0].reason, refusal[0].message)
         assert stored is not None and outcome
@@ -149,10 +172,15 @@ class SlotLedger:
         instance: str,
         expected: Mapping[str, str],
         *,
-        unless_granted_since: float | None = None,
+        unless_granted_since: float | Mapping[str, float] | None = None,
     ) -> tuple[str, ...]:
-        """Free the given slots if they still hold the expected values (this node's only);
-        slots granted at or after ``unless_granted_since`` are kept. Returns freed slots."""
+        """Free the given slots of ``instance`` in one CAS write if they still hold the
+        expected values (this node's only). Returns the freed slots.
+
+        Slots granted at or after ``unless_granted_since`` are kept: one time for all slots, or
+        a time per slot (each slot's evidence that it is unused started at its own time). The
+        kept set is re-computed on every CAS attempt, so a re-grant during a conflict retry
+        still counts."""
         foreign = [
             v for v in expected.values() if not v.endswith(":" + self.node) and v != self.node
         ]
@@ -160,13 +188,7 @@ class SlotLedger:
             raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
 
         def decide(inst: Instance) -> Released:
-            keep = set()
-            if unless_granted_since is not None:
-                keep = {
-                    slot
-                    for (name, slot), when in self._granted.items()
-                    if name == instance and when >= unless_granted_since
-                }
+            keep = self._regranted(instance, unless_granted_since)
             return decide_release_slots(inst, expected, keep=keep)
 
         try:
@@ -196,13 +218,7 @@ class SlotLedger:
         try:
 
             def decide(inst: Instance) -> Released:
-                keep = set()
-                if unless_granted_since is not None:
-                    keep = {
-                        slot
-                        for (name, slot), when in self._granted.items()
-                        if name == instance and when >= unless_granted_since
-                    }
+                keep = self._regranted(instance, unless_granted_since)
                 return decide_release_values(inst, values, keep=keep)
 
             _, decision = await self._apply(instance, decide)
