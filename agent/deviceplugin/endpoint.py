@@ -6,6 +6,12 @@ Follows what kubelet expects (reference §1.4): serve first, self-dial, then ``R
 (``<resource>-<ms>.sock``), so a restarted plugin never collides with a stale socket. A
 failed registration is retried with capped backoff while the socket keeps being served;
 the socket is removed on stop.
+
+Stopping first ends the ListAndWatch streams (kubelet keeps its stream open for as long as
+the plugin serves), so the server's stop grace is only waited for by RPCs really in flight.
+``start``/``stop``/``restart`` of one endpoint never overlap (a lock), and a ``restart``
+after ``stop`` does nothing: the manager and the socket watcher can act on the same endpoint
+without reviving a removed plugin.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ log = logging.getLogger(__name__)
 KUBELET_SOCKET = "kubelet.sock"
 API_VERSION = "v1beta1"
 MAX_REGISTER_BACKOFF = 5.0
+STOP_GRACE = 0.2  # for RPCs in flight (Allocate); open ListAndWatch streams are ended first
 
 
 UNIX_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
@@ -53,31 +60,58 @@ def socket_file_name(resource_name: str, directory: Path) -> str:
 class PluginEndpoint:
     """Serves one :class:`DevicePluginService` on a unix socket and keeps it registered."""
 
-    def __init__(self, service: DevicePluginService, directory: Path) -> None:
+    def __init__(
+        self, service: DevicePluginService, directory: Path, *, stop_grace: float = STOP_GRACE
+    ) -> None:
         self.service = service
         self.directory = directory
+        self.stop_grace = stop_grace
         self.socket_path: Path | None = None
         self.registered = asyncio.Event()
         self.registrations = 0
+        self.starts = 0
         self._server: grpc.aio.Server | None = None
         self._register_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._stopped = False  # stop() was called (and no start() since)
 
     @property
     def resource_name(self) -> str:
         return self.service.logic.resource_name
 
+    @property
+    def busy(self) -> bool:
+        """Starting, stopping or restarting right now."""
+        return self._lock.locked()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     async def start(self) -> None:
         """Serve on a new socket and start registering."""
+        async with self._lock:
+            self._stopped = False
+            await self._start()
+
+    async def _start(self) -> None:
         self.registered.clear()
         self.socket_path = self.directory / socket_file_name(self.resource_name, self.directory)
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        server = grpc.aio.server()
-        api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
-        await server.start()
-        self._server = server
-        await self._self_dial()
+        try:
+            server = grpc.aio.server()
+            api_pb2_grpc.add_DevicePluginServicer_to_server(self.service, server)
+            server.add_insecure_port(f"unix://{self.socket_path}")
+            self._server = server
+            await server.start()
+            await self._self_dial()
+        except BaseException:
+            # leave nothing half-started: no server, no socket (so a retry starts afresh and
+            # the socket watcher sees this plugin's socket as missing)
+            await self._stop()
+            raise
+        self.starts += 1
         self._register_task = asyncio.create_task(
             self._register_until_done(), name=f"register-{self.resource_name}"
         )
@@ -127,28 +161,44 @@ class PluginEndpoint:
             )
 
     async def stop(self) -> None:
-        """Stop serving and remove our socket (only ours)."""
+        """Stop serving and remove our socket (only ours). A later :meth:`restart` does
+        nothing; :meth:`start` serves again."""
+        async with self._lock:
+            self._stopped = True
+            await self._stop()
+
+    async def _stop(self) -> None:
         if self._register_task is not None:
             self._register_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._register_task
             self._register_task = None
+        # kubelet never closes its ListAndWatch stream: end it here, or stop() would always
+        # wait the whole grace
+        self.service.end_streams()
         if self._server is not None:
-            await self._server.stop(0.2)
-            self._server = None
+            server, self._server = self._server, None
+            await server.stop(self.stop_grace)
         if self.socket_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
         self.registered.clear()
 
     async def restart(self) -> None:
-        """New socket + re-registration (after a kubelet restart wiped the directory)."""
-        await self.stop()
-        await self.start()
+        """New socket + re-registration (after a kubelet restart wiped the directory); does
+        nothing once :meth:`stop` was called."""
+        async with self._lock:
+            if self._stopped:
+                return
+            await self._stop()
+            await self._start()
 
     def socket_missing(self) -> bool:
-        """True if kubelet (or anyone) removed our socket."""
-        return self.socket_path is not None and not self.socket_path.exists()
+        """True if kubelet (or anyone) removed our socket; False while we are (re)starting
+        or stopping it ourselves, or after :meth:`stop`."""
+        if self._stopped or self.busy or self.socket_path is None:
+            return False
+        return not self.socket_path.exists()
 
 
 def _describe(error: BaseException) -> str:

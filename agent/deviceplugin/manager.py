@@ -7,6 +7,21 @@
   and its Configuration's CL plugin); an offline (grace) change notifies all;
 * kubelet restarts are detected by watching ``kubelet.sock`` (new inode) and our own sockets
   (removed): every plugin then gets a new socket and re-registers, within ~``poll`` seconds.
+
+Costs, so that thousands of plugins stay cheap:
+
+* a sync costs O(Instances changed since the last one): the manager keeps which Instances
+  list this node (and how many per Configuration) up to date from the change events, and
+  only re-reads the whole cache on the first sync and after a failed one;
+* new plugins start concurrently (at most ``concurrency`` at a time); removed plugins stop in
+  the background (tracked, awaited by :meth:`DevicePluginManager.close`), so a stopping
+  plugin never delays a new one;
+* the configuration-level list re-computes at most every ``cl_update_interval`` seconds (see
+  :class:`DevicePluginService`), and only re-parses the Instances that changed;
+* each poll costs two ``stat`` calls (``kubelet.sock`` and the directory); our own sockets
+  are only checked when the directory changed;
+* after a kubelet restart the plugins restart concurrently (at most ``concurrency`` at a
+  time), each as before: new server on a new socket, self-dial, Register (retried).
 """
 
 from __future__ import annotations
@@ -15,6 +30,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from agent.deviceplugin.endpoint import KUBELET_SOCKET, PluginEndpoint
@@ -22,11 +40,14 @@ from agent.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, Instan
 from agent.deviceplugin.service import DevicePluginService
 from agent.events import Subscription
 from agent.ledger.ledger import SlotLedger
-from agent.model.instance import Instance
 from agent.store.base import InstanceEvent, InstanceStore
 
 log = logging.getLogger(__name__)
-OWN_SOCKET_CHECK_EVERY = 10
+MAX_CONCURRENT_STARTS = 64
+CL_UPDATE_INTERVAL = 0.05
+# a directory mtime this close to now may not yet reflect a change made within the same
+# filesystem timestamp tick, so the directory is checked again on the next poll
+RECENT_MTIME_NS = 1_000_000_000
 
 
 class DevicePluginManager:
@@ -40,6 +61,8 @@ class DevicePluginManager:
         directory: Path,
         *,
         kubelet_poll: float = 0.2,
+        concurrency: int = MAX_CONCURRENT_STARTS,
+        cl_update_interval: float = CL_UPDATE_INTERVAL,
     ) -> None:
         self.store = store
         self.ledger = ledger
@@ -47,13 +70,27 @@ class DevicePluginManager:
         self.source = source
         self.directory = directory
         self.kubelet_poll = kubelet_poll
+        self.cl_update_interval = cl_update_interval
         self.instance_plugins: dict[str, PluginEndpoint] = {}
         self.configuration_plugins: dict[str, PluginEndpoint] = {}
         self.kubelet_restarts = 0
+        # observability (tests, debugging)
+        self.syncs = 0
+        self.own_socket_checks = 0  # polls that looked at our own sockets
+        self.max_concurrent_starts = 0  # starts and restarts in flight at once, at most
+        self._in_flight = 0
+        self._limit = asyncio.Semaphore(concurrency)
         self._wake = asyncio.Event()
         self._dirty: set[str] = set()
+        self._full_sync = True  # re-read the whole cache on the next sync
+        self._on_node: dict[str, str] = {}  # Instance listing this node -> its Configuration
+        self._per_configuration: Counter[str] = Counter()  # of _on_node
+        self._stopping: dict[PluginEndpoint, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._kubelet_id: tuple[int, int] | None = None
+        self._directory_id: tuple[int, int] | None = None
+        self._check_own_next = False
+        self._directory_gone_logged = False
 
     def endpoints(self) -> list[PluginEndpoint]:
         """Every running plugin endpoint."""
@@ -62,6 +99,7 @@ class DevicePluginManager:
     async def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._kubelet_id = self._kubelet_socket_id()
+        self._directory_id = self._directory_state()
         events = self.store.subscribe_instances()
         self._tasks = [
             asyncio.create_task(self._follow(events), name="plugins-follow"),
@@ -76,25 +114,26 @@ class DevicePluginManager:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        # concurrently: each stop waits its gRPC grace while kubelet's ListAndWatch stream is
-        # open, so one after another would not fit Kubernetes' 30 s termination grace with
-        # hundreds of plugins
-        await asyncio.gather(*(endpoint.stop() for endpoint in self.endpoints()))
+        self._tasks = []
+        endpoints = self.endpoints()
         self.instance_plugins.clear()
         self.configuration_plugins.clear()
+        # concurrently: hundreds of plugins must stop within Kubernetes' 30 s termination grace
+        await asyncio.gather(
+            *(self._stop(endpoint) for endpoint in endpoints),
+            *self._stopping.values(),
+            return_exceptions=True,
+        )
 
     def offline_changed(self) -> None:
         """Discovery's grace set changed: every list may change."""
         for endpoint in self.endpoints():
-            endpoint.service.notify_soon()
+            endpoint.service.changed()
 
     async def _follow(self, events: Subscription[InstanceEvent]) -> None:
         async for event in events:
             self._dirty.add(event.instance.name)
             self._wake.set()
-
-    def _mine(self) -> list[Instance]:
-        return [i for i in self.store.list_cached() if self.node in i.nodes]
 
     async def _sync_loop(self) -> None:
         while True:
@@ -106,48 +145,139 @@ class DevicePluginManager:
                 raise
             except Exception:
                 log.exception("device plugin sync failed")
+                self._full_sync = True
                 await asyncio.sleep(1)
                 self._wake.set()
 
+    # ------------------------------------------------------------------ sync
+
+    def _track(self, name: str) -> tuple[str | None, str | None]:
+        """Bring ``_on_node`` up to date for one Instance: (Configuration before, after)."""
+        cached = self.store.get_cached(name)
+        after = (
+            cached.configuration_name if cached is not None and self.node in cached.nodes else None
+        )
+        before = self._on_node.get(name)
+        if before != after:
+            if before is not None:
+                self._per_configuration[before] -= 1
+                if self._per_configuration[before] <= 0:
+                    del self._per_configuration[before]
+                del self._on_node[name]
+            if after is not None:
+                self._on_node[name] = after
+                self._per_configuration[after] += 1
+        return before, after
+
     async def sync(self) -> None:
         """Start/stop plugins to match the cache and notify the affected ones."""
+        self.syncs += 1
         dirty, self._dirty = self._dirty, set()
-        mine = self._mine()
-        wanted_il = {i.name for i in mine}
-        wanted_cl = {i.configuration_name for i in mine}
-        for name in sorted(set(self.instance_plugins) - wanted_il):
-            await self.instance_plugins.pop(name).stop()
-            log.info("stopped device plugin akri.sh/%s", name)
-        for name in sorted(set(self.configuration_plugins) - wanted_cl):
-            await self.configuration_plugins.pop(name).stop()
-            log.info("stopped configuration device plugin for %s", name)
-        for name in sorted(wanted_il - set(self.instance_plugins)):
-            logic = InstancePlugin(name, self.store.get_cached, self.ledger, self.source)
-            self.instance_plugins[name] = await self._start(logic)
-        for name in sorted(wanted_cl - set(self.configuration_plugins)):
-            cl_logic = ConfigurationPlugin(name, self.store.list_cached, self.ledger, self.source)
-            self.configuration_plugins[name] = await self._start(cl_logic)
-        touched_configurations: set[str] = set()
+        full = self._full_sync
+        self._full_sync = False
+        if full:
+            self._on_node.clear()
+            self._per_configuration.clear()
+            dirty |= {i.name for i in self.store.list_cached()} | set(self.instance_plugins)
+        touched: set[str] = set()
         for name in dirty:
-            endpoint = self.instance_plugins.get(name)
-            if endpoint is not None:
-                await endpoint.service.notify()
-            cached = self.store.get_cached(name)
-            if cached is not None:
-                touched_configurations.add(cached.configuration_name)
-        if any(self.store.get_cached(n) is None for n in dirty):
-            # a deleted Instance is no longer cached: refresh every CL list to be safe
-            touched_configurations = set(self.configuration_plugins)
-        for configuration in touched_configurations:
+            before, after = self._track(name)
+            touched.update(c for c in (before, after) if c is not None)
+        if full:
+            touched |= set(self.configuration_plugins)
+        for name in sorted(n for n in dirty if n in self.instance_plugins):
+            if name not in self._on_node:
+                self._stop_later(self.instance_plugins.pop(name))
+        for configuration in sorted(c for c in touched if c in self.configuration_plugins):
+            if configuration not in self._per_configuration:
+                self._stop_later(self.configuration_plugins.pop(configuration))
+        new_il = sorted(n for n in dirty if n in self._on_node and n not in self.instance_plugins)
+        new_cl = sorted(
+            c
+            for c in touched
+            if c in self._per_configuration and c not in self.configuration_plugins
+        )
+        starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
+        for name in new_il:
+            logic = InstancePlugin(name, self.store.get_cached, self.ledger, self.source)
+            starting.append((self.instance_plugins, name, self._endpoint(logic)))
+        for name in new_cl:
+            cl_logic = ConfigurationPlugin(name, self.store.list_cached, self.ledger, self.source)
+            starting.append((self.configuration_plugins, name, self._endpoint(cl_logic)))
+        for plugins, name, endpoint in starting:
+            plugins[name] = endpoint  # listed at once: close() stops it even mid-start
+        failed = await self._start_all(starting)
+        for name in dirty:
+            il = self.instance_plugins.get(name)
+            if il is not None:
+                il.service.changed()
+        for configuration in touched:
             cl = self.configuration_plugins.get(configuration)
             if cl is not None:
-                await cl.service.notify()
+                cl.service.changed()
+        if failed:
+            raise RuntimeError(f"{failed} device plugin(s) did not start")
 
-    async def _start(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
-        endpoint = PluginEndpoint(DevicePluginService(logic), self.directory)
-        await endpoint.start()
-        log.info("serving device plugin %s on %s", logic.resource_name, endpoint.socket_path)
-        return endpoint
+    def _endpoint(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
+        interval = self.cl_update_interval if isinstance(logic, ConfigurationPlugin) else 0.0
+        return PluginEndpoint(DevicePluginService(logic, min_interval=interval), self.directory)
+
+    async def _start_all(
+        self, starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]]
+    ) -> int:
+        """Start the endpoints, at most ``concurrency`` at a time; the number that failed
+        (those are no longer listed)."""
+        results = await asyncio.gather(
+            *(self._start(endpoint) for _, _, endpoint in starting), return_exceptions=True
+        )
+        failed = 0
+        for (plugins, name, endpoint), result in zip(starting, results, strict=True):
+            if isinstance(result, BaseException):
+                failed += 1
+                log.error("starting device plugin %s failed: %s", endpoint.resource_name, result)
+                if plugins.get(name) is endpoint:
+                    del plugins[name]
+        return failed
+
+    async def _start(self, endpoint: PluginEndpoint) -> None:
+        # the same resource stopping in the background: let it end first, or its stream's end
+        # could reach kubelet after the new registration
+        previous = [
+            task
+            for old, task in self._stopping.items()
+            if old.resource_name == endpoint.resource_name
+        ]
+        if previous:
+            await asyncio.wait(previous)
+        async with self._limited():
+            await endpoint.start()
+        log.info("serving device plugin %s on %s", endpoint.resource_name, endpoint.socket_path)
+
+    def _stop_later(self, endpoint: PluginEndpoint) -> None:
+        """Stop a removed plugin in the background (tracked until done)."""
+        task = asyncio.create_task(self._stop(endpoint), name=f"stop-{endpoint.resource_name}")
+        self._stopping[endpoint] = task
+        task.add_done_callback(lambda _: self._stopping.pop(endpoint, None))
+
+    async def _stop(self, endpoint: PluginEndpoint) -> None:
+        try:
+            await endpoint.stop()
+        except Exception:
+            log.exception("stopping device plugin %s failed", endpoint.resource_name)
+            return
+        log.info("stopped device plugin %s", endpoint.resource_name)
+
+    @contextlib.asynccontextmanager
+    async def _limited(self) -> AsyncIterator[None]:
+        async with self._limit:
+            self._in_flight += 1
+            self.max_concurrent_starts = max(self.max_concurrent_starts, self._in_flight)
+            try:
+                yield
+            finally:
+                self._in_flight -= 1
+
+    # ------------------------------------------------------------------ kubelet watch
 
     def _kubelet_socket_id(self) -> tuple[int, int] | None:
         try:
@@ -156,33 +286,75 @@ class DevicePluginManager:
             return None
         return (stat.st_ino, stat.st_ctime_ns)
 
+    def _directory_state(self) -> tuple[int, int] | None:
+        try:
+            stat = os.stat(self.directory)
+        except FileNotFoundError:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns)
+
     async def _watch_kubelet(self) -> None:
-        """Poll for a re-created kubelet.sock (one ``stat`` per poll: the kubelet-restart
-        signal) and, every ``OWN_SOCKET_CHECK_EVERY`` polls, for plugin sockets someone else
-        removed (one ``stat`` per plugin: kept rare so idle CPU stays low with many plugins)."""
-        polls = 0
         while True:
             await asyncio.sleep(self.kubelet_poll)
-            polls += 1
-            current = self._kubelet_socket_id()
-            recreated = current is not None and current != self._kubelet_id
-            self._kubelet_id = current
-            check_own = polls % OWN_SOCKET_CHECK_EVERY == 0
-            wiped = [e for e in self.endpoints() if e.socket_missing()] if check_own else []
-            if not recreated and not wiped:
-                continue
-            if recreated:
-                self.kubelet_restarts += 1
-                log.info(
-                    "kubelet.sock was re-created (kubelet restarted): re-registering %d plugin(s)",
-                    len(self.endpoints()),
-                )
-                targets = self.endpoints()
-            else:
-                log.info("%d plugin socket(s) removed: re-registering", len(wiped))
-                targets = wiped
-            for endpoint in targets:
-                try:
-                    await endpoint.restart()
-                except Exception:
-                    log.exception("restarting %s failed", endpoint.resource_name)
+            await self.check_sockets()
+
+    async def check_sockets(self) -> None:
+        """One poll: a re-created ``kubelet.sock`` (kubelet restarted) re-registers every
+        plugin; a changed directory (new inode or mtime) has our sockets checked, and the
+        plugins whose socket is gone re-register."""
+        current = self._kubelet_socket_id()
+        recreated = current is not None and current != self._kubelet_id
+        self._kubelet_id = current
+        changed = self._directory_changed()
+        removed = self._removed_sockets() if changed and not recreated else []
+        if recreated:
+            self.kubelet_restarts += 1
+            targets = self.endpoints()
+            log.info(
+                "kubelet.sock was re-created (kubelet restarted): re-registering %d plugin(s)",
+                len(targets),
+            )
+        elif removed:
+            log.info("%d plugin socket(s) removed: re-registering", len(removed))
+            targets = removed
+        else:
+            return
+        if not await self._restart_all(targets):
+            self._check_own_next = True  # retry the ones whose socket is still missing
+
+    def _directory_changed(self) -> bool:
+        """Did the directory change (inode or mtime) since the last poll? Every removal of a
+        socket in it updates its mtime. Also True on the poll after one that saw an mtime
+        close to now (a change within the same timestamp tick keeps the mtime) or after a
+        failed restart. False while the directory is missing (its re-creation is a change)."""
+        state = self._directory_state()
+        changed = state != self._directory_id or self._check_own_next
+        self._directory_id = state
+        if state is None:
+            if not self._directory_gone_logged:
+                log.warning("device plugin directory %s is gone; waiting for it", self.directory)
+                self._directory_gone_logged = True
+            self._check_own_next = False
+            return False
+        self._directory_gone_logged = False
+        self._check_own_next = abs(time.time_ns() - state[1]) < RECENT_MTIME_NS
+        return changed
+
+    def _removed_sockets(self) -> list[PluginEndpoint]:
+        """Our endpoints whose socket is gone (one ``stat`` per plugin)."""
+        self.own_socket_checks += 1
+        return [e for e in self.endpoints() if e.socket_missing()]
+
+    async def _restart_all(self, targets: Iterable[PluginEndpoint]) -> bool:
+        """Restart concurrently (at most ``concurrency`` at a time); True if all succeeded."""
+        results = await asyncio.gather(*(self._restart(e) for e in targets))
+        return all(results)
+
+    async def _restart(self, endpoint: PluginEndpoint) -> bool:
+        async with self._limited():
+            try:
+                await endpoint.restart()
+            except Exception:
+                log.exception("restarting %s failed", endpoint.resource_name)
+                return False
+        return True

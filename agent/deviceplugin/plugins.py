@@ -12,10 +12,10 @@ import grpc
 from agent.deviceplugin.container_env import container_edits
 from agent.deviceplugin.service import AllocationError
 from agent.deviceplugin.views import (
+    ConfigurationDevices,
     DeviceView,
     InsufficientInstancesError,
     VirtualDevice,
-    configuration_devices,
     configuration_resource,
     instance_devices,
     instance_resource,
@@ -166,14 +166,10 @@ class ConfigurationPlugin:
         self._ledger = ledger
         self._source = source
         self._lock = asyncio.Lock()
+        self._view = ConfigurationDevices(configuration, ledger.node)
 
     def _virtual_devices(self) -> list[VirtualDevice]:
-        return configuration_devices(
-            self.configuration,
-            self._list(self.configuration),
-            self._ledger.node,
-            self._source.offline_instances(),
-        )
+        return self._view(self._list(self.configuration), self._source.offline_instances())
 
     def devices(self) -> Sequence[DeviceView]:
         return [DeviceView(d.id, d.healthy) for d in self._virtual_devices()]

@@ -3,13 +3,23 @@
 What to list and how to allocate is the :class:`PluginLogic`'s job; this class streams the
 full device list on every change (kubelet rebuilds its sets from each message) and maps
 allocation errors to gRPC status codes whose message says why.
+
+* Changes are coalesced: :meth:`DevicePluginService.changed` only bumps a version, and each
+  stream re-computes the list once when it next runs, however many changes came in between.
+  With ``min_interval`` a stream also re-computes at most once per ``min_interval`` seconds
+  (the first change after a quiet period at once, a burst at the end of the window): the
+  configuration-level list covers every Instance, so one re-computation per Instance event
+  would make a burst of N events cost O(N²).
+* :meth:`DevicePluginService.end_streams` makes every open ``ListAndWatch`` return (status
+  OK), so stopping the server does not wait for its grace on kubelet's open stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -51,12 +61,25 @@ class PluginLogic(Protocol):
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     """Serves one resource."""
 
-    def __init__(self, logic: PluginLogic) -> None:
+    def __init__(
+        self,
+        logic: PluginLogic,
+        *,
+        min_interval: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
         self.logic = logic
+        self.min_interval = min_interval
+        self._clock = clock
+        self._sleep = sleep
         self._version = 0
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # replaced (after being set) on every change
+        self._closing = asyncio.Event()  # replaced (after being set) by end_streams()
         self.sends = 0
         self.allocations = 0
+        self.computations = 0  # device lists computed by ListAndWatch streams
+        self.open_streams = 0
 
     def options(self) -> api_pb2.DevicePluginOptions:
         """The options registered with kubelet and returned by GetDevicePluginOptions."""
@@ -65,40 +88,70 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             get_preferred_allocation_available=self.logic.preferred_allocation,
         )
 
+    def changed(self) -> None:
+        """The devices may have changed: every ListAndWatch stream re-checks (once, however
+        often this is called before the stream runs again). O(1)."""
+        self._version += 1
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
     async def notify(self) -> None:
-        """The devices may have changed: let every ListAndWatch stream re-check."""
-        async with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        """:meth:`changed`, awaitable (kept for callers in async code)."""
+        self.changed()
 
     def notify_soon(self) -> None:
-        """:meth:`notify` from synchronous code."""
-        asyncio.get_running_loop().create_task(self.notify())
+        """:meth:`changed` (the name synchronous callers use)."""
+        self.changed()
+
+    def end_streams(self) -> None:
+        """Make every open ListAndWatch stream return; streams opened later are not affected."""
+        closing, self._closing = self._closing, asyncio.Event()
+        closing.set()
+        self.changed()
 
     async def GetDevicePluginOptions(self, request: Any, context: Any) -> Any:
         return self.options()
 
     async def ListAndWatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        last: tuple[tuple[str, bool], ...] | None = None
-        while True:
-            seen = self._version
-            devices = list(self.logic.devices())
-            key = tuple((d.id, d.healthy) for d in devices)
-            if key != last:
-                last = key
-                self.sends += 1
-                yield api_pb2.ListAndWatchResponse(
-                    devices=[
-                        api_pb2.Device(ID=d.id, health="Healthy" if d.healthy else "Unhealthy")
-                        for d in devices
-                    ]
-                )
-            await self._wait_for_change(seen)
+        closing = self._closing
+        self.open_streams += 1
+        try:
+            last: tuple[tuple[str, bool], ...] | None = None
+            while not closing.is_set():
+                seen = self._version
+                computed_at = self._clock()
+                devices = list(self.logic.devices())
+                self.computations += 1
+                key = tuple((d.id, d.healthy) for d in devices)
+                if key != last:
+                    last = key
+                    self.sends += 1
+                    yield api_pb2.ListAndWatchResponse(
+                        devices=[
+                            api_pb2.Device(ID=d.id, health="Healthy" if d.healthy else "Unhealthy")
+                            for d in devices
+                        ]
+                    )
+                await self._wait_for_change(seen, closing)
+                delay = computed_at + self.min_interval - self._clock()
+                if delay > 0 and not closing.is_set():
+                    await self._pause(delay, closing)
+        finally:
+            self.open_streams -= 1
 
-    async def _wait_for_change(self, seen: int) -> None:
-        async with self._changed:
-            while self._version == seen:
-                await self._changed.wait()
+    async def _wait_for_change(self, seen: int, closing: asyncio.Event) -> None:
+        while self._version == seen and not closing.is_set():
+            await self._changed.wait()
+
+    async def _pause(self, delay: float, closing: asyncio.Event) -> None:
+        """Sleep ``delay`` seconds, or less if the streams are ended meanwhile."""
+        sleeper = asyncio.ensure_future(self._sleep(delay))
+        closer = asyncio.ensure_future(closing.wait())
+        try:
+            await asyncio.wait({sleeper, closer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            closer.cancel()
 
     async def GetPreferredAllocation(self, request: Any, context: Any) -> Any:
         responses = [
@@ -119,11 +172,11 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             responses = await self.logic.allocate(requests)
         except AllocationError as error:
             log.warning("%s: Allocate %s refused: %s", self.logic.resource_name, requests, error)
-            await self.notify()
+            self.changed()
             await context.abort(error.code, str(error))
             raise  # unreachable: abort raises
         self.allocations += 1
-        await self.notify()
+        self.changed()
         return api_pb2.AllocateResponse(container_responses=responses)
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:

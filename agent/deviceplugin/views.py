@@ -91,11 +91,89 @@ def held_virtual_devices(instances: Sequence[Instance], node: str) -> list[Virtu
     """vdevs this node's CL plugin holds, with the slot holding each."""
     held: list[VirtualDevice] = []
     for instance in instances:
-        for slot, value in sorted(instance.device_usage.items()):
-            usage = parse_usage(value)
-            if isinstance(usage, ConfigurationUsage) and usage.node == node:
-                held.append(VirtualDevice(usage.vdev, instance.name, slot, True))
+        held.extend(
+            VirtualDevice(vdev, instance.name, slot, True)
+            for vdev, slot in _instance_part(instance, node).held
+        )
     return held
+
+
+@dataclass(frozen=True)
+class _InstancePart:
+    """What one Instance contributes to the CL list: the vdevs this node holds in it (in slot
+    order) and whether it has a free slot."""
+
+    held: tuple[tuple[str, str], ...]  # (vdev, slot)
+    has_free: bool
+
+
+def _instance_part(instance: Instance, node: str) -> _InstancePart:
+    held = []
+    for slot, value in sorted(instance.device_usage.items()):
+        if not value.startswith("C:"):
+            continue  # free, another node's IL slot, DRA, unknown: not a held vdev
+        usage = parse_usage(value)
+        if isinstance(usage, ConfigurationUsage) and usage.node == node:
+            held.append((usage.vdev, slot))
+    return _InstancePart(tuple(held), bool(free_slots(instance)))
+
+
+class ConfigurationDevices:
+    """:func:`configuration_devices` for one (configuration, node), with each Instance's part
+    (its slots parsed) kept until the Instance object changes. The cache reads the store's
+    objects, which are immutable and replaced on every change, so an Instance is recognised
+    by identity; a list computation then parses only the Instances that changed."""
+
+    def __init__(self, configuration: str, node: str) -> None:
+        self.configuration = configuration
+        self.node = node
+        self.prefix = configuration_resource_name(configuration)
+        self._parts: dict[str, tuple[Instance, _InstancePart]] = {}
+        self.parsed = 0  # Instances (re)parsed, for tests
+
+    def __call__(
+        self, instances: Sequence[Instance], offline: Collection[str]
+    ) -> list[VirtualDevice]:
+        node = self.node
+        mine = sorted(
+            (
+                i
+                for i in instances
+                if i.configuration_name == self.configuration and node in i.nodes
+            ),
+            key=lambda i: i.name,
+        )
+        previous = self._parts
+        parts: dict[str, tuple[Instance, _InstancePart]] = {}
+        for inst in mine:
+            entry = previous.get(inst.name)
+            if entry is None or entry[0] is not inst:
+                entry = (inst, _instance_part(inst, node))
+                self.parsed += 1
+            parts[inst.name] = entry
+        self._parts = parts
+        result: list[VirtualDevice] = []
+        used_ids: set[str] = set()
+        for inst, part in parts.values():
+            if not part.held:
+                continue
+            healthy = inst.name not in offline and inst.deletion_timestamp is None
+            for vdev, slot in part.held:
+                if vdev in used_ids:
+                    continue  # the same vdev twice would confuse kubelet; the reclaimer sorts it
+                used_ids.add(vdev)
+                result.append(VirtualDevice(vdev, inst.name, slot, healthy))
+        prefix = self.prefix
+        number = 0
+        for inst, part in parts.values():
+            if not part.has_free or inst.name in offline or inst.deletion_timestamp is not None:
+                continue
+            while f"{prefix}-{number}" in used_ids:
+                number += 1
+            vdev_id = f"{prefix}-{number}"
+            used_ids.add(vdev_id)
+            result.append(VirtualDevice(vdev_id, inst.name, None, True))
+        return result
 
 
 def configuration_devices(
@@ -105,31 +183,7 @@ def configuration_devices(
     offline: Collection[str],
 ) -> list[VirtualDevice]:
     """The CL plugin's device list: held vdevs, then one free vdev per Instance with room."""
-    mine = sorted(
-        (i for i in instances if i.configuration_name == configuration and node in i.nodes),
-        key=lambda i: i.name,
-    )
-    result: list[VirtualDevice] = []
-    used_ids: set[str] = set()
-    by_name = {i.name: i for i in mine}
-    for vdev in held_virtual_devices(mine, node):
-        if vdev.id in used_ids:
-            continue  # the same vdev twice would confuse kubelet; the reclaimer sorts it out
-        used_ids.add(vdev.id)
-        inst = by_name[vdev.instance]
-        healthy = vdev.instance not in offline and inst.deletion_timestamp is None
-        result.append(VirtualDevice(vdev.id, vdev.instance, vdev.slot, healthy))
-    prefix = configuration_resource_name(configuration)
-    number = 0
-    for inst in mine:
-        if inst.name in offline or inst.deletion_timestamp is not None or not free_slots(inst):
-            continue
-        while f"{prefix}-{number}" in used_ids:
-            number += 1
-        vdev_id = f"{prefix}-{number}"
-        used_ids.add(vdev_id)
-        result.append(VirtualDevice(vdev_id, inst.name, None, True))
-    return result
+    return ConfigurationDevices(configuration, node)(instances, offline)
 
 
 @dataclass(frozen=True)
