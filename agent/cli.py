@@ -50,14 +50,11 @@ async def _run_agent(settings: AgentSettings) -> int:
             settings.state_dir, settings.config, poll_interval=settings.poll_interval
         )
     else:
-        from agent.store.kubernetes import (
-            KubernetesInstanceStore,
-            KubernetesSettings,
-            make_api_client,
-        )
+        from agent.kube import make_kube_client
+        from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 
         try:
-            api_client = await make_api_client(settings.kubeconfig)
+            api_client = make_kube_client(settings.kubeconfig)
         except Exception as error:
             logging.getLogger("agent").error(
                 "cannot configure the Kubernetes client (%s: %s); use --kubeconfig, run "

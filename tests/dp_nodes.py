@@ -17,10 +17,11 @@ from agent.dra.checkpoint import Checkpoint
 from agent.dra.driver import DraDriver
 from agent.dra.publisher import SlicePublisher
 from agent.dra.state import DraState
+from agent.kube import make_kube_client
 from agent.ledger.decisions import held_count
 from agent.ledger.ledger import SlotLedger
 from agent.model.instance import Instance
-from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings, make_api_client
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.registry import HandlerRegistry
 from tests.apiserver import ApiServerDouble
@@ -90,7 +91,7 @@ async def start_dp_node(
     (tmp / f"{name}-dir").write_text(str(base))  # where to look when debugging
     kubelet = KubeletDouble(plugin_dir, base / "pod-resources.sock", reregistration="kubelet")
     await kubelet.start()
-    client = await make_api_client(str(api.write_kubeconfig(base / "kubeconfig")))
+    client = make_kube_client(str(api.write_kubeconfig(base / "kubeconfig")))
     store = KubernetesInstanceStore(client, KubernetesSettings(name, request_timeout=5))
     await store.start()
     availability = base / "avail"

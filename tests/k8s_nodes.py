@@ -1,5 +1,5 @@
 """In-process simulated nodes: a Kubernetes store + discovery manager per node, against the
-API-server double (real HTTP, real ``kubernetes.aio`` client)."""
+API-server double (real HTTP, the agent's own ``agent.kube`` client)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from typing import Any
 
 from agent.activity_log import log_instance_changes
 from agent.discovery.manager import DiscoveryManager, GraceSettings
-from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings, make_api_client
+from agent.kube import make_kube_client
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from discovery_handlers.base import DiscoveryHandler
 from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.registry import HandlerRegistry
@@ -75,7 +76,7 @@ async def start_node(
     extra_handlers: tuple[DiscoveryHandler, ...] = (),
 ) -> SimNode:
     kubeconfig = api.write_kubeconfig(tmp / f"kubeconfig-{name}")
-    client = await make_api_client(str(kubeconfig))
+    client = make_kube_client(str(kubeconfig))
     store = KubernetesInstanceStore(client, KubernetesSettings(name, request_timeout=5))
     await store.start()
     availability = tmp / f"avail-{name}"

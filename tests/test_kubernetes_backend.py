@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from agent.discovery.manager import GraceSettings
+from agent.kube import make_kube_client
 from agent.model.instance import Instance
 from agent.store.base import ConflictError
 from agent.store.cas import cas_update
-from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings, make_api_client
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.apiserver import ApiServerDouble
 from tests.k8s_nodes import (
     CRDS,
@@ -152,7 +153,7 @@ async def test_concurrent_cas_writers_never_lose_an_update(
     stores = []
     for index in range(4):
         store = KubernetesInstanceStore(
-            await make_api_client(str(kubeconfig)), KubernetesSettings(f"n{index}")
+            make_kube_client(str(kubeconfig)), KubernetesSettings(f"n{index}")
         )
         await store.start()
         stores.append(store)

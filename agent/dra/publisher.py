@@ -20,10 +20,11 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection
 from typing import Any
 
 from agent.dra.slices import DRIVER, Pool, desired_pools
+from agent.kube import ApiError, KubeClient, resource_path
 from agent.model.instance import Instance
 from agent.store.informer import Informer, Obj, RawEvent, watch_events
 
@@ -59,17 +60,14 @@ class SlicePublisher:
 
     def __init__(
         self,
-        api_client: Any,
+        api_client: KubeClient,
         node: str,
         list_instances: Callable[[], list[Instance]],
         offline: Callable[[], Collection[str]],
         *,
         debounce: float = 0.02,
     ) -> None:
-        from kubernetes.aio import client
-
-        self._custom: Any = client.CustomObjectsApi(api_client)
-        self._core: Any = client.CoreV1Api(api_client)
+        self._client = api_client
         self.node = node
         self._list_instances = list_instances
         self._offline = offline
@@ -105,40 +103,31 @@ class SlicePublisher:
 
     # -- informer plumbing ---------------------------------------------------------------
     async def _list(self) -> tuple[list[Obj], str]:
-        result = await self._custom.list_cluster_custom_object(
-            GROUP, VERSION, PLURAL, field_selector=f"spec.driver={DRIVER}", _request_timeout=30
+        result = await self._client.get(
+            resource_path(GROUP, VERSION, PLURAL),
+            params={"fieldSelector": f"spec.driver={DRIVER}"},
+            request_timeout=30,
         )
         return list(result.get("items") or []), str(
             (result.get("metadata") or {}).get("resourceVersion") or ""
         )
 
-    async def _watch(self, version: str) -> AsyncIterator[tuple[str, Obj]]:
-        response = await self._custom.list_cluster_custom_object_without_preload_content(
-            GROUP,
-            VERSION,
-            PLURAL,
-            field_selector=f"spec.driver={DRIVER}",
-            watch=True,
-            resource_version=version,
+    def _watch(self, version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+        stream = self._client.watch(
+            resource_path(GROUP, VERSION, PLURAL),
+            version,
             timeout_seconds=WATCH_TIMEOUT,
-            allow_watch_bookmarks=True,
-            _request_timeout=WATCH_TIMEOUT + 30,
+            field_selector=f"spec.driver={DRIVER}",
         )
-        async for item in watch_events(response, PLURAL):
-            yield item
+        return watch_events(stream, PLURAL)
 
     def _on_event(self, event: RawEvent) -> None:
         self.trigger()
 
     async def _lookup_node_uid(self) -> str | None:
         try:
-            node = await self._core.read_node_without_preload_content(self.node)
-            try:
-                if node.status != 200:
-                    return None
-                return str(json.loads(await node.read())["metadata"]["uid"])
-            finally:
-                node.release()
+            node = await self._client.get(resource_path("", "v1", "nodes", name=self.node))
+            return str(node["metadata"]["uid"])
         except Exception:
             return None
 
@@ -245,8 +234,8 @@ class SlicePublisher:
             "metadata": self._metadata(pool),
             "spec": spec,
         }
-        created = await self._custom.create_cluster_custom_object(
-            GROUP, VERSION, PLURAL, body, _request_timeout=30
+        created = await self._client.create(
+            resource_path(GROUP, VERSION, PLURAL), body, request_timeout=30
         )
         self.writes += 1
         self._informer.apply_local(RawEvent("ADDED", created))
@@ -256,11 +245,13 @@ class SlicePublisher:
         body = dict(obj)
         body["spec"] = spec
         try:
-            updated = await self._custom.replace_cluster_custom_object(
-                GROUP, VERSION, PLURAL, obj["metadata"]["name"], body, _request_timeout=30
+            updated = await self._client.replace(
+                resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),
+                body,
+                request_timeout=30,
             )
-        except Exception as error:
-            if getattr(error, "status", None) in (404, 409):
+        except ApiError as error:
+            if error.status in (404, 409):
                 self.trigger()  # someone else changed or removed it: re-decide
                 return
             raise
@@ -269,21 +260,16 @@ class SlicePublisher:
         self._check_dropped(spec, updated)
 
     async def _delete(self, obj: Obj) -> None:
-        from kubernetes.aio import client
-
         name = obj["metadata"]["name"]
-        options = client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(
-                resource_version=obj["metadata"].get("resourceVersion")
-            )
-        )
+        version = obj["metadata"].get("resourceVersion")
+        options = {"preconditions": {"resourceVersion": version} if version else {}}
         try:
-            await self._custom.delete_cluster_custom_object(
-                GROUP, VERSION, PLURAL, name, body=options, _request_timeout=30
+            await self._client.delete(
+                resource_path(GROUP, VERSION, PLURAL, name=name), options, request_timeout=30
             )
             self.writes += 1
-        except Exception as error:
-            if getattr(error, "status", None) not in (404, 409):
+        except ApiError as error:
+            if error.status not in (404, 409):
                 raise
         self._informer.apply_local(RawEvent("DELETED", obj))
 

@@ -13,12 +13,15 @@ Configurations, and the decision logic (:func:`diff_snapshot`) is pure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from agent.kube.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ def diff_snapshot(cache: Mapping[str, Obj], listed: Mapping[str, Obj]) -> list[R
 
 
 ListFn = Callable[[], Awaitable[tuple[list[Obj], str]]]
-WatchFn = Callable[[str], AsyncIterator[tuple[str, Obj]]]
+WatchFn = Callable[[str], AsyncGenerator[tuple[str, Obj], None]]
 
 
 class Informer:
@@ -129,15 +132,16 @@ class Informer:
                 if not self.resource_version:
                     await self._relist()
                 self.connected.set()
-                async for kind, obj in self._watch(self.resource_version):
-                    backoff = 0.5
-                    version = resource_version(obj)
-                    if kind == "BOOKMARK":
-                        self.resource_version = version or self.resource_version
-                        continue
-                    self._apply(RawEvent(kind, obj), emit=True)
-                    if version:
-                        self.resource_version = version
+                async with contextlib.aclosing(self._watch(self.resource_version)) as events:
+                    async for kind, obj in events:
+                        backoff = 0.5
+                        version = resource_version(obj)
+                        if kind == "BOOKMARK":
+                            self.resource_version = version or self.resource_version
+                            continue
+                        self._apply(RawEvent(kind, obj), emit=True)
+                        if version:
+                            self.resource_version = version
             except asyncio.CancelledError:
                 raise
             except WatchExpiredError:
@@ -165,32 +169,35 @@ def _newer(candidate: Mapping[str, Any], known: Mapping[str, Any]) -> bool:
     return new != old
 
 
-async def parse_watch_lines(lines: AsyncIterator[bytes]) -> AsyncIterator[tuple[str, Obj]]:
-    """Decode a watch response body (one JSON event per line)."""
-    async for raw in lines:
-        line = raw.strip()
-        if not line:
-            continue
-        event = json.loads(line)
-        kind = str(event.get("type", ""))
-        obj = event.get("object") or {}
-        if kind == "ERROR":
-            code = obj.get("code")
-            if code == 410:
-                raise WatchExpiredError(obj.get("message", "Gone"))
-            raise RuntimeError(f"watch error {code}: {obj.get('message')}")
-        yield kind, obj
+def parse_watch_line(raw: bytes) -> tuple[str, Obj] | None:
+    """One line of a watch response (a JSON event), None for a blank line.
+    An ``ERROR`` event with code 410 raises :class:`WatchExpiredError`."""
+    line = raw.strip()
+    if not line:
+        return None
+    event = json.loads(line)
+    kind = str(event.get("type", ""))
+    obj = event.get("object") or {}
+    if kind == "ERROR":
+        code = obj.get("code")
+        if code == 410:
+            raise WatchExpiredError(obj.get("message", "Gone"))
+        raise RuntimeError(f"watch error {code}: {obj.get('message')}")
+    return kind, obj
 
 
-async def watch_events(response: Any, what: str) -> AsyncIterator[tuple[str, Obj]]:
-    """Events of a raw watch HTTP response (``aiohttp.ClientResponse``); 410 → relist."""
-    try:
-        if response.status == 410:
-            raise WatchExpiredError("410 Gone")
-        if response.status >= 400:
-            body = await response.text()
-            raise RuntimeError(f"watch {what}: HTTP {response.status}: {body[:200]}")
-        async for item in parse_watch_lines(response.content):
-            yield item
-    finally:
-        response.release()
+async def watch_events(
+    lines: AsyncGenerator[bytes, None], what: str
+) -> AsyncGenerator[tuple[str, Obj], None]:
+    """Events of a watch stream (:meth:`agent.kube.KubeClient.stream_lines`); a 410 Gone
+    answer or event raises :class:`WatchExpiredError` (relist). Closes ``lines`` when done."""
+    async with contextlib.aclosing(lines):
+        try:
+            async for raw in lines:
+                item = parse_watch_line(raw)
+                if item is not None:
+                    yield item
+        except ApiError as error:
+            if error.status == 410:
+                raise WatchExpiredError(f"watch {what}: 410 Gone") from error
+            raise

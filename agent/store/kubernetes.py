@@ -1,4 +1,4 @@
-"""Kubernetes backend: Instances and Configurations on the API server (``kubernetes.aio``).
+"""Kubernetes backend: Instances and Configurations on the API server (:mod:`agent.kube`).
 
 * Reads come from informer caches (list + watch, resumed from the last resourceVersion,
   relist on 410 Gone, capped backoff while the server is unreachable).
@@ -18,11 +18,12 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from agent.discovery.properties import ObjectRef, PropertyResolutionError
+from agent.kube import ApiError, KubeClient, resource_path
 from agent.model.configuration import Configuration, ConfigurationError, parse_configuration
 from agent.model.instance import Instance, InstanceFormatError
 from agent.store.base import (
@@ -36,7 +37,7 @@ from agent.store.base import (
     StoreError,
     StoreUnavailableError,
 )
-from agent.store.informer import Informer, Obj, RawEvent, watch_events
+from agent.store.informer import Informer, ListFn, Obj, RawEvent, WatchFn, watch_events
 
 log = logging.getLogger(__name__)
 
@@ -56,23 +57,6 @@ class KubernetesSettings:
     namespace: str | None = None  # None: all namespaces
     kubeconfig: str | None = None
     request_timeout: float = 30.0
-
-
-async def make_api_client(kubeconfig: str | None) -> Any:
-    """An ``ApiClient`` from a kubeconfig file, else in-cluster config, else ~/.kube/config."""
-    from kubernetes.aio import client
-    from kubernetes.aio import config as kube_config
-
-    config: Any = kube_config  # untyped module
-    configuration = client.Configuration()
-    if kubeconfig:
-        await config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    else:
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-        except config.ConfigException:
-            await config.load_kube_config(client_configuration=configuration)
-    return client.ApiClient(configuration)
 
 
 def _status_of(error: BaseException) -> int | None:
@@ -97,14 +81,9 @@ def _translate(error: BaseException, what: str) -> StoreError:
 class KubernetesInstanceStore(InstanceStore):
     """The store used in a cluster."""
 
-    def __init__(self, api_client: Any, settings: KubernetesSettings) -> None:
+    def __init__(self, api_client: KubeClient, settings: KubernetesSettings) -> None:
         super().__init__()
-        from kubernetes.aio import client
-
-        self._api_client = api_client
-        # kept as Any: the generated client types custom objects as ``object``
-        self._custom: Any = client.CustomObjectsApi(api_client)
-        self._core: Any = client.CoreV1Api(api_client)
+        self._client = api_client
         self.settings = settings
         self._instances: dict[str, Instance] = {}
         self._configurations: dict[str, Configuration] = {}
@@ -122,25 +101,21 @@ class KubernetesInstanceStore(InstanceStore):
         self.request_count = 0
 
     @property
-    def api_client(self) -> Any:
-        """The shared ``kubernetes.aio`` ApiClient (for the DRA slice publisher)."""
-        return self._api_client
+    def api_client(self) -> KubeClient:
+        """The shared :class:`KubeClient` (for the DRA slice publisher)."""
+        return self._client
+
+    def _instances_path(self, namespace: str, name: str | None = None) -> str:
+        return resource_path(GROUP, VERSION, INSTANCES, namespace, name)
 
     async def read_resource_claim(self, namespace: str, name: str) -> Mapping[str, Any] | None:
         """A ``resource.k8s.io/v1`` ResourceClaim, or None if it does not exist."""
         self.request_count += 1
+        path = resource_path("resource.k8s.io", "v1", "resourceclaims", namespace, name)
         try:
-            claim: Mapping[str, Any] = await self._custom.get_namespaced_custom_object(
-                "resource.k8s.io",
-                "v1",
-                namespace,
-                "resourceclaims",
-                name,
-                _request_timeout=self.settings.request_timeout,
-            )
-            return claim
-        except Exception as error:
-            if _status_of(error) == 404:
+            return await self._client.get(path, request_timeout=self.settings.request_timeout)
+        except ApiError as error:
+            if error.status == 404:
                 return None
             raise
 
@@ -158,48 +133,26 @@ class KubernetesInstanceStore(InstanceStore):
 
     async def close(self) -> None:
         await self._stop_watching()
-        await self._api_client.close()
+        await self._client.close()
 
     # -- list / watch plumbing -------------------------------------------------------------
-    def _lister(self, plural: str) -> Any:
+    def _lister(self, plural: str) -> ListFn:
+        path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
+
         async def list_fn() -> tuple[list[Obj], str]:
             self.request_count += 1
-            if self.settings.namespace:
-                result = await self._custom.list_namespaced_custom_object(
-                    GROUP,
-                    VERSION,
-                    self.settings.namespace,
-                    plural,
-                    _request_timeout=self.settings.request_timeout,
-                )
-            else:
-                result = await self._custom.list_cluster_custom_object(
-                    GROUP, VERSION, plural, _request_timeout=self.settings.request_timeout
-                )
+            result = await self._client.get(path, request_timeout=self.settings.request_timeout)
             items = list(result.get("items") or [])
             return items, str((result.get("metadata") or {}).get("resourceVersion") or "")
 
         return list_fn
 
-    def _watcher(self, plural: str) -> Any:
-        async def watch_fn(version: str) -> AsyncIterator[tuple[str, Obj]]:
-            kwargs: dict[str, Any] = {
-                "watch": True,
-                "resource_version": version,
-                "timeout_seconds": WATCH_TIMEOUT_SECONDS,
-                "allow_watch_bookmarks": True,
-                "_request_timeout": WATCH_TIMEOUT_SECONDS + 30,
-            }
-            if self.settings.namespace:
-                response = await self._custom.list_namespaced_custom_object_without_preload_content(
-                    GROUP, VERSION, self.settings.namespace, plural, **kwargs
-                )
-            else:
-                response = await self._custom.list_cluster_custom_object_without_preload_content(
-                    GROUP, VERSION, plural, **kwargs
-                )
-            async for item in watch_events(response, plural):
-                yield item
+    def _watcher(self, plural: str) -> WatchFn:
+        path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
+
+        def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+            stream = self._client.watch(path, version, timeout_seconds=WATCH_TIMEOUT_SECONDS)
+            return watch_events(stream, plural)
 
         return watch_fn
 
@@ -276,13 +229,8 @@ class KubernetesInstanceStore(InstanceStore):
         namespace = self._namespace_of(name)
         self.request_count += 1
         try:
-            obj = await self._custom.get_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                namespace,
-                INSTANCES,
-                name,
-                _request_timeout=self.settings.request_timeout,
+            obj = await self._client.get(
+                self._instances_path(namespace, name), request_timeout=self.settings.request_timeout
             )
         except Exception as error:
             translated = _translate(error, f"instance {namespace}/{name}")
@@ -299,13 +247,10 @@ class KubernetesInstanceStore(InstanceStore):
         body = instance.evolve(resource_version=None, uid=None).to_dict()
         self.request_count += 1
         try:
-            obj = await self._custom.create_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                instance.namespace,
-                INSTANCES,
+            obj = await self._client.create(
+                self._instances_path(instance.namespace),
                 body,
-                _request_timeout=self.settings.request_timeout,
+                request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
             raise _translate(error, f"instance {instance.name}") from error
@@ -317,14 +262,10 @@ class KubernetesInstanceStore(InstanceStore):
             raise ConflictError(f"{instance.name}: update needs the resourceVersion it is based on")
         self.request_count += 1
         try:
-            obj = await self._custom.replace_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                instance.namespace,
-                INSTANCES,
-                instance.name,
+            obj = await self._client.replace(
+                self._instances_path(instance.namespace, instance.name),
                 instance.to_dict(),
-                _request_timeout=self.settings.request_timeout,
+                request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
             translated = _translate(error, f"instance {instance.name}")
@@ -336,24 +277,13 @@ class KubernetesInstanceStore(InstanceStore):
         return Instance.from_dict(obj)
 
     async def delete(self, name: str, *, resource_version: str | None = None) -> None:
-        from kubernetes.aio import client
-
         namespace = self._namespace_of(name)
-        options = client.V1DeleteOptions(
-            preconditions=client.V1Preconditions(resource_version=resource_version)
-            if resource_version
-            else None
-        )
         self.request_count += 1
         try:
-            await self._custom.delete_namespaced_custom_object(
-                GROUP,
-                VERSION,
-                namespace,
-                INSTANCES,
-                name,
-                body=options,
-                _request_timeout=self.settings.request_timeout,
+            await self._client.delete(
+                self._instances_path(namespace, name),
+                delete_options(resource_version),
+                request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
             translated = _translate(error, f"instance {namespace}/{name}")
@@ -371,29 +301,20 @@ class KubernetesInstanceStore(InstanceStore):
 
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
-        reader = (
-            self._core.read_namespaced_secret_without_preload_content
-            if kind == "secret"
-            else self._core.read_namespaced_config_map_without_preload_content
-        )
+        plural = "secrets" if kind == "secret" else "configmaps"
         self.request_count += 1
         try:
-            response = await reader(name, namespace, _request_timeout=self.settings.request_timeout)
-        except Exception as error:
-            raise PropertyResolutionError(
-                f"cannot read {kind} {namespace}/{name}: {type(error).__name__}"
-            ) from error
-        try:
-            if response.status == 404:
+            return await self._client.get(
+                resource_path("", "v1", plural, namespace, name),
+                request_timeout=self.settings.request_timeout,
+            )
+        except ApiError as error:
+            if error.status == 404:
                 return None
-            if response.status >= 400:
-                raise PropertyResolutionError(
-                    f"cannot read {kind} {namespace}/{name}: HTTP {response.status}"
-                )
-            obj: Mapping[str, Any] = json.loads(await response.read())
-            return obj
-        finally:
-            response.release()
+            what = f"HTTP {error.status}" if error.status else type(error).__name__
+            raise PropertyResolutionError(
+                f"cannot read {kind} {namespace}/{name}: {what}"
+            ) from error
 
     def watch_objects(
         self, refs: Iterable[ObjectRef], on_change: Callable[[], None]
@@ -414,40 +335,30 @@ class KubernetesInstanceStore(InstanceStore):
     async def _watch_named(self, ref: ObjectRef, on_change: Callable[[], None]) -> None:
         """Watch one Secret/ConfigMap by name (field selector, so RBAC may use resourceNames)."""
         selector = f"metadata.name={ref.name}"
-        if ref.kind == "secret":
-            list_call = self._core.list_namespaced_secret_without_preload_content
-        else:
-            list_call = self._core.list_namespaced_config_map_without_preload_content
+        plural = "secrets" if ref.kind == "secret" else "configmaps"
+        path = resource_path("", "v1", plural, ref.namespace)
         initial = True
 
         async def list_fn() -> tuple[list[Obj], str]:
             self.request_count += 1
-            response = await list_call(
-                ref.namespace,
-                field_selector=selector,
-                _request_timeout=self.settings.request_timeout,
-            )
             try:
-                if response.status >= 400:
-                    raise StoreUnavailableError(f"list {ref.kind}: HTTP {response.status}")
-                body = json.loads(await response.read())
-            finally:
-                response.release()
+                body = await self._client.get(
+                    path,
+                    params={"fieldSelector": selector},
+                    request_timeout=self.settings.request_timeout,
+                )
+            except ApiError as error:
+                if error.status == 0:
+                    raise
+                raise StoreUnavailableError(f"list {ref.kind}: HTTP {error.status}") from error
             items = list(body.get("items") or [])
             return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
 
-        async def watch_fn(version: str) -> AsyncIterator[tuple[str, Obj]]:
-            response = await list_call(
-                ref.namespace,
-                field_selector=selector,
-                watch=True,
-                resource_version=version,
-                timeout_seconds=WATCH_TIMEOUT_SECONDS,
-                allow_watch_bookmarks=True,
-                _request_timeout=WATCH_TIMEOUT_SECONDS + 30,
+        def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+            stream = self._client.watch(
+                path, version, timeout_seconds=WATCH_TIMEOUT_SECONDS, field_selector=selector
             )
-            async for item in watch_events(response, ref.kind):
-                yield item
+            return watch_events(stream, ref.kind)
 
         def changed(_event: RawEvent) -> None:
             if not initial:
@@ -509,11 +420,21 @@ class KubernetesInstanceStore(InstanceStore):
         }
         self.request_count += 1
         try:
-            await self._core.create_namespaced_event(
-                namespace, body, _request_timeout=self.settings.request_timeout
+            await self._client.create(
+                resource_path("", "v1", "events", namespace),
+                body,
+                request_timeout=self.settings.request_timeout,
             )
         except Exception as error:  # an Event is best effort; never fail the caller
             log.warning("could not record event %s on %s/%s: %s", reason, namespace, name, error)
+
+
+def delete_options(resource_version: str | None) -> dict[str, Any]:
+    """A ``DeleteOptions`` body, with a resourceVersion precondition if one is given."""
+    options: dict[str, Any] = {}
+    if resource_version:
+        options["preconditions"] = {"resourceVersion": resource_version}
+    return options
 
 
 def dumps(obj: Any) -> str:

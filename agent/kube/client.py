@@ -1,0 +1,339 @@
+"""The Kubernetes REST client: JSON requests over a small keep-alive pool, and watch streams.
+
+Every failure is an :class:`ApiError`: the server's status (``.status``, ``.reason``,
+``.body``), or a :class:`TransportError` (status 0) when there was no HTTP answer at all
+(refused, dropped, TLS, timeout, credentials).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+from collections.abc import AsyncGenerator, Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from agent.kube.credentials import Auth
+from agent.kube.errors import ApiError, TransportError
+from agent.kube.http import Connection, ProtocolError, Response
+from agent.kube.kubeconfig import ClusterConfig, load_config
+from agent.kube.tls import make_ssl_context
+
+JSON = dict[str, Any]
+Params = Mapping[str, str | int | bool | None]
+
+DEFAULT_TIMEOUT = 30.0
+USER_AGENT = "akri-py-agent"
+_TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, ValueError)
+_RETRY_ON_STALE = frozenset({"GET", "HEAD", "PUT", "DELETE"})  # idempotent in HTTP terms
+
+
+def resource_path(
+    group: str, version: str, plural: str, namespace: str | None = None, name: str | None = None
+) -> str:
+    """``/api/v1/...`` for the core group (``group=""``), else ``/apis/{group}/{version}/...``;
+    namespaced when ``namespace`` is given."""
+    path = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    if namespace is not None:
+        path += f"/namespaces/{quote(namespace, safe='')}"
+    path += f"/{plural}"
+    if name is not None:
+        path += f"/{quote(name, safe='')}"
+    return path
+
+
+def make_kube_client(
+    kubeconfig: str | None = None, *, timeout: float = DEFAULT_TIMEOUT
+) -> KubeClient:
+    """A client from a kubeconfig file, else in-cluster settings, else ``$KUBECONFIG`` /
+    ``~/.kube/config``. Raises :class:`~agent.kube.errors.ConfigError`."""
+    return KubeClient(load_config(kubeconfig), timeout=timeout)
+
+
+class KubeClient:
+    """An asyncio client for one API server.
+
+    ``timeout`` bounds each request (connect, send, whole answer) unless a call gives its
+    own. Up to ``max_idle`` connections are kept for reuse, each for at most ``idle_ttl``
+    seconds (load balancers drop idle connections silently).
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_idle: int = 4,
+        idle_ttl: float = 30.0,
+    ) -> None:
+        self.config = config
+        self.timeout = timeout
+        self._max_idle = max_idle
+        self._idle_ttl = idle_ttl
+        self._idle: list[Connection] = []
+        self._busy: set[Connection] = set()
+        self._ssl: ssl.SSLContext | None = None
+        self._ssl_pair: tuple[bytes, bytes] | None = None
+        self._closed = False
+        self.connections_opened = 0
+
+    @property
+    def namespace(self) -> str:
+        """The namespace of the kubeconfig context or the pod."""
+        return self.config.namespace
+
+    # -- JSON requests ---------------------------------------------------------------------
+    async def get(
+        self, path: str, *, params: Params | None = None, request_timeout: float | None = None
+    ) -> JSON:
+        return await self.request("GET", path, params=params, request_timeout=request_timeout)
+
+    async def create(self, path: str, body: JSON, *, request_timeout: float | None = None) -> JSON:
+        return await self.request("POST", path, body=body, request_timeout=request_timeout)
+
+    async def replace(self, path: str, body: JSON, *, request_timeout: float | None = None) -> JSON:
+        return await self.request("PUT", path, body=body, request_timeout=request_timeout)
+
+    async def delete(
+        self, path: str, body: JSON | None = None, *, request_timeout: float | None = None
+    ) -> JSON:
+        return await self.request("DELETE", path, body=body, request_timeout=request_timeout)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Params | None = None,
+        body: JSON | None = None,
+        request_timeout: float | None = None,
+    ) -> JSON:
+        """Send ``body`` as JSON; the answer's JSON object (``{}`` if empty). Raises
+        :class:`ApiError` for status >= 400 and :class:`TransportError` without an answer."""
+        limit = request_timeout or self.timeout
+        target = self._target(path, params)
+        payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        try:
+            async with asyncio.timeout(limit):
+                for attempt in (1, 2):
+                    auth = await self.config.credentials.get()
+                    conn, response = await self._exchange(method, target, payload, auth)
+                    data = await self._read_all(conn, method, target)
+                    if self._retry_unauthorized(response, attempt):
+                        continue
+                    break
+        except TimeoutError as error:
+            raise TransportError(f"{method} {target}: no answer within {limit:g}s") from error
+        if response.status >= 400:
+            raise ApiError.from_response(response.status, response.reason, data)
+        return _json_object(data, method, target)
+
+    # -- streams ---------------------------------------------------------------------------
+    async def stream_lines(
+        self, path: str, *, params: Params | None = None, request_timeout: float | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """GET a streaming answer (a watch) and yield its lines as they arrive.
+
+        The status and headers must arrive within the client's timeout; ``request_timeout``
+        bounds the whole stream. An error status raises :class:`ApiError` before any line.
+        Closing the generator early closes the connection."""
+        loop = asyncio.get_running_loop()
+        target = self._target(path, params)
+        deadline = loop.time() + (request_timeout or self.timeout)
+        try:
+            async with asyncio.timeout(self.timeout):
+                for attempt in (1, 2):
+                    auth = await self.config.credentials.get()
+                    conn, response = await self._exchange("GET", target, None, auth)
+                    if response.status < 400:
+                        break
+                    data = await self._read_all(conn, "GET", target)
+                    if not self._retry_unauthorized(response, attempt):
+                        raise ApiError.from_response(response.status, response.reason, data)
+        except TimeoutError as error:
+            raise TransportError(f"GET {target}: no answer within {self.timeout:g}s") from error
+        complete = False
+        try:
+            body = conn.iter_body()
+            pending = bytearray()
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        chunk = await anext(body, None)
+                except TimeoutError as error:
+                    raise TransportError(f"GET {target}: stream outlived its timeout") from error
+                except _TRANSPORT_ERRORS as error:
+                    raise _transport_error("GET", target, error) from error
+                if chunk is None:
+                    break
+                pending += chunk
+                if b"\n" in chunk:
+                    *lines, rest = bytes(pending).split(b"\n")
+                    pending = bytearray(rest)
+                    for line in lines:
+                        yield line
+            if pending:
+                yield bytes(pending)
+            complete = True
+        finally:
+            if complete:
+                self._release(conn)
+            else:
+                self._discard(conn)
+
+    def watch(
+        self,
+        path: str,
+        resource_version: str,
+        *,
+        timeout_seconds: int,
+        field_selector: str | None = None,
+    ) -> AsyncGenerator[bytes, None]:
+        """A watch from ``resource_version`` with bookmarks, as lines of JSON events. The server
+        ends it after ``timeout_seconds``; the client gives up 30 s later."""
+        params = {
+            "fieldSelector": field_selector,
+            "watch": True,
+            "resourceVersion": resource_version,
+            "timeoutSeconds": timeout_seconds,
+            "allowWatchBookmarks": True,
+        }
+        return self.stream_lines(path, params=params, request_timeout=timeout_seconds + 30)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Close every connection; later requests fail with :class:`TransportError`."""
+        self._closed = True
+        for conn in [*self._idle, *self._busy]:
+            conn.close()
+        self._idle.clear()
+        self._busy.clear()
+        await asyncio.sleep(0)  # let the transports finish closing
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _target(self, path: str, params: Params | None) -> str:
+        target = self.config.path_prefix + path
+        if params:
+            query = {
+                key: ("true" if value else "false") if isinstance(value, bool) else str(value)
+                for key, value in params.items()
+                if value is not None
+            }
+            if query:
+                target += "?" + urlencode(query)
+        return target
+
+    def _retry_unauthorized(self, response: Response, attempt: int) -> bool:
+        return response.status == 401 and attempt == 1 and self.config.credentials.invalidate()
+
+    def _headers(self, auth: Auth, body: bytes | None) -> dict[str, str]:
+        config = self.config
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        headers = {
+            "Host": f"{host}:{config.port}",
+            "User-Agent": USER_AGENT,
+            "Accept": "application/json",
+        }
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if auth.authorization:
+            headers["Authorization"] = auth.authorization
+        return headers
+
+    async def _exchange(
+        self, method: str, target: str, body: bytes | None, auth: Auth
+    ) -> tuple[Connection, Response]:
+        """Send the request and read the answer's head. A pooled connection the server has
+        meanwhile closed is replaced (idempotent methods are re-sent)."""
+        headers = self._headers(auth, body)
+        while True:
+            conn, reused = await self._connection(method, target, auth)
+            try:
+                await conn.send(method, target, headers, body)
+                return conn, await conn.read_head(method)
+            except _TRANSPORT_ERRORS as error:
+                self._discard(conn)
+                if reused and method in _RETRY_ON_STALE:
+                    continue
+                raise _transport_error(method, target, error) from error
+            except BaseException:
+                self._discard(conn)
+                raise
+
+    async def _read_all(self, conn: Connection, method: str, target: str) -> bytes:
+        try:
+            data = await conn.read_body()
+        except _TRANSPORT_ERRORS as error:
+            self._discard(conn)
+            raise _transport_error(method, target, error) from error
+        except BaseException:
+            self._discard(conn)
+            raise
+        self._release(conn)
+        return data
+
+    async def _connection(self, method: str, target: str, auth: Auth) -> tuple[Connection, bool]:
+        """A pooled connection (reused=True) or a new one."""
+        if self._closed:
+            raise TransportError(f"{method} {target}: the client is closed")
+        context = self._ssl_context(auth, method, target)
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable and now - conn.idle_since < self._idle_ttl:
+                self._busy.add(conn)
+                return conn, True
+            conn.close()
+        try:
+            conn = await Connection.open(
+                self.config.host, self.config.port, context, self.config.tls.server_name
+            )
+        except _TRANSPORT_ERRORS as error:
+            raise _transport_error(method, target, error) from error
+        self.connections_opened += 1
+        self._busy.add(conn)
+        return conn, False
+
+    def _ssl_context(self, auth: Auth, method: str, target: str) -> ssl.SSLContext | None:
+        if self.config.scheme != "https":
+            return None
+        if self._ssl is None or auth.client_pair != self._ssl_pair:
+            try:
+                self._ssl = make_ssl_context(self.config.tls, auth.client_pair)
+            except (ssl.SSLError, ValueError) as error:
+                raise TransportError(f"{method} {target}: TLS settings: {error}") from error
+            self._ssl_pair = auth.client_pair
+            for conn in self._idle:  # connections made with the old client certificate
+                conn.close()
+            self._idle.clear()
+        return self._ssl
+
+    def _release(self, conn: Connection) -> None:
+        self._busy.discard(conn)
+        if self._closed or not conn.usable or len(self._idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.finished()
+        self._idle.append(conn)
+
+    def _discard(self, conn: Connection) -> None:
+        self._busy.discard(conn)
+        conn.close()
+
+
+def _transport_error(method: str, target: str, error: BaseException) -> TransportError:
+    return TransportError(f"{method} {target}: {type(error).__name__}: {error}")
+
+
+def _json_object(data: bytes, method: str, target: str) -> JSON:
+    if not data.strip():
+        return {}
+    try:
+        value = json.loads(data)
+    except ValueError as error:
+        raise TransportError(f"{method} {target}: answer is not JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise TransportError(f"{method} {target}: answer is not a JSON object")
+    return value
