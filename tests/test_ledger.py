@@ -234,3 +234,68 @@ async def test_reclaimer_frees_only_the_stale_il_slot(
     assert [h.slot for h in freed] == [f"{NAME}-1"]
     usage = (await stores[0].get(NAME)).device_usage
     assert usage == {f"{NAME}-0": "node-a", f"{NAME}-1": ""}
+
+
+def test_regranted_takes_one_time_or_a_time_per_slot() -> None:
+    from agent.ledger.decisions import regranted
+
+    granted = {"s0": 5.0, "s1": 1.0, "s2": 3.0}
+    assert regranted(granted, 3.0) == {"s0", "s2"}
+    # each slot's own evidence time; a slot without one is not guarded
+    assert regranted(granted, {"s0": 6.0, "s1": 1.0}) == {"s1"}
+
+
+async def test_release_slots_frees_many_in_one_write_keeping_regranted_ones(
+    stores: list[LocalInstanceStore],
+) -> None:
+    """The reclaimer releases all due slots of an Instance together; each slot carries the
+    time its own evidence of non-use started."""
+    from agent.store.cas import STATS
+
+    await stores[0].create(make(capacity=3))
+    now = [10.0]
+    ledger = SlotLedger(stores[0], "node-a", clock=lambda: now[0])
+    owner = Owner.instance_level("node-a")
+    for index in range(3):
+        await ledger.claim(NAME, f"{NAME}-{index}", owner)
+    now[0] = 20.0
+    await ledger.claim(NAME, f"{NAME}-1", owner)  # re-granted at 20 (writes nothing)
+    assert ledger.last_granted(NAME, f"{NAME}-1") == 20.0
+    writes = STATS.writes
+    freed = await ledger.release_slots(
+        NAME,
+        {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a", f"{NAME}-2": "node-a"},
+        unless_granted_since={f"{NAME}-0": 15.0, f"{NAME}-1": 15.0, f"{NAME}-2": 15.0},
+    )
+    assert freed == (f"{NAME}-0", f"{NAME}-2")
+    assert STATS.writes == writes + 1
+    usage = (await stores[0].get(NAME)).device_usage
+    assert usage == {f"{NAME}-0": "", f"{NAME}-1": "node-a", f"{NAME}-2": ""}
+    # freed slots forget their grant: the next holder is granted (and recorded) anew
+    assert ledger.last_granted(NAME, f"{NAME}-0") is None
+    assert ledger.last_granted(NAME, f"{NAME}-1") == 20.0
+
+
+async def test_release_slots_redecides_after_a_conflict(stores: list[LocalInstanceStore]) -> None:
+    """A stale cache makes the batched release conflict: it re-reads and frees only the slots
+    that still hold the expected value."""
+    from agent.store.cas import STATS
+
+    await stores[0].create(make(capacity=3))
+    a = SlotLedger(stores[0], "node-a")
+    await a.claim(NAME, f"{NAME}-0", Owner.instance_level("node-a"))
+    await a.claim(NAME, f"{NAME}-1", Owner.instance_level("node-a"))
+    cached = stores[0].get_cached(NAME)
+    assert cached is not None
+    # another writer frees slot 1 and node-b takes it; node-a's cache does not know yet
+    current = await stores[1].get(NAME)
+    usage = dict(current.device_usage)
+    usage[f"{NAME}-1"] = "node-b"
+    await stores[1].update(current.evolve(device_usage=usage))
+    stores[0]._cache[NAME] = cached  # keep node-a's view stale until its write conflicts
+    conflicts = STATS.conflicts
+    freed = await a.release_slots(NAME, {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a"})
+    assert STATS.conflicts == conflicts + 1
+    assert freed == (f"{NAME}-0",)
+    final = await stores[0].get(NAME)
+    assert final.device_usage == {f"{NAME}-0": "", f"{NAME}-1": "node-b", f"{NAME}-2": ""}
