@@ -187,10 +187,14 @@ class DevicePluginManager:
             touched |= set(self.configuration_plugins)
         for name in sorted(n for n in dirty if n in self.instance_plugins):
             if name not in self._on_node:
-                self._stop_later(self.instance_plugins.pop(name))
+                endpoint = self.instance_plugins.pop(name)
+                self._stop_later(endpoint, f"stopped device plugin {endpoint.resource_name}")
         for configuration in sorted(c for c in touched if c in self.configuration_plugins):
             if configuration not in self._per_configuration:
-                self._stop_later(self.configuration_plugins.pop(configuration))
+                endpoint = self.configuration_plugins.pop(configuration)
+                self._stop_later(
+                    endpoint, f"stopped configuration device plugin for {configuration}"
+                )
         new_il = sorted(n for n in dirty if n in self._on_node and n not in self.instance_plugins)
         new_cl = sorted(
             c
@@ -253,19 +257,22 @@ class DevicePluginManager:
             await endpoint.start()
         log.info("serving device plugin %s on %s", endpoint.resource_name, endpoint.socket_path)
 
-    def _stop_later(self, endpoint: PluginEndpoint) -> None:
-        """Stop a removed plugin in the background (tracked until done)."""
-        task = asyncio.create_task(self._stop(endpoint), name=f"stop-{endpoint.resource_name}")
+    def _stop_later(self, endpoint: PluginEndpoint, done: str) -> None:
+        """Stop a removed plugin in the background (tracked until done); log ``done`` then."""
+        task = asyncio.create_task(
+            self._stop(endpoint, done), name=f"stop-{endpoint.resource_name}"
+        )
         self._stopping[endpoint] = task
         task.add_done_callback(lambda _: self._stopping.pop(endpoint, None))
 
-    async def _stop(self, endpoint: PluginEndpoint) -> None:
+    async def _stop(self, endpoint: PluginEndpoint, done: str | None = None) -> None:
         try:
             await endpoint.stop()
         except Exception:
             log.exception("stopping device plugin %s failed", endpoint.resource_name)
             return
-        log.info("stopped device plugin %s", endpoint.resource_name)
+        if done is not None:
+            log.info("%s", done)
 
     @contextlib.asynccontextmanager
     async def _limited(self) -> AsyncIterator[None]:
