@@ -27,7 +27,7 @@ Params = Mapping[str, str | int | bool | None]
 DEFAULT_TIMEOUT = 30.0
 USER_AGENT = "akri-py-agent"
 _TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, ValueError)
-_RETRY_ON_STALE = frozenset({"GET", "HEAD", "PUT", "DELETE"})  # idempotent in HTTP terms
+_RETRY_ON_STALE = frozenset({"GET", "HEAD"})  # writes are never sent twice
 
 
 def resource_path(
@@ -245,8 +245,8 @@ class KubeClient:
     async def _exchange(
         self, method: str, target: str, body: bytes | None, auth: Auth
     ) -> tuple[Connection, Response]:
-        """Send the request and read the answer's head. A pooled connection the server has
-        meanwhile closed is replaced (idempotent methods are re-sent)."""
+        """Send the request and read the answer's head. A read sent on a pooled connection
+        that the server closed meanwhile is sent again on another one."""
         headers = self._headers(auth, body)
         while True:
             conn, reused = await self._connection(method, target, auth)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import os
 import ssl
 from collections.abc import Mapping, Sequence
@@ -165,17 +166,10 @@ def load_kubeconfig(paths: Sequence[Path], context: str | None = None) -> Cluste
     user = users.get(user_name) if isinstance(user_name, str) else None
     if user_name and user is None:
         raise ConfigError(f"{ctx.path}: {ctx.where}.user: no user named {user_name!r}")
-    config = _cluster_config(cluster, user)
-    namespace = str(ctx.body.get("namespace") or "default")
-    return ClusterConfig(
-        config.scheme,
-        config.host,
-        config.port,
-        config.path_prefix,
-        config.tls,
-        config.credentials,
-        namespace,
-        f"kubeconfig {files}, context {name}",
+    return dataclasses.replace(
+        _cluster_config(cluster, user),
+        namespace=str(ctx.body.get("namespace") or "default"),
+        source=f"kubeconfig {files}, context {name}",
     )
 
 
