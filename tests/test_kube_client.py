@@ -273,6 +273,16 @@ async def test_request_timeout(api: ApiServerDouble, client: KubeClient) -> None
     await client.get(INSTANCES)
 
 
+async def test_concurrent_requests_share_a_bounded_pool(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    api.delay(0.2, verb="list", times=30)
+    results = await asyncio.gather(*(client.get(INSTANCES) for _ in range(30)))
+    assert all(r["items"] == [] for r in results)
+    assert client.connections_opened == 8  # at most 8 in flight, then reused
+    assert len(client._idle) == 8 and not client._busy
+
+
 async def test_dropped_connection(api: ApiServerDouble, client: KubeClient) -> None:
     api.drop(verb="create")
     with pytest.raises(TransportError):

@@ -3,6 +3,7 @@ and clear errors for malformed settings."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -20,7 +21,7 @@ import yaml
 
 from agent.kube.credentials import StaticCredentials, TokenFileCredentials
 from agent.kube.errors import ConfigError, TransportError
-from agent.kube.exec_credential import ExecCredentials
+from agent.kube.exec_credential import ExecCredentials, ExecSpec
 from agent.kube.kubeconfig import load_config, load_incluster, load_kubeconfig
 from agent.kube.tls import TlsSettings, make_ssl_context
 
@@ -325,7 +326,8 @@ def plugin(directory: Path, body: str) -> Path:
             """\
             import json, os, sys
             with open(os.path.join(os.path.dirname(__file__), "runs.log"), "a") as log:
-                log.write(json.dumps({"argv": sys.argv[1:], "env": dict(os.environ)}) + "\\n")
+                run = {"argv": sys.argv[1:], "env": dict(os.environ), "pid": os.getpid()}
+                log.write(json.dumps(run) + "\\n")
             """
         )
         + textwrap.dedent(body)
@@ -457,6 +459,23 @@ async def test_exec_plugin_failures(tmp_path: Path, body: str, message: str) -> 
     with pytest.raises(TransportError, match=message) as caught:
         await credentials.get()
     assert caught.value.status == 0
+
+
+async def test_exec_plugin_that_hangs_is_killed(tmp_path: Path) -> None:
+    plugin(tmp_path, "import time; print(os.getpid(), flush=True); time.sleep(30)")
+    spec = ExecSpec(str(tmp_path / "plugin.py"), (), (), "client.authentication.k8s.io/v1")
+    credentials = ExecCredentials(spec, timeout=1.0)
+    with pytest.raises(TransportError, match="no answer within 1s"):
+        await credentials.get()
+    # a cancelled request does not leave the plugin running either
+    task = asyncio.ensure_future(ExecCredentials(spec, timeout=30).get())
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(runs(tmp_path)) == 2
+    for run in runs(tmp_path):
+        assert not Path(f"/proc/{run['pid']}").exists()
 
 
 async def test_exec_plugin_not_installed_shows_the_hint(tmp_path: Path) -> None:

@@ -55,9 +55,10 @@ def make_kube_client(
 class KubeClient:
     """An asyncio client for one API server.
 
-    ``timeout`` bounds each request (connect, send, whole answer) unless a call gives its
-    own. Up to ``max_idle`` connections are kept for reuse, each for at most ``idle_ttl``
-    seconds (load balancers drop idle connections silently).
+    ``timeout`` bounds each request (connect, send, whole answer, waiting for a free
+    connection) unless a call gives its own. At most ``max_connections`` requests are in
+    flight (watch streams not counted), and as many connections are kept for reuse, each for
+    at most ``idle_ttl`` seconds (load balancers drop idle connections silently).
     """
 
     def __init__(
@@ -65,12 +66,13 @@ class KubeClient:
         config: ClusterConfig,
         *,
         timeout: float = DEFAULT_TIMEOUT,
-        max_idle: int = 4,
+        max_connections: int = 8,
         idle_ttl: float = 30.0,
     ) -> None:
         self.config = config
         self.timeout = timeout
-        self._max_idle = max_idle
+        self._max_idle = max_connections
+        self._slots = asyncio.Semaphore(max_connections)
         self._idle_ttl = idle_ttl
         self._idle: list[Connection] = []
         self._busy: set[Connection] = set()
@@ -116,7 +118,7 @@ class KubeClient:
         target = self._target(path, params)
         payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
         try:
-            async with asyncio.timeout(limit):
+            async with asyncio.timeout(limit), self._slots:
                 for attempt in (1, 2):
                     auth = await self.config.credentials.get()
                     conn, response = await self._exchange(method, target, payload, auth)

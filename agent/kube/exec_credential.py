@@ -10,6 +10,7 @@ terminal (``spec.interactive`` is false), with the kubeconfig's ``env`` added to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -127,12 +128,15 @@ class ExecCredentials(Credentials):
             ) from error
         try:
             stdout, stderr = await asyncio.wait_for(process.communicate(), self._timeout)
-        except TimeoutError as error:
-            process.kill()
+        except BaseException as error:  # timed out, or the request was cancelled
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
             await process.wait()
-            raise TransportError(
-                f"exec credential plugin {spec.command}: no answer within {self._timeout:g}s"
-            ) from error
+            if isinstance(error, TimeoutError):
+                raise TransportError(
+                    f"exec credential plugin {spec.command}: no answer within {self._timeout:g}s"
+                ) from error
+            raise
         if process.returncode != 0:
             tail = stderr.decode("utf-8", "replace").strip()[-500:]
             raise TransportError(
