@@ -174,3 +174,98 @@ def test_socket_names_fit_the_unix_path_limit(tmp_path_factory: pytest.TempPathF
         socket_file_name(longest, Path("/tmp/" + "d" * 95))
     short = socket_file_name("akri.sh/cam-8120fe", Path("/var/lib/kubelet/device-plugins"))
     assert short.startswith("akri.sh-cam-8120fe-")
+
+
+def _reference_configuration_devices(
+    configuration: str, instances: list[Instance], node: str, offline: set[str]
+) -> list[tuple[str, str, str | None, bool]]:
+    """The CL list exactly as computed before the per-Instance cache (the specification)."""
+    from agent.ledger.decisions import free_slots
+    from agent.model.device_usage import ConfigurationUsage, parse_usage
+
+    mine = sorted(
+        (i for i in instances if i.configuration_name == configuration and node in i.nodes),
+        key=lambda i: i.name,
+    )
+    result: list[tuple[str, str, str | None, bool]] = []
+    used: set[str] = set()
+    for i in mine:
+        for slot, value in sorted(i.device_usage.items()):
+            usage = parse_usage(value)
+            if isinstance(usage, ConfigurationUsage) and usage.node == node:
+                if usage.vdev in used:
+                    continue
+                used.add(usage.vdev)
+                healthy = i.name not in offline and i.deletion_timestamp is None
+                result.append((usage.vdev, i.name, slot, healthy))
+    number = 0
+    for i in mine:
+        if i.name in offline or i.deletion_timestamp is not None or not free_slots(i):
+            continue
+        while f"{configuration}-{number}" in used:
+            number += 1
+        used.add(f"{configuration}-{number}")
+        result.append((f"{configuration}-{number}", i.name, None, True))
+    return result
+
+
+def test_cached_cl_view_matches_the_full_computation_through_random_changes() -> None:
+    import random
+
+    from agent.deviceplugin.views import ConfigurationDevices
+
+    rng = random.Random(7)
+    values = ["", "", "", "n1", "n2", "C:cams-{v}:n1", "C:cams-{v}:n2", "D:uid:n1", "bad:x:y:z"]
+    vdevs = ["0", "1", "2", "3", "01", "x", "²"]
+
+    def random_instance(k: int) -> Instance:
+        name = f"cams-{k:06d}"
+        capacity = rng.randint(1, 3)
+        usage = {
+            f"{name}-{s}": rng.choice(values).format(v=rng.choice(vdevs))
+            for s in range(capacity + rng.randint(0, 1))  # sometimes a draining slot
+        }
+        return Instance(
+            name=name,
+            configuration_name=rng.choice(["cams", "cams", "other"]),
+            capacity=capacity,
+            nodes=rng.choice([("n1",), ("n1", "n2"), ("n2",)]),
+            device_usage=usage,
+            deletion_timestamp=rng.choice([None, None, None, "2026-01-01T00:00:00Z"]),
+        )
+
+    view = ConfigurationDevices("cams", "n1")
+    current = {k: random_instance(k) for k in range(30)}
+    for _ in range(300):
+        for k in rng.sample(sorted(current), rng.randint(0, 3)):
+            current[k] = random_instance(k)  # a changed Instance is a new object
+        if rng.random() < 0.1:
+            current.pop(rng.choice(sorted(current)))
+        if rng.random() < 0.1:
+            new = max(current, default=0) + 1
+            current[new] = random_instance(new)
+        offline = {i.name for i in current.values() if rng.random() < 0.1}
+        instances = [current[k] for k in sorted(current)]
+        got = [(v.id, v.instance, v.slot, v.healthy) for v in view(instances, offline)]
+        assert got == _reference_configuration_devices("cams", instances, "n1", offline)
+
+
+def test_cached_cl_view_parses_only_changed_instances() -> None:
+    from agent.deviceplugin.views import ConfigurationDevices
+
+    instances = [inst(f"cams-{k:06d}", capacity=2) for k in range(100)]
+    view = ConfigurationDevices("cams", "n1")
+    first = view(instances, set())
+    assert view.parsed == 100 and len(first) == 100
+    instances[50] = instances[50].evolve(device_usage={"cams-000050-0": "n2"})  # still room
+    second = view(instances, set())
+    assert view.parsed == 101  # one Instance re-parsed, not 100
+    assert [v.id for v in second] == [v.id for v in first]
+    # the free vdevs whose number did not change are the very same objects
+    assert sum(1 for old, new in zip(first, second, strict=True) if old is new) == 100
+    instances[50] = instances[50].evolve(device_usage={"cams-000050-0": "C:cams-7:n1"})
+    third = view(instances, set())
+    assert view.parsed == 102
+    assert ("cams-7", "cams-000050", "cams-000050-0", True) in {
+        (v.id, v.instance, v.slot, v.healthy) for v in third
+    }

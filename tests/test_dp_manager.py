@@ -401,6 +401,33 @@ async def test_stream_recomputes_once_per_window_and_sends_the_latest_list(base:
     assert service.open_streams == 0
 
 
+async def test_a_costly_list_waits_longer_between_recomputations() -> None:
+    now = [0.0]
+    sleeps: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        sleeps.append(delay)
+        await asyncio.Event().wait()
+
+    class Slow(Logic):
+        def devices(self) -> Sequence[DeviceView]:
+            now[0] += 1.0  # each computation "takes" one second
+            return super().devices()
+
+    service = DevicePluginService(Slow(), min_interval=0.01, clock=lambda: now[0], sleep=sleep)
+    stream = service.ListAndWatch(None, None)
+    await anext(stream)
+    following = asyncio.ensure_future(anext(stream))
+    service.changed()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    # at most one computation per COST_FACTOR x its cost: 10 s after the last one started
+    assert sleeps == [9.0]
+    service.end_streams()
+    with pytest.raises(StopAsyncIteration):
+        await following
+
+
 async def test_il_streams_are_not_rate_limited(base: Path) -> None:
     logic = Logic()
     service = DevicePluginService(logic)  # min_interval 0

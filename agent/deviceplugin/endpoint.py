@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Container
 from pathlib import Path
 
 import grpc
@@ -193,11 +194,14 @@ class PluginEndpoint:
             await self._stop()
             await self._start()
 
-    def socket_missing(self) -> bool:
+    def socket_missing(self, present: Container[str] | None = None) -> bool:
         """True if kubelet (or anyone) removed our socket; False while we are (re)starting
-        or stopping it ourselves, or after :meth:`stop`."""
+        or stopping it ourselves, or after :meth:`stop`. ``present``: the names in the
+        directory, if the caller listed it (saves a ``stat``)."""
         if self._stopped or self.busy or self.socket_path is None:
             return False
+        if present is not None:
+            return self.socket_path.name not in present
         return not self.socket_path.exists()
 
 

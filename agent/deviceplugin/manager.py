@@ -19,7 +19,7 @@ Costs, so that thousands of plugins stay cheap:
 * the configuration-level list re-computes at most every ``cl_update_interval`` seconds (see
   :class:`DevicePluginService`), and only re-parses the Instances that changed;
 * each poll costs two ``stat`` calls (``kubelet.sock`` and the directory); our own sockets
-  are only checked when the directory changed;
+  are only checked (one directory listing) when the directory changed;
 * after a kubelet restart the plugins restart concurrently (at most ``concurrency`` at a
   time), each as before: new server on a new socket, self-dial, Register (retried).
 """
@@ -348,9 +348,13 @@ class DevicePluginManager:
         return changed
 
     def _removed_sockets(self) -> list[PluginEndpoint]:
-        """Our endpoints whose socket is gone (one ``stat`` per plugin)."""
+        """Our endpoints whose socket is gone (one listing of the directory)."""
         self.own_socket_checks += 1
-        return [e for e in self.endpoints() if e.socket_missing()]
+        try:
+            present = set(os.listdir(self.directory))
+        except FileNotFoundError:
+            return []  # the next poll sees the directory gone (or re-created: a change)
+        return [e for e in self.endpoints() if e.socket_missing(present)]
 
     async def _restart_all(self, targets: Iterable[PluginEndpoint]) -> bool:
         """Restart concurrently (at most ``concurrency`` at a time); True if all succeeded."""

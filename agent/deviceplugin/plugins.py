@@ -171,8 +171,8 @@ class ConfigurationPlugin:
     def _virtual_devices(self) -> list[VirtualDevice]:
         return self._view(self._list(self.configuration), self._source.offline_instances())
 
-    def devices(self) -> Sequence[DeviceView]:
-        return [DeviceView(d.id, d.healthy) for d in self._virtual_devices()]
+    def devices(self) -> Sequence[VirtualDevice]:
+        return self._virtual_devices()  # each has the ``id`` and ``healthy`` kubelet sees
 
     def _usable_instances(self) -> dict[str, Instance]:
         offline = self._source.offline_instances()

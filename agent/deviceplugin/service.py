@@ -6,10 +6,11 @@ allocation errors to gRPC status codes whose message says why.
 
 * Changes are coalesced: :meth:`DevicePluginService.changed` only bumps a version, and each
   stream re-computes the list once when it next runs, however many changes came in between.
-  With ``min_interval`` a stream also re-computes at most once per ``min_interval`` seconds
-  (the first change after a quiet period at once, a burst at the end of the window): the
+  With ``min_interval`` a stream also re-computes at most once per ``min_interval`` seconds,
+  or per ``COST_FACTOR`` times what the last re-computation took if that is longer (the first
+  change after a quiet period at once, a burst at the end of the window): the
   configuration-level list covers every Instance, so one re-computation per Instance event
-  would make a burst of N events cost O(N²).
+  would make a burst of N events cost O(N²); this way it takes a bounded share of the CPU.
 * :meth:`DevicePluginService.end_streams` makes every open ``ListAndWatch`` return (status
   OK), so stopping the server does not wait for its grace on kubelet's open stream.
 """
@@ -24,10 +25,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from agent.deviceplugin.views import DeviceView
 from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
+COST_FACTOR = 10.0  # a rate-limited stream waits >= 10 times its last computation (<= ~10 % CPU)
 
 
 class AllocationError(Exception):
@@ -38,13 +39,24 @@ class AllocationError(Exception):
         super().__init__(message)
 
 
+class Listed(Protocol):
+    """A device as listed to kubelet (:class:`DeviceView`, or anything with the same two
+    attributes)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
 class PluginLogic(Protocol):
     """What a device plugin decides."""
 
     resource_name: str
     preferred_allocation: bool
 
-    def devices(self) -> Sequence[DeviceView]:
+    def devices(self) -> Sequence[Listed]:
         """The full device list with health, from the current cache."""
 
     async def allocate(
@@ -120,20 +132,26 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             while not closing.is_set():
                 seen = self._version
                 computed_at = self._clock()
-                devices = list(self.logic.devices())
+                devices = self.logic.devices()
                 self.computations += 1
                 key = tuple((d.id, d.healthy) for d in devices)
+                message = None
                 if key != last:
                     last = key
                     self.sends += 1
-                    yield api_pb2.ListAndWatchResponse(
+                    message = api_pb2.ListAndWatchResponse(
                         devices=[
                             api_pb2.Device(ID=d.id, health="Healthy" if d.healthy else "Unhealthy")
                             for d in devices
                         ]
                     )
+                interval = self.min_interval
+                if interval > 0:
+                    interval = max(interval, COST_FACTOR * (self._clock() - computed_at))
+                if message is not None:
+                    yield message
                 await self._wait_for_change(seen, closing)
-                delay = computed_at + self.min_interval - self._clock()
+                delay = computed_at + interval - self._clock()
                 if delay > 0 and not closing.is_set():
                     await self._pause(delay, closing)
         finally:

@@ -26,8 +26,8 @@ room, and the count shown to kubelet is what can really be given.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from agent.ledger.decisions import free_slots, held_count
 from agent.model.device_usage import ConfigurationUsage, Free, NodeUsage, parse_usage
@@ -91,88 +91,104 @@ def held_virtual_devices(instances: Sequence[Instance], node: str) -> list[Virtu
     """vdevs this node's CL plugin holds, with the slot holding each."""
     held: list[VirtualDevice] = []
     for instance in instances:
-        held.extend(
-            VirtualDevice(vdev, instance.name, slot, True)
-            for vdev, slot in _instance_part(instance, node).held
-        )
+        held.extend(replace(v, healthy=True) for v in _instance_part(instance, node).held)
     return held
 
 
 @dataclass(frozen=True)
 class _InstancePart:
-    """What one Instance contributes to the CL list: the vdevs this node holds in it (in slot
-    order) and whether it has a free slot."""
+    """What one Instance contributes to the CL list: the vdevs this node holds in it (slot
+    order; Healthy unless the Instance is being deleted), and whether it has a free slot."""
 
-    held: tuple[tuple[str, str], ...]  # (vdev, slot)
+    held: tuple[VirtualDevice, ...]
     has_free: bool
+    deleting: bool
 
 
 def _instance_part(instance: Instance, node: str) -> _InstancePart:
+    deleting = instance.deletion_timestamp is not None
     held = []
     for slot, value in sorted(instance.device_usage.items()):
         if not value.startswith("C:"):
             continue  # free, another node's IL slot, DRA, unknown: not a held vdev
         usage = parse_usage(value)
         if isinstance(usage, ConfigurationUsage) and usage.node == node:
-            held.append((usage.vdev, slot))
-    return _InstancePart(tuple(held), bool(free_slots(instance)))
+            held.append(VirtualDevice(usage.vdev, instance.name, slot, not deleting))
+    return _InstancePart(tuple(held), bool(free_slots(instance)), deleting)
 
 
 class ConfigurationDevices:
     """:func:`configuration_devices` for one (configuration, node), with each Instance's part
-    (its slots parsed) kept until the Instance object changes. The cache reads the store's
-    objects, which are immutable and replaced on every change, so an Instance is recognised
-    by identity; a list computation then parses only the Instances that changed."""
+    (its slots parsed, its vdevs built) kept until the Instance object changes. The store's
+    objects are immutable and replaced on every change, so an Instance is recognised by
+    identity: a computation parses only the Instances that changed, and reuses the free vdev
+    of an Instance whose number did not change."""
 
     def __init__(self, configuration: str, node: str) -> None:
         self.configuration = configuration
         self.node = node
         self.prefix = configuration_resource_name(configuration)
         self._parts: dict[str, tuple[Instance, _InstancePart]] = {}
+        self._free: dict[str, tuple[int, VirtualDevice]] = {}  # Instance -> its free vdev
         self.parsed = 0  # Instances (re)parsed, for tests
 
     def __call__(
-        self, instances: Sequence[Instance], offline: Collection[str]
+        self, instances: Iterable[Instance], offline: Collection[str]
     ) -> list[VirtualDevice]:
         node = self.node
-        mine = sorted(
-            (
-                i
-                for i in instances
-                if i.configuration_name == self.configuration and node in i.nodes
-            ),
-            key=lambda i: i.name,
-        )
+        configuration = self.configuration
         previous = self._parts
         parts: dict[str, tuple[Instance, _InstancePart]] = {}
-        for inst in mine:
+        for inst in instances:
+            if inst.configuration_name != configuration or node not in inst.nodes:
+                continue
             entry = previous.get(inst.name)
             if entry is None or entry[0] is not inst:
                 entry = (inst, _instance_part(inst, node))
                 self.parsed += 1
             parts[inst.name] = entry
         self._parts = parts
+        names = sorted(parts)
         result: list[VirtualDevice] = []
         used_ids: set[str] = set()
-        for inst, part in parts.values():
+        for name in names:
+            part = parts[name][1]
             if not part.held:
                 continue
-            healthy = inst.name not in offline and inst.deletion_timestamp is None
-            for vdev, slot in part.held:
-                if vdev in used_ids:
+            offline_now = name in offline
+            for vdev in part.held:
+                if vdev.id in used_ids:
                     continue  # the same vdev twice would confuse kubelet; the reclaimer sorts it
-                used_ids.add(vdev)
-                result.append(VirtualDevice(vdev, inst.name, slot, healthy))
-        prefix = self.prefix
+                used_ids.add(vdev.id)
+                result.append(replace(vdev, healthy=False) if offline_now else vdev)
+        dash = self.prefix + "-"
+        used_numbers = {
+            int(tail)
+            for vdev_id in used_ids
+            if vdev_id.startswith(dash)
+            and (tail := vdev_id[len(dash) :]).isascii()
+            and tail.isdigit()
+            and str(int(tail)) == tail
+        }
+        free_before = self._free
+        free: dict[str, tuple[int, VirtualDevice]] = {}
         number = 0
-        for inst, part in parts.values():
-            if not part.has_free or inst.name in offline or inst.deletion_timestamp is not None:
+        for name in names:
+            part = parts[name][1]
+            if not part.has_free or part.deleting or name in offline:
                 continue
-            while f"{prefix}-{number}" in used_ids:
+            while number in used_numbers:
                 number += 1
-            vdev_id = f"{prefix}-{number}"
-            used_ids.add(vdev_id)
-            result.append(VirtualDevice(vdev_id, inst.name, None, True))
+            kept = free_before.get(name)
+            vdev = (
+                kept[1]
+                if kept is not None and kept[0] == number
+                else VirtualDevice(f"{dash}{number}", name, None, True)
+            )
+            free[name] = (number, vdev)
+            result.append(vdev)
+            number += 1
+        self._free = free
         return result
 
 
