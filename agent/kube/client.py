@@ -8,6 +8,7 @@ Every failure is an :class:`ApiError`: the server's status (``.status``, ``.reas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import time
@@ -158,27 +159,29 @@ class KubeClient:
             raise TransportError(f"GET {target}: no answer within {self.timeout:g}s") from error
         complete = False
         try:
-            body = conn.iter_body()
-            pending = bytearray()
-            while True:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        chunk = await anext(body, None)
-                except TimeoutError as error:
-                    raise TransportError(f"GET {target}: stream outlived its timeout") from error
-                except _TRANSPORT_ERRORS as error:
-                    raise _transport_error("GET", target, error) from error
-                if chunk is None:
-                    break
-                pending += chunk
-                if b"\n" in chunk:
-                    *lines, rest = bytes(pending).split(b"\n")
-                    pending = bytearray(rest)
-                    for line in lines:
-                        yield line
-            if pending:
-                yield bytes(pending)
-            complete = True
+            async with contextlib.aclosing(conn.iter_body()) as body:
+                pending = bytearray()
+                while True:
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            chunk = await anext(body, None)
+                    except TimeoutError as error:
+                        raise TransportError(
+                            f"GET {target}: stream outlived its timeout"
+                        ) from error
+                    except _TRANSPORT_ERRORS as error:
+                        raise _transport_error("GET", target, error) from error
+                    if chunk is None:
+                        break
+                    pending += chunk
+                    if b"\n" in chunk:
+                        *lines, rest = bytes(pending).split(b"\n")
+                        pending = bytearray(rest)
+                        for line in lines:
+                            yield line
+                if pending:
+                    yield bytes(pending)
+                complete = True
         finally:
             if complete:
                 self._release(conn)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
 CHUNK = 65536
@@ -115,7 +115,7 @@ class Connection:
     async def read_body(self) -> bytes:
         return b"".join([chunk async for chunk in self.iter_body()])
 
-    async def iter_body(self) -> AsyncIterator[bytes]:
+    async def iter_body(self) -> AsyncGenerator[bytes, None]:
         """The body in pieces as they arrive (chunked transfer coding removed)."""
         framing = self._framing
         if framing == "chunked":
