@@ -67,6 +67,7 @@ class PluginEndpoint:
         self.service = service
         self.directory = directory
         self.stop_grace = stop_grace
+        self._kubelet_target = f"unix://{directory / KUBELET_SOCKET}"
         self.socket_path: Path | None = None
         self.registered = asyncio.Event()
         self.registrations = 0
@@ -119,7 +120,8 @@ class PluginEndpoint:
 
     async def _self_dial(self) -> None:
         async with grpc.aio.insecure_channel(f"unix://{self.socket_path}") as channel:
-            await asyncio.wait_for(channel.channel_ready(), 5)
+            async with asyncio.timeout(5):
+                await channel.channel_ready()
 
     async def _register_until_done(self) -> None:
         backoff = 0.1
@@ -148,8 +150,7 @@ class PluginEndpoint:
 
     async def _register_once(self) -> None:
         assert self.socket_path is not None
-        target = f"unix://{self.directory / KUBELET_SOCKET}"
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with grpc.aio.insecure_channel(self._kubelet_target) as channel:
             stub = api_pb2_grpc.RegistrationStub(channel)
             await stub.Register(
                 api_pb2.RegisterRequest(
