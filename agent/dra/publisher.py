@@ -20,10 +20,16 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Callable, Collection
+from collections.abc import AsyncGenerator, Callable, Collection, Sequence
 from typing import Any
 
-from agent.dra.slices import DRIVER, Pool, desired_pools
+from agent.dra.slices import (
+    DRIVER,
+    Pool,
+    desired_pools,
+    instance_devices,
+    same_slice_content,
+)
 from agent.kube import ApiError, KubeClient, resource_path
 from agent.model.instance import Instance
 from agent.store.informer import Informer, Obj, RawEvent, watch_events
@@ -50,9 +56,22 @@ def _generation(obj: Obj) -> int:
     return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
 
 
-def _content(spec: dict[str, Any]) -> str:
-    keep = {k: v for k, v in spec.items() if k != "pool"}
-    return json.dumps(keep, sort_keys=True)
+def _unchanged(existing: list[Obj], specs: list[dict[str, Any]]) -> bool:
+    """Whether the pool's slices already hold exactly ``specs`` (in any order: slices get
+    generated names, so their name order says nothing), all at one generation."""
+    if len(existing) != len(specs) or len({_generation(o) for o in existing}) > 1:
+        return False
+    unmatched = [o.get("spec") or {} for o in existing]
+    if any(
+        (stored.get("pool") or {}).get("resourceSliceCount") != len(specs) for stored in unmatched
+    ):
+        return False
+    for spec in specs:
+        match = next((i for i, s in enumerate(unmatched) if same_slice_content(s, spec)), None)
+        if match is None:
+            return False
+        unmatched.pop(match)
+    return True
 
 
 class SlicePublisher:
@@ -77,6 +96,9 @@ class SlicePublisher:
         self._informer = Informer("resourceslices", self._list, self._watch, self._on_event)
         self._node_uid: str | None = None
         self._reported_drops: set[str] = set()
+        # per Instance: (resourceVersion, offline) -> its slice devices; a sync with 1000
+        # Instances otherwise rebuilds 4000 attribute maps for every Instance event
+        self._devices: dict[str, tuple[tuple[str, bool], Sequence[dict[str, Any]]]] = {}
         self.writes = 0
         self.syncs = 0
         self.synced = asyncio.Event()
@@ -159,7 +181,8 @@ class SlicePublisher:
         """Make every pool this node publishes match the cache; delete orphaned shared pools."""
         self.syncs += 1
         instances = self._list_instances()
-        pools = desired_pools(instances, self.node, self._offline())
+        pools = desired_pools(instances, self.node, self._offline(), self._devices_of)
+        self._forget_devices({i.name for i in instances})
         by_pool: dict[str, list[Obj]] = {}
         for obj in self._informer.cache.values():
             by_pool.setdefault(_pool_of(obj), []).append(obj)
@@ -177,22 +200,31 @@ class SlicePublisher:
                 for obj in objs:
                     await self._delete(obj)
 
+    def _devices_of(self, instance: Instance, offline: bool) -> Sequence[dict[str, Any]]:
+        """:func:`instance_devices`, memoized per Instance version (an Instance object with a
+        given resourceVersion never changes; without one it is computed every time)."""
+        if instance.resource_version is None:
+            return instance_devices(instance, offline)
+        key = (instance.resource_version, offline)
+        cached = self._devices.get(instance.name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        devices = instance_devices(instance, offline)
+        self._devices[instance.name] = (key, devices)
+        return devices
+
+    def _forget_devices(self, present: set[str]) -> None:
+        if len(self._devices) > len(present):
+            for name in self._devices.keys() - present:
+                del self._devices[name]
+
     async def _sync_pool(self, pool: Pool, existing: list[Obj]) -> None:
         specs = pool.slice_specs()
+        if _unchanged(existing, specs):
+            return
         existing = sorted(existing, key=lambda o: str(o["metadata"]["name"]))
         count = len(specs)
         generation = max((_generation(o) for o in existing), default=0)
-        unchanged = (
-            len(existing) == count
-            and len({_generation(o) for o in existing}) == 1
-            and all(
-                ((o.get("spec") or {}).get("pool") or {}).get("resourceSliceCount") == count
-                and _content(o.get("spec") or {}) == _content(spec)
-                for o, spec in zip(existing, specs, strict=True)
-            )
-        )
-        if unchanged:
-            return
         generation += 1
         for obj in existing[count:]:
             await self._delete(obj)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,21 +158,37 @@ class Pool:
         return specs
 
 
-def _devices(instances: Iterable[Instance], offline: Collection[str]) -> list[dict[str, Any]]:
-    devices = []
+DevicesOf = Callable[[Instance, bool], Sequence[dict[str, Any]]]
+
+
+def instance_devices(instance: Instance, offline: bool) -> tuple[dict[str, Any], ...]:
+    """The slice devices of one Instance (its published slots with their attributes)."""
+    return tuple(
+        {"name": device_name(slot), "attributes": device_attributes(instance, index)}
+        for index, slot in published_slots(instance, offline)
+    )
+
+
+def _devices(
+    instances: Iterable[Instance], offline: Collection[str], devices_of: DevicesOf
+) -> list[dict[str, Any]]:
+    devices: list[dict[str, Any]] = []
     for instance in sorted(instances, key=lambda i: i.name):
-        for index, slot in published_slots(instance, instance.name in offline):
-            devices.append(
-                {"name": device_name(slot), "attributes": device_attributes(instance, index)}
-            )
+        devices.extend(devices_of(instance, instance.name in offline))
     return devices
 
 
-def desired_pools(instances: Sequence[Instance], node: str, offline: Collection[str]) -> list[Pool]:
+def desired_pools(
+    instances: Sequence[Instance],
+    node: str,
+    offline: Collection[str],
+    devices_of: DevicesOf = instance_devices,
+) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
-    every shared Instance for which it is the publishing node."""
+    every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
+    :func:`instance_devices` (the publisher caches it per Instance version)."""
     local = [i for i in instances if not i.shared and node in i.nodes]
-    pools = [Pool(name=node, node_name=node, devices=tuple(_devices(local, offline)))]
+    pools = [Pool(name=node, node_name=node, devices=tuple(_devices(local, offline, devices_of)))]
     for instance in sorted(instances, key=lambda i: i.name):
         if not instance.shared or not instance.nodes or min(instance.nodes) != node:
             continue
@@ -181,10 +197,18 @@ def desired_pools(instances: Sequence[Instance], node: str, offline: Collection[
                 name=instance.name,
                 node_name=None,
                 nodes=tuple(sorted(instance.nodes)),
-                devices=tuple(_devices([instance], offline)),
+                devices=tuple(devices_of(instance, instance.name in offline)),
             )
         )
     return pools
+
+
+def same_slice_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether a stored slice ``spec`` has the ``wanted`` content (``pool`` aside). A plain
+    comparison: JSON from the API server compares equal to the dicts we build."""
+    return len(stored.keys() - {"pool"}) == len(wanted.keys() - {"pool"}) and all(
+        stored.get(key) == value for key, value in wanted.items() if key != "pool"
+    )
 
 
 def slot_for_device(
