@@ -12,6 +12,7 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
 from agent.events import Subscription
+from agent.gc_tuning import freeze_after_settling, freeze_long_lived
 from agent.ledger.ledger import SlotLedger
 from agent.store.base import InstanceEvent
 
@@ -64,6 +65,7 @@ class Agent:
         self.dra: DraDriver | None = None
         self.publisher: SlicePublisher | None = None
         self._slice_events: asyncio.Task[None] | None = None
+        self._gc_freeze: asyncio.Task[None] | None = None
         if settings.device_plugin_dir is not None:
             self.plugins = DevicePluginManager(
                 store, self.ledger, self.discovery, settings.device_plugin_dir
@@ -128,6 +130,8 @@ class Agent:
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
+        freeze_long_lived()
+        self._gc_freeze = asyncio.create_task(freeze_after_settling(), name="gc-freeze")
         log.info(
             "agent started on node %s (handlers: %s; %d configuration(s))",
             self.settings.node_name,
@@ -142,6 +146,8 @@ class Agent:
 
     async def stop(self) -> None:
         """Stop discovery; Instances and slots stay as they are for the next start."""
+        if self._gc_freeze is not None:
+            self._gc_freeze.cancel()
         if self._slice_events is not None:
             self._slice_events.cancel()
             with contextlib.suppress(asyncio.CancelledError):
