@@ -51,6 +51,16 @@ def resource_version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
 
 
+def without_managed_fields(obj: Obj) -> Obj:
+    """``obj`` without ``metadata.managedFields`` (server-side-apply bookkeeping the agent
+    never reads; on a real API server it is often the largest part of a small object). Like
+    client-go's ``TransformStripManagedFields``; a PUT without it leaves the server's as is."""
+    meta = obj.get("metadata")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        obj = {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    return obj
+
+
 def diff_snapshot(cache: Mapping[str, Obj], listed: Mapping[str, Obj]) -> list[RawEvent]:
     """Events that turn ``cache`` into ``listed`` (used after a relist)."""
     events: list[RawEvent] = []
@@ -96,7 +106,7 @@ class Informer:
 
     async def _relist(self) -> None:
         items, version = await self._list()
-        listed = {key_of(item): item for item in items}
+        listed = {key_of(item): without_managed_fields(item) for item in items}
         events = diff_snapshot(self.cache, listed)
         self.cache = listed
         self.resource_version = version
@@ -109,6 +119,7 @@ class Informer:
         self._apply(event, emit=True)
 
     def _apply(self, event: RawEvent, *, emit: bool) -> None:
+        event = RawEvent(event.type, without_managed_fields(event.obj))
         key = key_of(event.obj)
         known = self.cache.get(key)
         if event.type == "DELETED":
