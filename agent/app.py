@@ -12,7 +12,7 @@ from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
 from agent.events import Subscription
-from agent.gc_tuning import freeze_after_settling, freeze_long_lived
+from agent.gc_tuning import freeze_long_lived, freeze_when_settled
 from agent.ledger.ledger import SlotLedger
 from agent.store.base import InstanceEvent
 
@@ -131,13 +131,20 @@ class Agent:
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
         freeze_long_lived()
-        self._gc_freeze = asyncio.create_task(freeze_after_settling(), name="gc-freeze")
+        changes = self.store.subscribe_instances()
+        self._gc_freeze = asyncio.create_task(self._freeze_when_settled(changes), name="gc")
         log.info(
             "agent started on node %s (handlers: %s; %d configuration(s))",
             self.settings.node_name,
             ", ".join(self.handlers.names()) or "none",
             len(self.store.configurations()),
         )
+
+    async def _freeze_when_settled(self, changes: Subscription[InstanceEvent]) -> None:
+        try:
+            await freeze_when_settled(changes)
+        finally:
+            changes.close()
 
     async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
         async for _ in events:
@@ -148,6 +155,8 @@ class Agent:
         """Stop discovery; Instances and slots stay as they are for the next start."""
         if self._gc_freeze is not None:
             self._gc_freeze.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gc_freeze
         if self._slice_events is not None:
             self._slice_events.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -4,8 +4,9 @@ The agent's long-lived objects (imported code, Instances, plugins, gRPC servers)
 startup and stay. Without help, every full (generation 2) collection walks all of them again
 and frees nothing: 40-140 ms pauses measured at 67 plugins, on the event loop that answers
 kubelet's Allocate calls. ``gc.freeze()`` moves every object alive now to a permanent
-generation that collections skip. Objects created later are collected as usual, so freezing
-again once startup has settled keeps the walked set small.
+generation that collections skip. Objects created later are collected as usual; the agent freezes
+once more when startup has settled (the Instances stopped changing), so the walked set
+stays small.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import AsyncIterator
 
 log = logging.getLogger(__name__)
 
-SETTLE_SECONDS = 30.0  # startup at 1000 Instances takes seconds; freeze once more after it
+SETTLE_SECONDS = 2.0  # the Instance set counts as settled after this long without a change
 
 
 def freeze_long_lived() -> None:
@@ -30,7 +32,18 @@ def freeze_long_lived() -> None:
     )
 
 
-async def freeze_after_settling(delay: float = SETTLE_SECONDS) -> None:
-    """Freeze again ``delay`` seconds after startup (run as a task; cancel to skip)."""
-    await asyncio.sleep(delay)
+async def freeze_when_settled(
+    changes: AsyncIterator[object], quiet: float = SETTLE_SECONDS
+) -> None:
+    """Freeze once more when ``changes`` (the store's Instance events) have been quiet for
+    ``quiet`` seconds: by then startup's Instances, plugins and slices exist. Run as a task;
+    it returns after that one freeze (later changes are few and collected as usual)."""
+    iterator = aiter(changes)
+    while True:
+        try:
+            await asyncio.wait_for(anext(iterator), quiet)
+        except TimeoutError:
+            break
+        except StopAsyncIteration:
+            return
     freeze_long_lived()

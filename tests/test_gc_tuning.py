@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from agent.gc_tuning import freeze_after_settling, freeze_long_lived
+from agent.gc_tuning import freeze_long_lived, freeze_when_settled
 
 
 class Node:
@@ -40,7 +41,25 @@ def test_freeze_collects_garbage_then_freezes_the_living() -> None:
     assert not any(alive is obj for generation in range(3) for obj in gc.get_objects(generation))
 
 
-async def test_freeze_after_settling_freezes_later() -> None:
-    assert gc.get_freeze_count() == 0
-    await freeze_after_settling(0.01)
+async def test_freezes_once_the_changes_have_been_quiet() -> None:
+    changes: asyncio.Queue[int] = asyncio.Queue()
+
+    async def stream() -> AsyncIterator[int]:
+        while True:
+            yield await changes.get()
+
+    task = asyncio.create_task(freeze_when_settled(stream(), quiet=0.2))
+    for i in range(5):  # a burst of changes, each within the quiet period of the last
+        changes.put_nowait(i)
+        await asyncio.sleep(0.05)
+        assert gc.get_freeze_count() == 0 and not task.done()
+    await asyncio.wait_for(task, 5)
     assert gc.get_freeze_count() > 0
+
+
+async def test_no_freeze_when_the_changes_end() -> None:
+    async def ended() -> AsyncIterator[int]:
+        yield 1
+
+    await asyncio.wait_for(freeze_when_settled(ended(), quiet=5), 1)
+    assert gc.get_freeze_count() == 0
