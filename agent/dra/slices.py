@@ -89,10 +89,15 @@ def device_name(slot: str) -> str:
 
 def device_attributes(instance: Instance, index: int) -> dict[str, dict[str, Any]]:
     """Typed attributes of one slot device."""
+    return _with_slot(_instance_attributes(instance), index)
+
+
+def _instance_attributes(instance: Instance) -> dict[str, dict[str, Any]]:
+    """The attributes every slot of ``instance`` shares (``slot`` is a placeholder)."""
     attributes: dict[str, dict[str, Any]] = {
         "configuration": {"string": instance.configuration_name[:MAX_STRING_VALUE]},
         "instance": {"string": instance.name[:MAX_STRING_VALUE]},
-        "slot": {"int": index},
+        "slot": {},
         "shared": {"bool": instance.shared},
     }
     for key, value in sorted(instance.broker_properties.items()):
@@ -105,6 +110,12 @@ def device_attributes(instance: Instance, index: int) -> dict[str, dict[str, Any
         if typed is not None:
             attributes[name] = typed
     return attributes
+
+
+def _with_slot(common: dict[str, dict[str, Any]], index: int) -> dict[str, dict[str, Any]]:
+    # the value dicts are shared between the slots of one Instance (never mutated): the
+    # publisher keeps every slot's attributes, 4000+ maps at 1000 Instances
+    return {name: {"int": index} if name == "slot" else value for name, value in common.items()}
 
 
 def published_slots(instance: Instance, offline: bool) -> list[tuple[int, str]]:
@@ -163,9 +174,13 @@ DevicesOf = Callable[[Instance, bool], Sequence[dict[str, Any]]]
 
 def instance_devices(instance: Instance, offline: bool) -> tuple[dict[str, Any], ...]:
     """The slice devices of one Instance (its published slots with their attributes)."""
+    slots = published_slots(instance, offline)
+    if not slots:
+        return ()
+    common = _instance_attributes(instance)
     return tuple(
-        {"name": device_name(slot), "attributes": device_attributes(instance, index)}
-        for index, slot in published_slots(instance, offline)
+        {"name": device_name(slot), "attributes": _with_slot(common, index)}
+        for index, slot in slots
     )
 
 
