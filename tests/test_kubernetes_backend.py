@@ -238,6 +238,43 @@ async def test_api_server_restart_and_watch_410_relist(
         await node.stop()
 
 
+async def test_instance_deleted_during_a_watch_outage_is_seen_after_the_relist(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """The Instance informer caches only identities (the store keeps the typed Instances):
+    a deletion found by a relist still reaches subscribers with the last known Instance."""
+    other = Instance("other-abc123", "other", 2, nodes=("node-x",))
+    body = other.to_dict()
+    body["apiVersion"], body["kind"] = "akri.sh/v0", "Instance"
+    api.create(body)
+    node = await start_node(api, "node-a", tmp_path)
+    events = node.store.subscribe_instances()
+    try:
+        await eventually(lambda: node.store.get_cached("other-abc123") is not None)
+        cached = node.store._instance_informer.cache["default/other-abc123"]
+        assert set(cached) == {"metadata"} and "spec" not in cached
+        relists_before = node.store._instance_informer.relists
+        await api.stop()
+        api.delete("instances.akri.sh", "other-abc123", "default")
+        api.compact_history()
+        await api.start()
+        await eventually(
+            lambda: node.store._instance_informer.relists > relists_before,
+            within=20,
+            what="relist after 410",
+        )
+        assert node.store.get_cached("other-abc123") is None
+        seen = []
+        while events.pending():
+            seen.append(await events.__anext__())
+        deleted = [e for e in seen if e.type.name == "DELETED"]
+        assert [e.instance.name for e in deleted] == ["other-abc123"]
+        assert deleted[0].instance.nodes == ("node-x",)  # the last known state, not a stub
+    finally:
+        events.close()
+        await node.stop()
+
+
 async def test_invalid_configurations_become_kubernetes_events(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:

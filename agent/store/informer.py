@@ -61,6 +61,14 @@ def without_managed_fields(obj: Obj) -> Obj:
     return obj
 
 
+def identity_only(obj: Obj) -> Obj:
+    """Only what the informer itself needs of a cached object (name, namespace,
+    resourceVersion, uid): for callers that keep their own typed copy of every object."""
+    meta = obj.get("metadata") or {}
+    keep = ("name", "namespace", "resourceVersion", "uid")
+    return {"metadata": {key: meta[key] for key in keep if key in meta}}
+
+
 def diff_snapshot(cache: Mapping[str, Obj], listed: Mapping[str, Obj]) -> list[RawEvent]:
     """Events that turn ``cache`` into ``listed`` (used after a relist)."""
     events: list[RawEvent] = []
@@ -89,12 +97,16 @@ class Informer:
         on_event: Callable[[RawEvent], None],
         *,
         max_backoff: float = 30.0,
+        keep: Callable[[Obj], Obj] = without_managed_fields,
     ) -> None:
         self.name = name
         self._list = list_fn
         self._watch = watch_fn
         self._on_event = on_event
         self._max_backoff = max_backoff
+        # what the cache holds of each object; events always carry the whole object, except
+        # DELETED events made up after a relist, which carry what the cache held
+        self._keep = keep
         self.cache: dict[str, Obj] = {}
         self.resource_version = ""
         self.relists = 0
@@ -108,7 +120,7 @@ class Informer:
         items, version = await self._list()
         listed = {key_of(item): without_managed_fields(item) for item in items}
         events = diff_snapshot(self.cache, listed)
-        self.cache = listed
+        self.cache = {key: self._keep(obj) for key, obj in listed.items()}
         self.resource_version = version
         self.relists += 1
         for event in events:
@@ -129,7 +141,7 @@ class Informer:
         else:
             if known is not None and not _newer(event.obj, known):
                 return  # already have this version (e.g. our own write echoed by the watch)
-            self.cache[key] = event.obj
+            self.cache[key] = self._keep(event.obj)
             if known is None and event.type == "MODIFIED":
                 event = RawEvent("ADDED", event.obj)
         if emit:

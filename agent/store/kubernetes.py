@@ -37,7 +37,15 @@ from agent.store.base import (
     StoreError,
     StoreUnavailableError,
 )
-from agent.store.informer import Informer, ListFn, Obj, RawEvent, WatchFn, watch_events
+from agent.store.informer import (
+    Informer,
+    ListFn,
+    Obj,
+    RawEvent,
+    WatchFn,
+    identity_only,
+    watch_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +97,11 @@ class KubernetesInstanceStore(InstanceStore):
         self._configurations: dict[str, Configuration] = {}
         self._config_errors: dict[str, str] = {}
         self._instance_informer = Informer(
-            "instances", self._lister(INSTANCES), self._watcher(INSTANCES), self._on_instance
+            "instances",
+            self._lister(INSTANCES),
+            self._watcher(INSTANCES),
+            self._on_instance,
+            keep=identity_only,  # the typed Instances in self._instances are the cache
         )
         self._config_informer = Informer(
             "configurations",
@@ -158,19 +170,30 @@ class KubernetesInstanceStore(InstanceStore):
 
     # -- events from the informers ---------------------------------------------------------
     def _on_instance(self, event: RawEvent) -> None:
+        if event.type == "DELETED":
+            self._on_instance_deleted(event.obj)
+            return
         try:
             instance = Instance.from_dict(event.obj)
         except InstanceFormatError as error:
             log.warning("ignoring malformed Instance: %s", error)
             return
         previous = self._instances.get(instance.name)
-        if event.type == "DELETED":
-            self._instances.pop(instance.name, None)
-            self._publish_instance(InstanceEvent(EventType.DELETED, instance, previous))
-            return
         self._instances[instance.name] = instance
         kind = EventType.ADDED if previous is None else EventType.MODIFIED
         self._publish_instance(InstanceEvent(kind, instance, previous))
+
+    def _on_instance_deleted(self, obj: Obj) -> None:
+        """A deletion: ``obj`` is the last state (from a watch) or, after a relist, only the
+        identity the informer kept (the typed copy here is the last state we know)."""
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        previous = self._instances.pop(name, None)
+        try:
+            instance = Instance.from_dict(obj) if obj.get("spec") is not None else previous
+        except InstanceFormatError:
+            instance = previous
+        if instance is not None:
+            self._publish_instance(InstanceEvent(EventType.DELETED, instance, previous))
 
     def _on_configuration(self, event: RawEvent) -> None:
         meta = event.obj.get("metadata") or {}
