@@ -61,6 +61,11 @@ def without_managed_fields(obj: Obj) -> Obj:
     return obj
 
 
+def whole(obj: Obj) -> Obj:
+    """The cache keeps the whole object (``managedFields`` already dropped)."""
+    return obj
+
+
 def identity_only(obj: Obj) -> Obj:
     """Only what the informer itself needs of a cached object (name, namespace,
     resourceVersion, uid): for callers that keep their own typed copy of every object."""
@@ -97,7 +102,7 @@ class Informer:
         on_event: Callable[[RawEvent], None],
         *,
         max_backoff: float = 30.0,
-        keep: Callable[[Obj], Obj] = without_managed_fields,
+        keep: Callable[[Obj], Obj] = whole,
     ) -> None:
         self.name = name
         self._list = list_fn
