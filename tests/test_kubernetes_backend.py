@@ -202,6 +202,21 @@ async def test_api_server_unreachable_for_30s_then_converges(
         await node.stop()
 
 
+async def change_during_outage(api: ApiServerDouble, node: Any, change: Any) -> None:
+    """Stop the API server, ``change()`` its objects, compact the watch history (so the
+    agent's watch gets 410 Gone), start it again and wait for the Instance relist."""
+    relists_before = node.store._instance_informer.relists
+    await api.stop()
+    change()
+    api.compact_history()
+    await api.start()
+    await eventually(
+        lambda: node.store._instance_informer.relists > relists_before,
+        within=20,
+        what="relist after 410",
+    )
+
+
 async def test_api_server_restart_and_watch_410_relist(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
@@ -209,22 +224,16 @@ async def test_api_server_restart_and_watch_410_relist(
     node = await start_node(api, "node-a", tmp_path)
     try:
         await eventually(lambda: len(instances(api)) == 2)
-        relists_before = node.store._instance_informer.relists
         creates_before = len(api.requests_for(verb="create", resource="instances"))
-        # another node joins an Instance while our watch is down and history is compacted
-        await api.stop()
         name = instances(api)[0]["metadata"]["name"]
-        obj = api.get("instances.akri.sh", name, "default")
-        assert obj is not None
-        obj["spec"]["nodes"].append("node-x")
-        api.store.update(api.resource("instances.akri.sh"), "v0", "default", name, obj)
-        api.compact_history()
-        await api.start()
-        await eventually(
-            lambda: node.store._instance_informer.relists > relists_before,
-            within=20,
-            what="relist after 410",
-        )
+
+        def join() -> None:  # another node joins an Instance while our watch is down
+            obj = api.get("instances.akri.sh", name, "default")
+            assert obj is not None
+            obj["spec"]["nodes"].append("node-x")
+            api.store.update(api.resource("instances.akri.sh"), "v0", "default", name, obj)
+
+        await change_during_outage(api, node, join)
         await eventually(
             lambda: "node-x" in (node.store.get_cached(name) or Instance(name, "x", 1)).nodes,
             what="relisted state in the cache",
@@ -253,15 +262,8 @@ async def test_instance_deleted_during_a_watch_outage_is_seen_after_the_relist(
         await eventually(lambda: node.store.get_cached("other-abc123") is not None)
         cached = node.store._instance_informer.cache["default/other-abc123"]
         assert set(cached) == {"metadata"} and "spec" not in cached
-        relists_before = node.store._instance_informer.relists
-        await api.stop()
-        api.delete("instances.akri.sh", "other-abc123", "default")
-        api.compact_history()
-        await api.start()
-        await eventually(
-            lambda: node.store._instance_informer.relists > relists_before,
-            within=20,
-            what="relist after 410",
+        await change_during_outage(
+            api, node, lambda: api.delete("instances.akri.sh", "other-abc123", "default")
         )
         assert node.store.get_cached("other-abc123") is None
         seen = []
