@@ -8,10 +8,13 @@ import logging
 from typing import TYPE_CHECKING
 
 from agent.activity_log import log_instance_changes
+from agent.deviceplugin.kubelet_state import CHECKPOINT_FILE, KubeletState
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.discovery.ownership import Ownership, ServedInstances
 from agent.events import Subscription
+from agent.evidence import NodeEvidence
 from agent.gc_tuning import freeze_long_lived, freeze_when_settled
 from agent.ledger.ledger import SlotLedger
 from agent.store.base import InstanceEvent
@@ -19,6 +22,8 @@ from agent.store.base import InstanceEvent
 if TYPE_CHECKING:
     from agent.dra.driver import DraDriver
     from agent.dra.publisher import SlicePublisher
+    from agent.dra.reclaim import DraReclaimer
+    from agent.dra.state import DraState
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.debug_echo import DebugEchoHandler
@@ -47,38 +52,61 @@ def build_handlers(settings: AgentSettings) -> HandlerRegistry:
 class Agent:
     """One node's agent."""
 
-    def __init__(self, settings: AgentSettings, store: InstanceStore) -> None:
+    def __init__(
+        self, settings: AgentSettings, store: InstanceStore, *, freeze_gc: bool = True
+    ) -> None:
         self.settings = settings
+        self.freeze_gc = freeze_gc
         self.store = store
         self.handlers = build_handlers(settings)
+        node = settings.node_name
+        self.kubelet: KubeletState | None = None
+        if settings.device_plugin_dir is not None:
+            self.kubelet = KubeletState(
+                settings.pod_resources_socket, settings.device_plugin_dir / CHECKPOINT_FILE
+            )
+        self.evidence = NodeEvidence(node, self.kubelet)
+        self.ledger = SlotLedger(store, node, evidence=self.evidence)
+        self.ownership = Ownership(store)
+        self.served = ServedInstances(store, self.ownership)
         self.discovery = DiscoveryManager(
             store,
             self.handlers,
-            settings.node_name,
+            node,
             GraceSettings(settings.local_offline_grace, settings.shared_offline_grace),
+            ledger=self.ledger,
+            ownership=self.ownership,
         )
         self._activity: asyncio.Task[None] | None = None
-        self.ledger = SlotLedger(store, settings.node_name)
         self.plugins: DevicePluginManager | None = None
         self.reclaimer: SlotReclaimer | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
         self.dra: DraDriver | None = None
+        self.dra_state: DraState | None = None
+        self.dra_reclaimer: DraReclaimer | None = None
+        self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
         self._slice_events: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
-        if settings.device_plugin_dir is not None:
-            self.plugins = DevicePluginManager(
-                store, self.ledger, self.discovery, settings.device_plugin_dir
+        if settings.device_plugin_dir is not None and self.kubelet is not None:
+            plugins = DevicePluginManager(
+                self.served, self.ledger, self.discovery, settings.device_plugin_dir
             )
-            self.discovery.add_offline_listener(self.plugins.offline_changed)
-            self.reclaimer = SlotReclaimer(
+            self.plugins = plugins
+            self.discovery.add_offline_listener(plugins.offline_changed)
+            reclaimer = SlotReclaimer(
                 self.ledger,
-                store.list_cached,
-                settings.pod_resources_socket,
+                self.served.all,
+                self.kubelet,
                 interval=settings.reclaim_interval,
                 grace=settings.reclaim_grace,
                 events=store.subscribe_instances,
+                served=self.served.served,
+                nudge=plugins.nudge_kubelet,
             )
+            self.reclaimer = reclaimer
+            plugins.on_kubelet_restart(reclaimer.kubelet_restarted)
+            self.ownership.add_listener(lambda _names: reclaimer.resync())
 
     def _build_dra(self) -> None:
         """DRA driver + slice publisher (cluster mode only: claims live in the API)."""
@@ -86,6 +114,7 @@ class Agent:
         from agent.dra.checkpoint import Checkpoint
         from agent.dra.driver import DraDriver
         from agent.dra.publisher import SlicePublisher
+        from agent.dra.reclaim import DraReclaimer
         from agent.dra.state import DraState
         from agent.store.kubernetes import KubernetesInstanceStore
 
@@ -95,19 +124,32 @@ class Agent:
         checkpoint.load()
         state = DraState(
             self.ledger,
-            self.store.list_cached,
+            self.served.all,
             self.discovery.device_for,
             self.store.read_resource_claim,
             CdiWriter(self.settings.cdi_dir),
             checkpoint,
         )
+        self.dra_state = state
+        self.evidence.dra = state
         self.dra = DraDriver(
             state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir
         )
+        dra_reclaimer = DraReclaimer(
+            state,
+            self.store.subscribe_instances,
+            self.store.read_resource_claim,
+            self.store.get_cached,
+            served=self.served.served,
+            interval=self.settings.reclaim_interval,
+            grace=self.settings.reclaim_grace,
+        )
+        self.dra_reclaimer = dra_reclaimer
+        self.ownership.add_listener(lambda _names: dra_reclaimer.resync())
         self.publisher = SlicePublisher(
             self.store.api_client,
             self.settings.node_name,
-            self.store.list_cached,
+            self.served.all,
             self.discovery.offline_instances,
         )
         self.discovery.add_offline_listener(self.publisher.trigger)
@@ -115,6 +157,7 @@ class Agent:
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
         await self.store.start()
+        self.ownership.refresh()
         if self.settings.dra:
             self._build_dra()
         self._activity = asyncio.create_task(
@@ -125,14 +168,21 @@ class Agent:
             await self.plugins.start()
             self._reclaim_task = asyncio.create_task(self.reclaimer.run(), name="reclaimer")
         if self.dra is not None and self.publisher is not None:
+            assert self.dra_state is not None and self.dra_reclaimer is not None
+            await self.dra_state.restore()
             await self.dra.start()
+            self._dra_reclaim_task = asyncio.create_task(
+                self.dra_reclaimer.run(), name="dra-reclaimer"
+            )
             await self.publisher.start()
+            self.ownership.add_listener(lambda _names: self._wake_publisher())
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
-        freeze_long_lived()
-        changes = self.store.subscribe_instances()
-        self._gc_freeze = asyncio.create_task(self._freeze_when_settled(changes), name="gc")
+        if self.freeze_gc:
+            freeze_long_lived()
+            changes = self.store.subscribe_instances()
+            self._gc_freeze = asyncio.create_task(self._freeze_when_settled(changes), name="gc")
         log.info(
             "agent started on node %s (handlers: %s; %d configuration(s))",
             self.settings.node_name,
@@ -145,6 +195,10 @@ class Agent:
             await freeze_when_settled(changes)
         finally:
             changes.close()
+
+    def _wake_publisher(self) -> None:
+        if self.publisher is not None:
+            self.publisher.trigger()
 
     async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
         async for _ in events:
@@ -163,6 +217,10 @@ class Agent:
                 await self._slice_events
         if self.publisher is not None:
             await self.publisher.close()
+        if self._dra_reclaim_task is not None:
+            self._dra_reclaim_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dra_reclaim_task
         if self.dra is not None:
             await self.dra.stop()
         if self._reclaim_task is not None:

@@ -1,29 +1,32 @@
-"""Simulated nodes with device plugins: API double + per-node kubelet double + agent parts."""
+"""Simulated nodes with device plugins: API double + per-node kubelet double + the agent.
+
+Each node runs the agent exactly as ``akri agent`` wires it (:class:`agent.app.Agent`, with
+the Kubernetes backend on the API-server double and the debugEcho handler reading a per-node
+availability file), next to its own kubelet double serving the device-plugin directory, the
+pod-resources socket and the kubelet checkpoint.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.app import Agent
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
-from agent.dra.cdi import CdiWriter
-from agent.dra.checkpoint import Checkpoint
 from agent.dra.driver import DraDriver
 from agent.dra.publisher import SlicePublisher
-from agent.dra.state import DraState
+from agent.dra.reclaim import DraReclaimer
 from agent.kube import make_kube_client
 from agent.ledger.decisions import held_count
 from agent.ledger.ledger import SlotLedger
 from agent.model.instance import Instance
+from agent.settings import AgentSettings
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
-from discovery_handlers.debug_echo import DebugEchoHandler
-from discovery_handlers.registry import HandlerRegistry
 from tests.apiserver import ApiServerDouble
 from tests.kubelet_double import KubeletDouble
 
@@ -32,46 +35,110 @@ NO_GRACE = GraceSettings(local=0, shared=0)
 
 @dataclass
 class DpNode:
-    """One node: kubelet double + store + discovery + ledger + plugins + reclaimer."""
+    """One node: kubelet double + the agent (store, discovery, ledger, plugins, reclaimers)."""
 
     name: str
     kubelet: KubeletDouble
-    store: KubernetesInstanceStore
-    discovery: DiscoveryManager
-    ledger: SlotLedger
-    plugins: DevicePluginManager
-    reclaimer: SlotReclaimer
-    availability: Path
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    dra: DraDriver | None = None
-    publisher: SlicePublisher | None = None
-    base: Path | None = None
+    agent: Agent
+    base: Path
+
+    @property
+    def store(self) -> KubernetesInstanceStore:
+        assert isinstance(self.agent.store, KubernetesInstanceStore)
+        return self.agent.store
+
+    @property
+    def discovery(self) -> DiscoveryManager:
+        return self.agent.discovery
+
+    @property
+    def ledger(self) -> SlotLedger:
+        return self.agent.ledger
+
+    @property
+    def plugins(self) -> DevicePluginManager:
+        assert self.agent.plugins is not None
+        return self.agent.plugins
+
+    @property
+    def reclaimer(self) -> SlotReclaimer:
+        assert self.agent.reclaimer is not None
+        return self.agent.reclaimer
+
+    @property
+    def dra(self) -> DraDriver | None:
+        return self.agent.dra
+
+    @property
+    def dra_reclaimer(self) -> DraReclaimer | None:
+        return self.agent.dra_reclaimer
+
+    @property
+    def publisher(self) -> SlicePublisher | None:
+        return self.agent.publisher
+
+    @property
+    def availability(self) -> Path:
+        return self.base / "avail"
 
     @property
     def cdi_dir(self) -> Path:
-        assert self.base is not None
         return self.base / "cdi"
 
     @property
     def registry_dir(self) -> Path:
-        assert self.base is not None
         return self.base / "plugins_registry"
+
+    @property
+    def dra_dir(self) -> Path:
+        return self.base / "dra"
 
     def offline(self, value: bool = True) -> None:
         self.availability.write_text("OFFLINE" if value else "ONLINE")
 
-    async def stop(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        if self.publisher is not None:
-            await self.publisher.close()
-        if self.dra is not None:
-            await self.dra.stop()
-        await self.plugins.close()
-        await self.discovery.close()
-        await self.store.close()
+    async def stop(self, *, keep_files: bool = False) -> None:
+        """Stop the agent and the kubelet double (``keep_files`` for a restart)."""
+        await self.agent.stop()
         await self.kubelet.stop()
-        shutil.rmtree(self.kubelet.device_plugin_dir.parent, ignore_errors=True)
+        if not keep_files:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def node_settings(
+    api: ApiServerDouble,
+    name: str,
+    base: Path,
+    *,
+    grace: GraceSettings = NO_GRACE,
+    reclaim_grace: float = 0.5,
+    reclaim_interval: float = 0.2,
+    dra: bool = False,
+) -> AgentSettings:
+    """The settings ``akri agent`` would run this simulated node with."""
+    return AgentSettings(
+        local=False,
+        state_dir=base / "state",
+        config=[],
+        node_name=name,
+        log_level="INFO",
+        local_offline_grace=grace.local,
+        shared_offline_grace=grace.shared,
+        debug_echo=True,
+        debug_echo_shared=True,
+        debug_echo_availability_file=base / "avail",
+        kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
+        namespace=None,
+        device_plugin_dir=base / "device-plugins",
+        pod_resources_socket=base / "pod-resources.sock",
+        reclaim_interval=reclaim_interval,
+        reclaim_grace=reclaim_grace,
+        dra=dra,
+        plugins_registry_dir=base / "plugins_registry",
+        dra_plugin_dir=base / "dra",
+        cdi_dir=base / "cdi",
+        udev_monitor_source=None,
+        poll_interval=0.05,
+    )
 
 
 async def start_dp_node(
@@ -83,66 +150,33 @@ async def start_dp_node(
     reclaim_grace: float = 0.5,
     reclaim_interval: float = 0.2,
     dra: bool = False,
+    base: Path | None = None,
 ) -> DpNode:
+    """Start a node (``base``: reuse the directories of a stopped node, as after a restart)."""
     # unix socket paths are limited to 108 bytes: keep the node's directory short
-    base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/tmp"))
-    plugin_dir = base / "device-plugins"
-    plugin_dir.mkdir(parents=True)
-    (tmp / f"{name}-dir").write_text(str(base))  # where to look when debugging
-    kubelet = KubeletDouble(plugin_dir, base / "pod-resources.sock", reregistration="kubelet")
+    if base is None:
+        base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/tmp"))
+        (tmp / f"{name}-dir").write_text(str(base))  # where to look when debugging
+    settings = node_settings(
+        api,
+        name,
+        base,
+        grace=grace,
+        reclaim_grace=reclaim_grace,
+        reclaim_interval=reclaim_interval,
+        dra=dra,
+    )
+    assert settings.device_plugin_dir is not None
+    settings.device_plugin_dir.mkdir(parents=True, exist_ok=True)
+    kubelet = KubeletDouble(
+        settings.device_plugin_dir, settings.pod_resources_socket, reregistration="kubelet"
+    )
     await kubelet.start()
-    client = make_kube_client(str(api.write_kubeconfig(base / "kubeconfig")))
+    client = make_kube_client(settings.kubeconfig)
     store = KubernetesInstanceStore(client, KubernetesSettings(name, request_timeout=5))
-    await store.start()
-    availability = base / "avail"
-    registry = HandlerRegistry()
-    registry.register(DebugEchoHandler(availability_file=availability, poll_interval=0.05))
-    discovery = DiscoveryManager(store, registry, name, grace)
-    ledger = SlotLedger(store, name)
-    plugins = DevicePluginManager(store, ledger, discovery, plugin_dir, kubelet_poll=0.1)
-    discovery.add_offline_listener(plugins.offline_changed)
-    reclaimer = SlotReclaimer(
-        ledger,
-        store.list_cached,
-        kubelet.pod_resources_socket,
-        interval=reclaim_interval,
-        grace=reclaim_grace,
-    )
-    await discovery.start()
-    await plugins.start()
-    node = DpNode(name, kubelet, store, discovery, ledger, plugins, reclaimer, availability)
-    node.base = base
-    node.tasks.append(asyncio.create_task(reclaimer.run()))
-    if dra:
-        await _start_dra(node, base)
-    return node
-
-
-async def _start_dra(node: DpNode, base: Path) -> None:
-    checkpoint = Checkpoint(base / "dra" / "checkpoint.json")
-    checkpoint.load()
-    state = DraState(
-        node.ledger,
-        node.store.list_cached,
-        node.discovery.device_for,
-        node.store.read_resource_claim,
-        CdiWriter(base / "cdi"),
-        checkpoint,
-    )
-    node.dra = DraDriver(state, base / "plugins_registry", base / "dra", poll=0.1)
-    node.publisher = SlicePublisher(
-        node.store.api_client, node.name, node.store.list_cached, node.discovery.offline_instances
-    )
-    node.discovery.add_offline_listener(node.publisher.trigger)
-    await node.dra.start()
-    await node.publisher.start()
-
-    async def follow() -> None:
-        async for _ in node.store.subscribe_instances():
-            assert node.publisher is not None
-            node.publisher.trigger()
-
-    node.tasks.append(asyncio.create_task(follow()))
+    agent = Agent(settings, store, freeze_gc=False)
+    await agent.start()
+    return DpNode(name, kubelet, agent, base)
 
 
 def api_instances(api: ApiServerDouble) -> dict[str, Instance]:

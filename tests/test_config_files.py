@@ -133,8 +133,63 @@ def test_duplicate_names_first_wins(tmp_path: Path, events: list[ConfigurationEv
     settle(files)
     assert [c.capacity for c in files.current()] == [1]
     assert any(
-        "duplicate name" in (e.error or "") and str(second) in (e.error or "") for e in events
+        "duplicate Configuration default/same" in (e.error or "")
+        and (e.error or "").startswith(str(second))
+        for e in events
     )
+
+
+def test_a_new_file_never_takes_over_a_running_configuration(
+    tmp_path: Path, events: list[ConfigurationEvent]
+) -> None:
+    """Issue 11 case 5: a new file that sorts first and defines the name of a running
+    Configuration is refused (naming the new file); the old one keeps running unchanged."""
+    old = tmp_path / "b-old.yaml"
+    write(old, GOOD.format(name="same", capacity=1))
+    files = ConfigurationFiles([tmp_path], events.append)
+    settle(files)
+    assert [(c.name, c.capacity) for c in files.current()] == [("same", 1)]
+    events.clear()
+    new = tmp_path / "a-new.yaml"  # sorts before the running one
+    write(new, GOOD.format(name="same", capacity=7))
+    settle(files)
+    assert [(c.name, c.capacity) for c in files.current()] == [("same", 1)]
+    assert [e for e in events if e.error is None] == []  # no DELETED/ADDED/MODIFIED
+    errors = [e.error or "" for e in events]
+    assert len(errors) == 1 and errors[0].startswith(str(new)), errors
+    assert f"already defined in {old}" in errors[0]
+    # the old file goes away: the new definition takes over
+    events.clear()
+    old.unlink()
+    settle(files)
+    assert [(c.name, c.capacity) for c in files.current()] == [("same", 7)]
+    assert [(e.type, e.name) for e in events if e.error is None] == [
+        (EventType.MODIFIED, "same")
+    ]
+
+
+def test_invalid_and_unreadable_sources_are_known(
+    tmp_path: Path, events: list[ConfigurationEvent]
+) -> None:
+    """A never-valid Configuration is still known by key; a file that is not YAML makes the
+    set of Configurations unknown (no Instance may be taken for an orphan meanwhile)."""
+    bad = tmp_path / "bad.yaml"
+    write(bad, GOOD.format(name="broken", capacity=0))
+    files = ConfigurationFiles([tmp_path], events.append)
+    settle(files)
+    assert files.current() == []
+    assert [i.key.name for i in files.invalid()] == ["broken"]
+    assert "spec.capacity" in files.invalid()[0].message
+    assert files.unreadable() == []
+    write(bad, "kind: [unclosed")
+    settle(files)
+    assert [i.key.name for i in files.invalid()] == ["broken"]  # kept while unreadable
+    assert len(files.unreadable()) == 1 and str(bad) in files.unreadable()[0]
+    write(bad, GOOD.format(name="broken", capacity=2))
+    settle(files)
+    assert files.invalid() == [] and files.unreadable() == []
+    assert [c.name for c in files.current()] == ["broken"]
+    assert files.current()[0].creation_timestamp is not None
 
 
 def test_missing_file_is_reported(tmp_path: Path, events: list[ConfigurationEvent]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from agent.discovery.manager import DiscoveryManager, GraceSettings
 from agent.model.configuration import Configuration, parse_configuration
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import ConfigurationEvent, EventType
 from agent.store.local import LocalInstanceStore
 from discovery_handlers.base import (
@@ -103,7 +104,9 @@ def instances(store: LocalInstanceStore) -> list[Instance]:
 
 async def test_devices_become_instances_and_edits_converge(setup) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
     await handler.queue.put([Device("d1", {"P": "1"}), Device("d2")])
     await until(lambda: len(instances(store)) == 2)
     first = instances(store)[0]
@@ -111,7 +114,9 @@ async def test_devices_become_instances_and_edits_converge(setup) -> None:  # ty
     assert manager.device_for(first.name) is not None
     # capacity + brokerProperties edit: same discovery details, so no handler restart
     await manager.handle_configuration_event(
-        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(capacity=3, props={"B": "2"}))
+        ConfigurationEvent(
+            EventType.MODIFIED, ObjectKey("default", "cfg"), cfg(capacity=3, props={"B": "2"})
+        )
     )
     await until(
         lambda: all(
@@ -121,34 +126,43 @@ async def test_devices_become_instances_and_edits_converge(setup) -> None:  # ty
     assert handler.started == 1
     # details edit restarts discovery with the new details
     await manager.handle_configuration_event(
-        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(capacity=3, details="y"))
+        ConfigurationEvent(
+            EventType.MODIFIED, ObjectKey("default", "cfg"), cfg(capacity=3, details="y")
+        )
     )
     await until(lambda: handler.started == 2)
     assert handler.details_seen[-1] == "y"
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
     # deletion removes this node's instances
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.DELETED, "cfg", None))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.DELETED, ObjectKey("default", "cfg"), None)
+    )
     await until(lambda: instances(store) == [])
-    assert "cfg" not in manager.runners
+    assert ObjectKey("default", "cfg") not in manager.runners
 
 
 async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
     name = instances(store)[0].name
+    key = instances(store)[0].key
     await handler.queue.put([])
     await until(lambda: name in manager.offline_instances())
-    assert store.get_cached(name) is not None  # kept during the grace period
-    await until(lambda: store.get_cached(name) is None, within=2)
+    assert store.get_cached(key) is not None  # kept during the grace period
+    await until(lambda: store.get_cached(key) is None, within=2)
     assert manager.offline_instances() == frozenset()
 
 
 async def test_handler_failure_is_survived_and_restarted(setup, caplog) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
     with caplog.at_level(logging.ERROR):
@@ -159,37 +173,80 @@ async def test_handler_failure_is_survived_and_restarted(setup, caplog) -> None:
     await until(lambda: len(instances(store)) == 1)
 
 
+async def test_a_failing_handler_keeps_its_last_devices(tmp_path: Path) -> None:
+    """Issue 11 case 4: an exception is not an empty list. With a local grace of 0, a
+    handler error used to delete every Instance at once (with the slots of live pods)."""
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler(shared=False)
+    registry = HandlerRegistry()
+    registry.register(handler)
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=0))
+    await manager.start()
+    try:
+        key = ObjectKey("default", "cfg")
+        await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, key, cfg()))
+        await handler.queue.put([Device("d1"), Device("d2")])
+        await until(lambda: len(instances(store)) == 2)
+        runner = manager.runners[key]
+        runner.reconciled.clear()
+        await handler.queue.put(RuntimeError("the bus went away"))
+        await until(lambda: handler.started == 2, within=3)
+        await runner.reconcile_once()  # what any later reconcile would decide
+        assert len(instances(store)) == 2
+        assert manager.offline_instances() == frozenset()
+        # a successful report without d2 is what starts its (zero) grace
+        await handler.queue.put([Device("d1")])
+        await until(lambda: len(instances(store)) == 1)
+    finally:
+        await manager.close()
+        await store.close()
+
+
 async def test_unknown_handler_and_bad_details_leave_others_running(setup, caplog) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
     with caplog.at_level(logging.ERROR):
         await manager.handle_configuration_event(
-            ConfigurationEvent(EventType.ADDED, "bad", cfg(name="bad", handler="nope"))
+            ConfigurationEvent(
+                EventType.ADDED, ObjectKey("default", "bad"), cfg(name="bad", handler="nope")
+            )
         )
         await manager.handle_configuration_event(
-            ConfigurationEvent(EventType.ADDED, "worse", cfg(name="worse", details="invalid"))
+            ConfigurationEvent(
+                EventType.ADDED, ObjectKey("default", "worse"), cfg(name="worse", details="invalid")
+            )
         )
     messages = [r.getMessage() for r in caplog.records]
     assert any("spec.discoveryHandler.name" in m and "'nope'" in m for m in messages)
     assert any("discoveryDetails" in m and "worse" in m for m in messages)
     assert set(manager.runners) == set()
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
     # an invalid edit of a running Configuration keeps the last good version running
     await manager.handle_configuration_event(
-        ConfigurationEvent(EventType.MODIFIED, "cfg", cfg(details="invalid"))
+        ConfigurationEvent(EventType.MODIFIED, ObjectKey("default", "cfg"), cfg(details="invalid"))
     )
-    assert manager.runners["cfg"].configuration.discovery_handler.discovery_details == "x"
+    assert (
+        manager.runners[
+            ObjectKey("default", "cfg")
+        ].configuration.discovery_handler.discovery_details
+        == "x"
+    )
 
 
 async def test_instance_deleted_by_someone_else_is_recreated(setup) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
-    await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, "cfg", cfg()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
-    name = instances(store)[0].name
-    await store.delete(name)
-    await until(lambda: store.get_cached(name) is not None)
+    key = instances(store)[0].key
+    await store.delete(key)
+    await until(lambda: store.get_cached(key) is not None)
 
 
 async def test_orphans_of_vanished_configurations_are_swept(tmp_path: Path) -> None:
@@ -209,9 +266,20 @@ async def test_orphans_of_vanished_configurations_are_swept(tmp_path: Path) -> N
     )
     manager = DiscoveryManager(store, HandlerRegistry(), "node-a")
     await manager.start()
-    assert store.get_cached("gone-abcdef") is None
-    left = store.get_cached("gone-bbbbbb")
-    assert left is not None and left.nodes == ("node-b",)
-    assert left.device_usage["gone-bbbbbb-0"] == ""
+    free = ObjectKey("default", "gone-abcdef")
+    held = ObjectKey("default", "gone-bbbbbb")
+    await until(lambda: store.get_cached(free) is None)
+    # node-a still holds a slot there: it stays (draining), nothing is freed
+    await until(lambda: "gone-bbbbbb" in manager.offline_instances())
+    kept = store.get_cached(held)
+    assert kept is not None and kept.nodes == ("node-a", "node-b")
+    assert kept.device_usage["gone-bbbbbb-0"] == "node-a"
+    assert kept.draining_nodes == ("node-a",)
+    # once the slot is released (by the reclaimer, in the agent), node-a leaves
+    await manager.ledger.release_values(held, {"node-a"})
+    await until(lambda: (store.get_cached(held) or kept).nodes == ("node-b",))
+    left = store.get_cached(held)
+    assert left is not None and left.draining_nodes == ()
+    assert manager.offline_instances() == frozenset()
     await manager.close()
     await store.close()

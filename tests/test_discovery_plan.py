@@ -11,7 +11,6 @@ from agent.discovery.plan import (
     assign_names,
     grace_for,
     join_instance,
-    leave_instance,
     new_instance,
     plan_discovery,
 )
@@ -90,13 +89,13 @@ def test_instance_of_other_configuration_is_never_taken() -> None:
     assert again[0].name != desired[0].name
 
 
-def test_new_instance_has_akri_fields_and_prefilled_slots() -> None:
+def test_new_instance_has_akri_fields_and_leaves_slots_to_the_ledger() -> None:
     desired, _ = assign_names("cfg", "n1", True, [Device("d1", {"P": "dev", "B": "dev"})], {})
     inst = new_instance(config(uid="u-1"), desired[0], "n1", True)
     assert inst.nodes == ("n1",)
     assert inst.capacity == 2 and inst.shared
     assert inst.broker_properties == {"P": "dev", "B": "cfg"}  # Configuration overrides
-    assert inst.device_usage == {f"{inst.name}-0": "", f"{inst.name}-1": ""}
+    assert inst.device_usage == {}  # the ledger decides them (agent.ledger.decisions)
     assert inst.cdi_name == f"akri.sh/cfg={desired[0].digest}"
     assert inst.owner_references[0]["uid"] == "u-1"
     assert inst.labels["akri.sh/configuration"] == "cfg"
@@ -111,28 +110,22 @@ def test_join_adds_node_and_applies_configuration_changes_only_when_needed() -> 
     held = inst.evolve(device_usage={f"{inst.name}-0": "n1", f"{inst.name}-1": ""})
     grown = join_instance(held, config(capacity=3), desired[0], "n1", True)
     assert grown is not None and grown.capacity == 3
-    assert grown.device_usage == {
-        f"{inst.name}-0": "n1",
-        f"{inst.name}-1": "",
-        f"{inst.name}-2": "",
-    }
+    assert grown.device_usage == held.device_usage  # resized by the ledger, not here
     props = join_instance(inst, config(broker_properties={"B": "new"}), desired[0], "n1", True)
     assert props is not None and props.broker_properties["B"] == "new"
 
 
-def test_leave_releases_only_this_nodes_slots() -> None:
+def test_joining_again_ends_this_nodes_draining() -> None:
     desired, _ = assign_names("cfg", "n1", True, [Device("d1")], {})
     inst = new_instance(config(), desired[0], "n1", True).evolve(
         nodes=("n1", "n2"),
-        device_usage={f"{desired[0].name}-0": "n1", f"{desired[0].name}-1": "n2"},
+        annotations={
+            **new_instance(config(), desired[0], "n1", True).annotations,
+            "akri.sh/draining": "n1,n2",
+        },
     )
-    left = leave_instance(inst, "n1")
-    assert left is not None and left.nodes == ("n2",)
-    assert left.device_usage[f"{desired[0].name}-0"] == ""
-    assert left.device_usage[f"{desired[0].name}-1"] == "n2"
-    assert leave_instance(left, "n1") is None
-    last = leave_instance(left, "n2")
-    assert last is not None and last.nodes == ()
+    back = join_instance(inst, config(), desired[0], "n1", True)
+    assert back is not None and back.draining_nodes == ("n2",)
 
 
 def test_grace_period_keeps_then_leaves() -> None:

@@ -11,11 +11,14 @@ import pytest
 from agent.ledger.decisions import Owner, held_count
 from agent.ledger.ledger import SlotLedger, SlotRefusedError
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import ConflictError
 from agent.store.cas import RetriesExhaustedError, RetryPolicy, cas_update
 from agent.store.local import LocalInstanceStore
+from tests.kubelet_fakes import ScriptedKubelet
 
 NAME = "cfg-abcdef"
+KEY = ObjectKey("default", NAME)
 
 
 def make(capacity: int = 2) -> Instance:
@@ -44,28 +47,28 @@ async def test_claim_release_round_trip(stores: list[LocalInstanceStore]) -> Non
     await stores[0].create(make())
     ledger = SlotLedger(stores[0], "node-a")
     owner = Owner.instance_level("node-a")
-    result = await ledger.claim(NAME, f"{NAME}-0", owner)
+    result = await ledger.claim(KEY, f"{NAME}-0", owner)
     assert result.changed and result.instance.device_usage[f"{NAME}-0"] == "node-a"
-    again = await ledger.claim(NAME, f"{NAME}-0", owner)
+    again = await ledger.claim(KEY, f"{NAME}-0", owner)
     assert not again.changed
-    assert await ledger.release(NAME, f"{NAME}-0", owner)
-    assert not await ledger.release(NAME, f"{NAME}-0", owner)
-    assert (await stores[0].get(NAME)).device_usage[f"{NAME}-0"] == ""
+    assert await ledger.release(KEY, f"{NAME}-0", owner)
+    assert not await ledger.release(KEY, f"{NAME}-0", owner)
+    assert (await stores[0].get(KEY)).device_usage[f"{NAME}-0"] == ""
 
 
 async def test_stale_cache_conflict_is_redecided(stores: list[LocalInstanceStore]) -> None:
     await stores[0].create(make())
-    await stores[1].get(NAME)  # node-b caches the fresh Instance
+    await stores[1].get(KEY)  # node-b caches the fresh Instance
     a = SlotLedger(stores[0], "node-a")
     b = SlotLedger(stores[1], "node-b")
-    await a.claim(NAME, f"{NAME}-0", Owner.instance_level("node-a"))
+    await a.claim(KEY, f"{NAME}-0", Owner.instance_level("node-a"))
     # node-b's cache still says slot 0 is free: the CAS write conflicts, it re-reads,
     # re-decides and is refused instead of overwriting node-a's claim
     with pytest.raises(SlotRefusedError) as info:
-        await b.claim(NAME, f"{NAME}-0", Owner.instance_level("node-b"))
+        await b.claim(KEY, f"{NAME}-0", Owner.instance_level("node-b"))
     assert info.value.reason == "SlotInUse"
     assert "node-a" in str(info.value)
-    got = await b.claim_any(NAME, Owner.instance_level("node-b"))
+    got = await b.claim_any(KEY, Owner.instance_level("node-b"))
     assert got.slot == f"{NAME}-1"
 
 
@@ -73,24 +76,28 @@ async def test_refusals_carry_reasons(stores: list[LocalInstanceStore]) -> None:
     await stores[0].create(make(capacity=1))
     ledger = SlotLedger(stores[0], "node-a")
     with pytest.raises(SlotRefusedError) as unknown:
-        await ledger.claim("missing-abcdef", "missing-abcdef-0", Owner.instance_level("node-a"))
+        await ledger.claim(
+            ObjectKey("default", "missing-abcdef"),
+            "missing-abcdef-0",
+            Owner.instance_level("node-a"),
+        )
     assert unknown.value.reason == "UnknownInstance"
     with pytest.raises(SlotRefusedError) as slot:
-        await ledger.claim(NAME, f"{NAME}-7", Owner.instance_level("node-a"))
+        await ledger.claim(KEY, f"{NAME}-7", Owner.instance_level("node-a"))
     assert slot.value.reason == "UnknownSlot"
-    await ledger.claim_any(NAME, Owner.claim("uid-1", "node-a"))
+    await ledger.claim_any(KEY, Owner.claim("uid-1", "node-a"))
     with pytest.raises(SlotRefusedError) as full:
-        await ledger.claim_any(NAME, Owner.instance_level("node-a"))
+        await ledger.claim_any(KEY, Owner.instance_level("node-a"))
     assert full.value.reason == "CapacityReached"
 
 
 async def test_release_values_only_own_node(stores: list[LocalInstanceStore]) -> None:
     await stores[0].create(make())
     ledger = SlotLedger(stores[0], "node-a")
-    await ledger.claim(NAME, f"{NAME}-0", Owner.configuration_level("cfg-0", "node-a"))
+    await ledger.claim(KEY, f"{NAME}-0", Owner.configuration_level("cfg-0", "node-a"))
     with pytest.raises(ValueError):
-        await ledger.release_values(NAME, {"C:cfg-0:node-b"})
-    assert await ledger.release_values(NAME, {"C:cfg-0:node-a"}) == (f"{NAME}-0",)
+        await ledger.release_values(KEY, {"C:cfg-0:node-b"})
+    assert await ledger.release_values(KEY, {"C:cfg-0:node-a"}) == (f"{NAME}-0",)
 
 
 async def test_many_nodes_contending_never_exceed_capacity(
@@ -99,7 +106,7 @@ async def test_many_nodes_contending_never_exceed_capacity(
     capacity = 3
     await stores[0].create(make(capacity=capacity))
     for store in stores[1:]:
-        await store.get(NAME)
+        await store.get(KEY)
     nodes = ["node-a", "node-b", "node-c"]
     ledgers = [SlotLedger(store, node) for store, node in zip(stores, nodes, strict=True)]
     rng = random.Random(7)
@@ -108,13 +115,13 @@ async def test_many_nodes_contending_never_exceed_capacity(
         for i, ledger in enumerate(rng.choice(ledgers) for _ in range(12))
     ]
     results = await asyncio.gather(
-        *(ledger.claim_any(NAME, owner) for ledger, owner in owners), return_exceptions=True
+        *(ledger.claim_any(KEY, owner) for ledger, owner in owners), return_exceptions=True
     )
     granted = [r for r in results if not isinstance(r, BaseException)]
     refused = [r for r in results if isinstance(r, SlotRefusedError)]
     assert len(granted) == capacity
     assert len(refused) == len(owners) - capacity
-    final = await stores[0].get(NAME)
+    final = await stores[0].get(KEY)
     assert held_count(final) == capacity
     holders = [v for v in final.device_usage.values() if v]
     assert len(set(holders)) == capacity  # every slot a different claim
@@ -135,7 +142,7 @@ async def test_cas_update_gives_up_after_bounded_conflicts(
 
     policy = RetryPolicy(attempts=4, base_delay=0.001, max_delay=0.002)
     with pytest.raises(RetriesExhaustedError):
-        await cas_update(stores[0], created.name, always_stale, policy=policy)
+        await cas_update(stores[0], created.key, always_stale, policy=policy)
     assert calls == 4
     with pytest.raises(ConflictError):
         await stores[0].update(created.evolve(resource_version="999999"))
@@ -149,13 +156,13 @@ async def test_release_keeps_slots_granted_after_the_evidence(
     await stores[0].create(make())
     ledger = SlotLedger(stores[0], "node-a")
     owner = Owner.instance_level("node-a")
-    await ledger.claim(NAME, f"{NAME}-0", owner)
+    await ledger.claim(KEY, f"{NAME}-0", owner)
     evidence = time.monotonic()  # "unused" observed now...
-    await ledger.claim(NAME, f"{NAME}-0", owner)  # ...then re-granted (idempotent, no write)
-    assert ledger.last_granted(NAME, f"{NAME}-0") is not None
-    kept = await ledger.release_values(NAME, {"node-a"}, unless_granted_since=evidence)
+    await ledger.claim(KEY, f"{NAME}-0", owner)  # ...then re-granted (idempotent, no write)
+    assert ledger.last_granted(KEY, f"{NAME}-0") is not None
+    kept = await ledger.release_values(KEY, {"node-a"}, unless_granted_since=evidence)
     assert kept == ()
-    freed = await ledger.release_values(NAME, {"node-a"}, unless_granted_since=time.monotonic() + 1)
+    freed = await ledger.release_values(KEY, {"node-a"}, unless_granted_since=time.monotonic() + 1)
     assert freed == (f"{NAME}-0",)
 
 
@@ -165,36 +172,32 @@ async def test_reclaimer_keeps_a_slot_re_granted_during_its_check(
     """Found by the benchmark (premature releases under load): kubelet re-offers a slot this
     node still holds for a deleted pod; the idempotent re-grant writes nothing, so a reclaim
     decision based on an older pod-resources answer must not free it."""
-    from agent.deviceplugin import reclaimer as reclaimer_module
     from agent.deviceplugin.reclaimer import SlotReclaimer
 
     await stores[0].create(make())
     ledger = SlotLedger(stores[0], "node-a")
     owner = Owner.instance_level("node-a")
-    await ledger.claim(NAME, f"{NAME}-0", owner)  # held for a pod that is now gone
-    socket = tmp_path / "pod-resources.sock"
-    socket.touch()
+    await ledger.claim(KEY, f"{NAME}-0", owner)  # held for a pod that is now gone
     now = [100.0]
     calls = 0
 
-    async def stale_list(path: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
+    async def stale_list() -> dict[str, frozenset[str]]:
         nonlocal calls
         calls += 1
         if calls == 2:
             # kubelet admits a new pod with the same device while our List is in flight
-            await ledger.claim(NAME, f"{NAME}-0", owner)
+            await ledger.claim(KEY, f"{NAME}-0", owner)
         return {}  # the answer predates that admission
 
-    monkeypatch.setattr(reclaimer_module, "list_pod_resources", stale_list)
+    kubelet = ScriptedKubelet(stale_list, clock=lambda: now[0])
     reclaimer = SlotReclaimer(
-        ledger, stores[0].list_cached, socket, grace=3.0, clock=lambda: now[0]
+        ledger, stores[0].list_cached, kubelet, grace=3.0, clock=lambda: now[0]
     )
-    monkeypatch.setattr(reclaimer_module.time, "monotonic", lambda: now[0])
     monkeypatch.setattr("agent.ledger.ledger.time.monotonic", lambda: now[0])
     assert await reclaimer.reclaim_once() == []  # first seen unused at t=100
     now[0] = 104.0  # grace over
     assert await reclaimer.reclaim_once() == []  # but re-granted at t=104: kept
-    assert (await stores[0].get(NAME)).device_usage[f"{NAME}-0"] == "node-a"
+    assert (await stores[0].get(KEY)).device_usage[f"{NAME}-0"] == "node-a"
     now[0] = 105.0
     assert await reclaimer.reclaim_once() == []  # a new observation starts
     now[0] = 108.0
@@ -207,32 +210,27 @@ async def test_reclaimer_frees_only_the_stale_il_slot(
 ) -> None:
     """Found by the benchmark: IL values are just the node name, so two IL slots of one
     Instance held by this node share a value; freeing the stale one must not free the other."""
-    from agent.deviceplugin import reclaimer as reclaimer_module
     from agent.deviceplugin.reclaimer import SlotReclaimer
 
     await stores[0].create(make())
     ledger = SlotLedger(stores[0], "node-a")
     owner = Owner.instance_level("node-a")
-    await ledger.claim(NAME, f"{NAME}-0", owner)  # live pod
-    await ledger.claim(NAME, f"{NAME}-1", owner)  # pod gone
-    socket = tmp_path / "pod-resources.sock"
-    socket.touch()
-
-    async def listing(path: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
-        return {f"akri.sh/{NAME}": frozenset({f"{NAME}-0"})}
-
-    monkeypatch.setattr(reclaimer_module, "list_pod_resources", listing)
+    await ledger.claim(KEY, f"{NAME}-0", owner)  # live pod
+    await ledger.claim(KEY, f"{NAME}-1", owner)  # pod gone
     import time
 
     now = [time.monotonic() + 1]  # same clock as the ledger's grant times, after the grants
+    kubelet = ScriptedKubelet(
+        lambda: {f"akri.sh/{NAME}": frozenset({f"{NAME}-0"})}, clock=lambda: now[0]
+    )
     reclaimer = SlotReclaimer(
-        ledger, stores[0].list_cached, socket, grace=1.0, clock=lambda: now[0]
+        ledger, stores[0].list_cached, kubelet, grace=1.0, clock=lambda: now[0]
     )
     assert await reclaimer.reclaim_once() == []
     now[0] += 2
     freed = await reclaimer.reclaim_once()
     assert [h.slot for h in freed] == [f"{NAME}-1"]
-    usage = (await stores[0].get(NAME)).device_usage
+    usage = (await stores[0].get(KEY)).device_usage
     assert usage == {f"{NAME}-0": "node-a", f"{NAME}-1": ""}
 
 
@@ -257,23 +255,22 @@ async def test_release_slots_frees_many_in_one_write_keeping_regranted_ones(
     ledger = SlotLedger(stores[0], "node-a", clock=lambda: now[0])
     owner = Owner.instance_level("node-a")
     for index in range(3):
-        await ledger.claim(NAME, f"{NAME}-{index}", owner)
+        await ledger.claim(KEY, f"{NAME}-{index}", owner)
     now[0] = 20.0
-    await ledger.claim(NAME, f"{NAME}-1", owner)  # re-granted at 20 (writes nothing)
-    assert ledger.last_granted(NAME, f"{NAME}-1") == 20.0
+    await ledger.claim(KEY, f"{NAME}-1", owner)  # re-granted at 20 (writes nothing)
+    assert ledger.last_granted(KEY, f"{NAME}-1") == 20.0
     writes = STATS.writes
-    freed = await ledger.release_slots(
-        NAME,
+    freed = await ledger.release_slots(KEY,
         {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a", f"{NAME}-2": "node-a"},
         unless_granted_since={f"{NAME}-0": 15.0, f"{NAME}-1": 15.0, f"{NAME}-2": 15.0},
     )
     assert freed == (f"{NAME}-0", f"{NAME}-2")
     assert STATS.writes == writes + 1
-    usage = (await stores[0].get(NAME)).device_usage
+    usage = (await stores[0].get(KEY)).device_usage
     assert usage == {f"{NAME}-0": "", f"{NAME}-1": "node-a", f"{NAME}-2": ""}
     # freed slots forget their grant: the next holder is granted (and recorded) anew
-    assert ledger.last_granted(NAME, f"{NAME}-0") is None
-    assert ledger.last_granted(NAME, f"{NAME}-1") == 20.0
+    assert ledger.last_granted(KEY, f"{NAME}-0") is None
+    assert ledger.last_granted(KEY, f"{NAME}-1") == 20.0
 
 
 async def test_release_slots_redecides_after_a_conflict(stores: list[LocalInstanceStore]) -> None:
@@ -283,19 +280,19 @@ async def test_release_slots_redecides_after_a_conflict(stores: list[LocalInstan
 
     await stores[0].create(make(capacity=3))
     a = SlotLedger(stores[0], "node-a")
-    await a.claim(NAME, f"{NAME}-0", Owner.instance_level("node-a"))
-    await a.claim(NAME, f"{NAME}-1", Owner.instance_level("node-a"))
-    cached = stores[0].get_cached(NAME)
+    await a.claim(KEY, f"{NAME}-0", Owner.instance_level("node-a"))
+    await a.claim(KEY, f"{NAME}-1", Owner.instance_level("node-a"))
+    cached = stores[0].get_cached(KEY)
     assert cached is not None
     # another writer frees slot 1 and node-b takes it; node-a's cache does not know yet
-    current = await stores[1].get(NAME)
+    current = await stores[1].get(KEY)
     usage = dict(current.device_usage)
     usage[f"{NAME}-1"] = "node-b"
     await stores[1].update(current.evolve(device_usage=usage))
-    stores[0]._cache[NAME] = cached  # keep node-a's view stale until its write conflicts
+    stores[0]._cache.put(cached)  # keep node-a's view stale until its write conflicts
     conflicts = STATS.conflicts
-    freed = await a.release_slots(NAME, {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a"})
+    freed = await a.release_slots(KEY, {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a"})
     assert STATS.conflicts == conflicts + 1
     assert freed == (f"{NAME}-0",)
-    final = await stores[0].get(NAME)
+    final = await stores[0].get(KEY)
     assert final.device_usage == {f"{NAME}-0": "", f"{NAME}-1": "node-b", f"{NAME}-2": ""}

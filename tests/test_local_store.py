@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import (
     AlreadyExistsError,
     ConflictError,
@@ -20,6 +21,9 @@ from agent.store.base import (
     StoreError,
 )
 from agent.store.local import LocalInstanceStore, read_state_dir
+
+
+KEY = ObjectKey("default", "cfg-abcdef")
 
 
 def make(name: str = "cfg-abcdef", capacity: int = 2) -> Instance:
@@ -44,8 +48,8 @@ async def test_create_assigns_version_and_uid(store: LocalInstanceStore) -> None
     created = await store.create(make())
     assert created.resource_version is not None and created.resource_version.isdigit()
     assert created.uid
-    assert store.get_cached("cfg-abcdef") == created
-    assert await store.get("cfg-abcdef") == created
+    assert store.get_cached(KEY) == created
+    assert await store.get(KEY) == created
     with pytest.raises(AlreadyExistsError):
         await store.create(make())
 
@@ -57,7 +61,7 @@ async def test_update_is_compare_and_swap(store: LocalInstanceStore) -> None:
     assert first.uid == created.uid
     with pytest.raises(ConflictError):
         await store.update(created.evolve(nodes=("n3",)))  # decided on the old version
-    assert (await store.get(created.name)).nodes == ("n1", "n2")
+    assert (await store.get(created.key)).nodes == ("n1", "n2")
     with pytest.raises(ConflictError):
         await store.update(created.evolve(resource_version=None))
     with pytest.raises(NotFoundError):
@@ -68,13 +72,13 @@ async def test_delete_with_precondition(store: LocalInstanceStore) -> None:
     created = await store.create(make())
     updated = await store.update(created.evolve(nodes=()))
     with pytest.raises(ConflictError):
-        await store.delete(created.name, resource_version=created.resource_version)
-    await store.delete(created.name, resource_version=updated.resource_version)
-    assert store.get_cached(created.name) is None
+        await store.delete(created.key, resource_version=created.resource_version)
+    await store.delete(created.key, resource_version=updated.resource_version)
+    assert store.get_cached(created.key) is None
     with pytest.raises(NotFoundError):
-        await store.delete(created.name)
+        await store.delete(created.key)
     with pytest.raises(NotFoundError):
-        await store.get(created.name)
+        await store.get(created.key)
 
 
 async def test_versions_never_reused_after_delete_and_restart(tmp_path: Path) -> None:
@@ -82,7 +86,7 @@ async def test_versions_never_reused_after_delete_and_restart(tmp_path: Path) ->
     first = LocalInstanceStore(state)
     await first.start()
     a = await first.create(make())
-    await first.delete(a.name)
+    await first.delete(a.key)
     await first.close()
     second = LocalInstanceStore(state)
     await second.start()
@@ -103,7 +107,7 @@ async def test_subscribers_get_current_state_then_changes(store: LocalInstanceSt
     events: list[InstanceEvent] = []
     subscription = store.subscribe_instances()
     updated = await store.update(created.evolve(nodes=("n1", "n2")))
-    await store.delete(created.name)
+    await store.delete(created.key)
     for _ in range(3):
         events.append(await asyncio.wait_for(subscription.__anext__(), 1))
     subscription.close()
@@ -172,10 +176,10 @@ async def test_changes_by_another_store_are_picked_up(tmp_path: Path) -> None:
     await theirs.start()
     created = await theirs.create(make())
     for _ in range(100):
-        if ours.get_cached(created.name) is not None:
+        if ours.get_cached(created.key) is not None:
             break
         await asyncio.sleep(0.02)
-    assert ours.get_cached(created.name) == created
+    assert ours.get_cached(created.key) == created
     # a write based on our (now stale after their update) cache conflicts
     await theirs.update(created.evolve(nodes=("n1", "n2")))
     with pytest.raises(ConflictError):
@@ -192,7 +196,7 @@ def _hammer(state: str, worker: int, rounds: int) -> None:
         await store.start()
         for round_ in range(rounds):
             while True:
-                current = await store.get("cfg-abcdef")
+                current = await store.get(KEY)
                 props = dict(current.broker_properties)
                 props[f"w{worker}-{round_}"] = "x"
                 try:
@@ -216,7 +220,7 @@ async def test_concurrent_processes_never_lose_an_update(tmp_path: Path) -> None
         process.start()
     await asyncio.to_thread(lambda: [p.join(60) for p in workers])
     assert all(p.exitcode == 0 for p in workers)
-    final = await store.get("cfg-abcdef")
+    final = await store.get(KEY)
     expected = {f"w{w}-{r}" for w in range(4) for r in range(15)}
     assert set(final.broker_properties) == expected
     await store.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.deviceplugin import reclaimer as reclaimer_module
+from agent.deviceplugin.kubelet_state import KubeletView
 from agent.deviceplugin.reclaimer import (
     HeldIndex,
     HeldSlot,
@@ -25,12 +25,17 @@ from agent.deviceplugin.reclaimer import (
 from agent.ledger.decisions import Owner
 from agent.ledger.ledger import SlotLedger
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import EventType, InstanceEvent
 from agent.store.local import LocalInstanceStore
 
 NODE = "node-a"
 START = 100.0
 Listing = dict[str, frozenset[str]]
+
+
+def K(name: str) -> ObjectKey:  # noqa: N802 - reads like a constructor
+    return ObjectKey("default", name)
 
 
 def make(name: str, capacity: int = 4, **held: str) -> Instance:
@@ -100,16 +105,26 @@ class CountingStore(LocalInstanceStore):
 
 
 class Kubelet:
-    """Scripted pod-resources ``List``: ``answer(now)`` gives the device ids in use."""
+    """Scripted kubelet: ``answer(now)`` gives the device ids ``List`` shows,
+    ``checkpoint(now)`` those in its checkpoint; ``identity`` is its socket's."""
 
     def __init__(self, fake: FakeTime, answer: Callable[[float], Listing] | None = None) -> None:
         self.fake = fake
         self.answer = answer or (lambda now: {})
+        self.checkpoint: Callable[[float], Listing] = lambda now: {}
         self.calls: list[float] = []
+        self.identity: tuple[int, int] | None = (1, 1)
 
-    async def list(self, path: Path, rpc_timeout: float = 5.0) -> Listing:
+    def available(self) -> bool:
+        return True
+
+    def socket_identity(self) -> tuple[int, int] | None:
+        return self.identity
+
+    async def view(self) -> KubeletView:
         self.calls.append(self.fake.now)
-        return self.answer(self.fake.now)
+        now = self.fake.now
+        return KubeletView(self.answer(now), self.checkpoint(now), now)
 
 
 @pytest.fixture
@@ -126,10 +141,8 @@ async def store(tmp_path: Path, fake: FakeTime) -> CountingStore:
 
 
 @pytest.fixture
-def kubelet(fake: FakeTime, monkeypatch: pytest.MonkeyPatch) -> Kubelet:
-    result = Kubelet(fake)
-    monkeypatch.setattr(reclaimer_module, "list_pod_resources", result.list)
-    return result
+def kubelet(fake: FakeTime) -> Kubelet:
+    return Kubelet(fake)
 
 
 def reclaimer_for(
@@ -141,14 +154,15 @@ def reclaimer_for(
     grace: float = 3.0,
     concurrency: int = 8,
     list_instances: Callable[[], list[Instance]] | None = None,
+    kubelet: Kubelet | None = None,
+    nudge: Callable[[], object] = lambda: None,
 ) -> SlotReclaimer:
-    socket = tmp_path / "pod-resources.sock"
-    socket.touch()
     ledger = SlotLedger(store, NODE, clock=fake.clock)
     return SlotReclaimer(
         ledger,
         list_instances or store.list_cached,
-        socket,
+        kubelet or Kubelet(fake),
+        nudge=nudge,
         interval=interval,
         grace=grace,
         clock=fake.clock,
@@ -171,7 +185,7 @@ async def run_until(reclaimer: SlotReclaimer, fake: FakeTime, limit: float) -> N
 
 
 def usage(store: CountingStore, name: str) -> dict[str, str]:
-    instance = store.get_cached(name)
+    instance = store.get_cached(K(name))
     assert instance is not None
     return dict(instance.device_usage)
 
@@ -180,9 +194,9 @@ def usage(store: CountingStore, name: str) -> dict[str, str]:
 
 
 def test_plan_gives_each_unused_slot_its_own_deadline() -> None:
-    a = HeldSlot("i", "i-0", NODE, "akri.sh/i", "i-0")
-    b = HeldSlot("i", "i-1", NODE, "akri.sh/i", "i-1")
-    since: dict[tuple[str, str], float] = {}
+    a = HeldSlot(K("i"), "i-0", NODE, "akri.sh/i", "i-0")
+    b = HeldSlot(K("i"), "i-1", NODE, "akri.sh/i", "i-1")
+    since: dict[tuple[ObjectKey, str], float] = {}
     plan = plan_reclaim([a], {}, since, now=10.0, grace=3.0)
     assert plan.due == () and plan.next_deadline == 13.0
     plan = plan_reclaim([a, b], {}, since, now=11.5, grace=3.0)
@@ -192,9 +206,9 @@ def test_plan_gives_each_unused_slot_its_own_deadline() -> None:
     # in use in the answer taken at the deadline: b starts over, nothing is due
     plan = plan_reclaim([a, b], {"akri.sh/i": frozenset({"i-1"})}, since, now=14.5, grace=3.0)
     assert plan.due == (a,) and plan.next_deadline is None and (b.key not in since)
-    assert by_instance([a, b, HeldSlot("j", "j-0", NODE, "akri.sh/j", "j-0")]) == {
-        "i": [a, b],
-        "j": [HeldSlot("j", "j-0", NODE, "akri.sh/j", "j-0")],
+    assert by_instance([a, b, HeldSlot(K("j"), "j-0", NODE, "akri.sh/j", "j-0")]) == {
+        K("i"): [a, b],
+        K("j"): [HeldSlot(K("j"), "j-0", NODE, "akri.sh/j", "j-0")],
     }
 
 
@@ -283,7 +297,7 @@ async def test_due_slots_of_one_instance_are_released_in_one_write(
     """Found in docs/performance.md: one CAS write per slot, one after the other (17.6 ms
     each) put a 20-slot pass at 0.3-0.5 s."""
     await store.create(make("cam-aaaaaa", s0=NODE, s1=NODE, s2="C:cfg-7:node-a", s3="node-b"))
-    reclaimer = reclaimer_for(store, fake, tmp_path)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet)
     store.reset()
     assert await reclaimer.reclaim_once() == []  # first seen unused
     fake.now += 3.0
@@ -305,7 +319,7 @@ async def test_instances_are_released_concurrently_within_a_bound(
     names = [f"cam-{c * 6}" for c in "abcde"]
     for name in names:
         await store.create(make(name, s0=NODE, s1=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path, concurrency=3)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, concurrency=3)
     store.reset()
     store.write_delay = 0.01
     assert await reclaimer.reclaim_once() == []
@@ -322,7 +336,7 @@ async def test_a_failed_release_does_not_block_the_others(
 ) -> None:
     await store.create(make("cam-aaaaaa", s0=NODE))
     await store.create(make("cam-bbbbbb", s0=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet)
     real_update = store.update
 
     async def failing_update(instance: Instance) -> Instance:
@@ -333,11 +347,11 @@ async def test_a_failed_release_does_not_block_the_others(
     store.update = failing_update  # type: ignore[method-assign]
     await reclaimer.reclaim_once()
     fake.now += 3.0
-    assert [h.instance for h in await reclaimer.reclaim_once()] == ["cam-bbbbbb"]
+    assert [h.instance.name for h in await reclaimer.reclaim_once()] == ["cam-bbbbbb"]
     store.update = real_update  # type: ignore[method-assign]
     fake.now += 1.0
     # still seen unused since the first pass: released at the next pass
-    assert [h.instance for h in await reclaimer.reclaim_once()] == ["cam-aaaaaa"]
+    assert [h.instance.name for h in await reclaimer.reclaim_once()] == ["cam-aaaaaa"]
 
 
 # -- deadlines ----------------------------------------------------------------------------------
@@ -347,7 +361,7 @@ async def test_slot_is_released_at_its_deadline_not_at_the_next_pass(
     store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
 ) -> None:
     await store.create(make("cam-aaaaaa", s0=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path, grace=2.5)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, grace=2.5)
     store.reset()
     await run_until(reclaimer, fake, START + 4.5)
     assert [when for when, _ in store.writes] == [102.5]  # first seen at 100, grace 2.5
@@ -361,7 +375,7 @@ async def test_a_deadline_just_after_a_pass_is_confirmed_in_that_pass(
     store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
 ) -> None:
     await store.create(make("cam-aaaaaa", s0=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path, grace=3.05)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, grace=3.05)
     store.reset()
     await run_until(reclaimer, fake, START + 5.5)
     # the 103 pass waits for the 103.05 deadline instead of asking kubelet twice
@@ -376,7 +390,7 @@ async def test_the_deadline_check_asks_kubelet_again_and_keeps_a_reused_slot(
     device is listed again at the deadline (a pod uses it), so the slot is not freed although
     every earlier answer showed it unused."""
     await store.create(make("cam-aaaaaa", s0=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path, grace=2.5)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, grace=2.5)
     in_use = {"akri.sh/cam-aaaaaa": frozenset({"cam-aaaaaa-0"})}
     kubelet.answer = lambda now: in_use if 102.4 <= now <= 102.6 else {}
     store.reset()
@@ -392,11 +406,13 @@ async def test_a_slot_granted_again_before_its_deadline_is_kept(
     """kubelet re-offers the slot to a new pod (an idempotent re-grant that writes nothing)
     while its answers still predate that pod: the deadline check must not free it."""
     await store.create(make("cam-aaaaaa", s0=NODE))
-    reclaimer = reclaimer_for(store, fake, tmp_path, grace=2.5)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, grace=2.5)
 
     async def regrant(now: float) -> None:
         if now == 101.0:
-            await reclaimer.ledger.claim("cam-aaaaaa", "cam-aaaaaa-0", Owner.instance_level(NODE))
+            await reclaimer.ledger.claim(
+                K("cam-aaaaaa"), "cam-aaaaaa-0", Owner.instance_level(NODE)
+            )
 
     fake.on_wake = regrant
     store.reset()
@@ -405,7 +421,7 @@ async def test_a_slot_granted_again_before_its_deadline_is_kept(
     # from the 103 pass on, so released at 105.5
     assert 102.5 in kubelet.calls
     assert [when for when, _ in store.writes] == [105.5]
-    assert reclaimer.ledger.last_granted("cam-aaaaaa", "cam-aaaaaa-0") is None  # freed since
+    assert reclaimer.ledger.last_granted(K("cam-aaaaaa"), "cam-aaaaaa-0") is None  # freed since
 
 
 # -- idle cost ----------------------------------------------------------------------------------
@@ -422,18 +438,111 @@ async def test_nothing_held_means_no_list_call_and_no_instance_scan(
     def no_scans() -> list[Instance]:
         raise AssertionError("the index follows Instance events: no full list per pass")
 
-    reclaimer = reclaimer_for(store, fake, tmp_path, list_instances=no_scans)
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, list_instances=no_scans)
     for _ in range(3):
         assert await reclaimer.reclaim_once() == []
         fake.now += 1
     assert kubelet.calls == []
     ledger = reclaimer.ledger
-    await ledger.claim("cam-bbbbbb", "cam-bbbbbb-1", Owner.instance_level(NODE))
+    await ledger.claim(K("cam-bbbbbb"), "cam-bbbbbb-1", Owner.instance_level(NODE))
     kubelet.answer = lambda now: {"akri.sh/cam-bbbbbb": frozenset({"cam-bbbbbb-1"})}
     await reclaimer.reclaim_once()
     assert kubelet.calls == [103.0]
-    await ledger.release("cam-bbbbbb", "cam-bbbbbb-1", Owner.instance_level(NODE))
+    await ledger.release(K("cam-bbbbbb"), "cam-bbbbbb-1", Owner.instance_level(NODE))
     fake.now += 1
     await reclaimer.reclaim_once()
     assert kubelet.calls == [103.0]
     assert reclaimer.skipped == 4 and reclaimer.passes == 1
+
+
+# -- kubelet's checkpoint, restarts, served Instances (issue 11) -------------------------------
+
+
+async def test_a_slot_only_in_kubelets_checkpoint_is_never_freed(
+    store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """An init container's device is not in pod-resources ``List`` (kubelet skips
+    non-restartable init containers) but kubelet keeps it assigned: its checkpoint has it.
+    Before, the slot was reclaimed while the init container ran."""
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    kubelet.checkpoint = lambda now: {"akri.sh/cam-aaaaaa": frozenset({"cam-aaaaaa-0"})}
+    nudges: list[float] = []
+    reclaimer = reclaimer_for(
+        store, fake, tmp_path, kubelet=kubelet, nudge=lambda: nudges.append(fake.now)
+    )
+    store.reset()
+    await run_until(reclaimer, fake, START + 25.5)
+    assert store.writes == []
+    assert usage(store, "cam-aaaaaa")["cam-aaaaaa-0"] == NODE
+    # kubelet was asked to rewrite its checkpoint at once, then only every 10 s
+    assert nudges == [100.0, 110.0, 120.0]
+
+
+async def test_a_gone_pod_left_in_the_checkpoint_is_freed_after_kubelet_rewrites_it(
+    store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """kubelet forgets a gone pod when asked for ``List`` but writes its checkpoint only on
+    its next write: the nudge (a plugin re-sends its list) makes that write happen."""
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    rewritten = [False]
+    kubelet.checkpoint = lambda now: (
+        {} if rewritten[0] else {"akri.sh/cam-aaaaaa": frozenset({"cam-aaaaaa-0"})}
+    )
+    reclaimer = reclaimer_for(
+        store, fake, tmp_path, kubelet=kubelet, nudge=lambda: rewritten.__setitem__(0, True)
+    )
+    store.reset()
+    await run_until(reclaimer, fake, START + 5.5)
+    # 100: only in the checkpoint (nudged); 101: unused everywhere; freed at 101 + 3
+    assert [when for when, _ in store.writes] == [104.0]
+
+
+async def test_a_kubelet_restart_drops_the_evidence_and_pauses(
+    store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """A ``List`` answered while kubelet restarts may miss pods it has not re-admitted yet:
+    evidence gathered before a restart is dropped, and nothing is decided for ``settle`` s."""
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    reclaimer = reclaimer_for(store, fake, tmp_path, grace=3.0, kubelet=kubelet)
+    reclaimer.settle = 5.0
+
+    async def restart_at_102(now: float) -> None:
+        if now == 102.0:
+            kubelet.identity = (2, 2)  # a new pod-resources socket
+
+    fake.on_wake = restart_at_102
+    store.reset()
+    await run_until(reclaimer, fake, START + 12.5)
+    # seen unused at 100; kubelet restarted at 102: quiet until 107, seen unused again from
+    # 107, freed at 110 (not at 103)
+    assert [when for when, _ in store.writes] == [110.0]
+    assert reclaimer.restarts_seen == 1
+    reclaimer.kubelet_restarted()  # the device-plugin manager saw kubelet.sock re-created
+    assert reclaimer.restarts_seen == 2
+
+
+async def test_instances_this_node_does_not_serve_are_left_alone(
+    store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """``akri.sh/<name>`` is node-global: a slot of another namespace's same-named Instance
+    cannot be judged from kubelet's answer and is never touched."""
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    other = make("cam-aaaaaa", s0=NODE).evolve(namespace="other")
+    await store.create(other)
+    ledger = SlotLedger(store, NODE, clock=fake.clock)
+    reclaimer = SlotReclaimer(
+        ledger,
+        store.list_cached,
+        kubelet,
+        grace=1.0,
+        clock=fake.clock,
+        sleep=fake.sleep,
+        events=store.subscribe_instances,
+        served=lambda instance: instance.namespace == "default",
+    )
+    await reclaimer.reclaim_once()
+    fake.now += 2
+    freed = await reclaimer.reclaim_once()
+    assert [h.instance for h in freed] == [K("cam-aaaaaa")]
+    kept = store.get_cached(ObjectKey("other", "cam-aaaaaa"))
+    assert kept is not None and kept.device_usage["cam-aaaaaa-0"] == NODE

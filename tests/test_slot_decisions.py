@@ -6,17 +6,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.ledger.decisions import (
+    Drain,
     Granted,
+    Leave,
     Owner,
     Refused,
     Released,
     decide_claim,
     decide_claim_any,
+    decide_leave,
     decide_release,
     decide_release_node,
     decide_release_values,
+    decide_update,
     free_slots,
     held_count,
+    initial_usage,
     resize_usage,
 )
 from agent.model.device_usage import parse_usage
@@ -25,8 +30,11 @@ from agent.model.instance import Instance
 NAME = "cams-8120fe"
 
 
+NODES = ("node-a", "node-b", "node-c", "n")
+
+
 def inst(capacity: int = 2, **usage: str) -> Instance:
-    base = Instance(name=NAME, configuration_name="cams", capacity=capacity)
+    base = Instance(name=NAME, configuration_name="cams", capacity=capacity, nodes=NODES)
     mapping = {f"{NAME}-{i}": "" for i in range(capacity)}
     mapping.update({f"{NAME}-{k.lstrip('s')}": v for k, v in usage.items()})
     return base.evolve(device_usage=mapping)
@@ -223,3 +231,65 @@ def test_stale_takeover_is_refused_while_draining() -> None:
         shrunk, f"{NAME}-0", Owner.configuration_level("cams-1", "node-b"), reclaimable={"node-b"}
     )
     assert isinstance(result, Refused)
+
+
+def test_a_node_not_in_nodes_cannot_claim() -> None:
+    outsider = Owner.instance_level("node-z")
+    result = decide_claim(inst(), f"{NAME}-0", outsider)
+    assert isinstance(result, Refused) and result.reason == "NotOnNode"
+    assert "node-z" in result.message
+    any_slot = decide_claim_any(inst(), Owner.claim("uid-9", "node-z"))
+    assert isinstance(any_slot, Refused) and any_slot.reason == "NotOnNode"
+
+
+def test_initial_usage_holds_only_valid_slots_in_use() -> None:
+    usage = initial_usage(
+        inst(capacity=3),
+        {
+            f"{NAME}-1": "node-a",
+            f"{NAME}-4": "D:uid-1:node-a",  # beyond capacity: kept held, it drains
+            "other-0": "node-a",  # not a slot of this Instance
+            f"{NAME}-2": "C:x",  # not a held value
+        },
+    )
+    assert usage == {
+        f"{NAME}-0": "",
+        f"{NAME}-1": "node-a",
+        f"{NAME}-2": "",
+        f"{NAME}-4": "D:uid-1:node-a",
+    }
+
+
+def test_update_carries_held_slots_over_whatever_the_change_says() -> None:
+    current = inst(capacity=3, s2="node-b")
+    # the change was decided on an older copy: its deviceUsage must not win
+    changed = current.evolve(capacity=1, device_usage={}, nodes=("node-a",))
+    updated = decide_update(current, changed)
+    assert updated is not None
+    assert updated.device_usage == {f"{NAME}-0": "", f"{NAME}-2": "node-b"}
+    assert updated.nodes == ("node-a",)
+    assert decide_update(current, current) is None
+
+
+def test_leave_waits_while_the_node_holds_slots() -> None:
+    held = inst(s0="node-a", s1="D:uid:node-b")
+    drain = decide_leave(held, "node-a")
+    assert isinstance(drain, Drain) and drain.slots == (f"{NAME}-0",)
+    assert drain.instance is not None and drain.instance.draining_nodes == ("node-a",)
+    marked = drain.instance
+    again = decide_leave(marked, "node-a")
+    assert isinstance(again, Drain) and again.instance is None  # no second write
+    # node-c holds nothing: it leaves; node-b's DRA slot keeps the Instance alive
+    leave = decide_leave(marked, "node-c")
+    assert isinstance(leave, Leave) and not leave.delete
+    assert "node-c" not in leave.instance.nodes
+    assert decide_leave(leave.instance, "node-c") is None
+
+
+def test_last_node_deletes_only_when_nothing_is_held() -> None:
+    alone = inst().evolve(nodes=("node-a",))
+    leave = decide_leave(alone, "node-a")
+    assert isinstance(leave, Leave) and leave.delete
+    foreign = inst(s1="D:uid:node-gone").evolve(nodes=("node-a",))
+    kept = decide_leave(foreign, "node-a")
+    assert isinstance(kept, Leave) and not kept.delete and kept.instance.nodes == ()

@@ -32,15 +32,16 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 from agent.deviceplugin.endpoint import KUBELET_SOCKET, PluginEndpoint
 from agent.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
 from agent.deviceplugin.service import DevicePluginService
+from agent.discovery.ownership import ServedInstances
 from agent.events import Subscription
 from agent.ledger.ledger import SlotLedger
-from agent.store.base import InstanceEvent, InstanceStore
+from agent.store.base import InstanceEvent
 
 log = logging.getLogger(__name__)
 MAX_CONCURRENT_STARTS = 64
@@ -55,7 +56,7 @@ class DevicePluginManager:
 
     def __init__(
         self,
-        store: InstanceStore,
+        served: ServedInstances,
         ledger: SlotLedger,
         source: DeviceSource,
         directory: Path,
@@ -64,7 +65,7 @@ class DevicePluginManager:
         concurrency: int = MAX_CONCURRENT_STARTS,
         cl_update_interval: float = CL_UPDATE_INTERVAL,
     ) -> None:
-        self.store = store
+        self.served = served
         self.ledger = ledger
         self.node = ledger.node
         self.source = source
@@ -91,6 +92,7 @@ class DevicePluginManager:
         self._directory_id: tuple[int, int] | None = None
         self._check_own_next = False
         self._directory_gone_logged = False
+        self._restart_listeners: list[Callable[[], None]] = []
 
     def endpoints(self) -> list[PluginEndpoint]:
         """Every running plugin endpoint."""
@@ -100,7 +102,8 @@ class DevicePluginManager:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._kubelet_id = self._kubelet_socket_id()
         self._directory_id = self._directory_state()
-        events = self.store.subscribe_instances()
+        events = self.served.store.subscribe_instances()
+        self.served.ownership.add_listener(self._owners_changed)
         self._tasks = [
             asyncio.create_task(self._follow(events), name="plugins-follow"),
             asyncio.create_task(self._sync_loop(), name="plugins-sync"),
@@ -124,6 +127,23 @@ class DevicePluginManager:
             *self._stopping.values(),
             return_exceptions=True,
         )
+
+    def on_kubelet_restart(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` when kubelet restarted (its ``kubelet.sock`` was re-created)."""
+        self._restart_listeners.append(listener)
+
+    def nudge_kubelet(self) -> bool:
+        """Have kubelet rewrite its device-manager checkpoint: one plugin re-sends its
+        (unchanged) device list. False when no plugin is running."""
+        for endpoint in self.endpoints():
+            endpoint.service.resend()
+            return True
+        return False
+
+    def _owners_changed(self, names: set[str]) -> None:
+        """Another namespace's Instances are served now: re-read everything."""
+        self._full_sync = True
+        self._wake.set()
 
     def offline_changed(self) -> None:
         """Discovery's grace set changed: every list may change."""
@@ -153,7 +173,7 @@ class DevicePluginManager:
 
     def _track(self, name: str) -> tuple[str | None, str | None]:
         """Bring ``_on_node`` up to date for one Instance: (Configuration before, after)."""
-        cached = self.store.get_cached(name)
+        cached = self.served.get(name)
         after = (
             cached.configuration_name if cached is not None and self.node in cached.nodes else None
         )
@@ -178,7 +198,7 @@ class DevicePluginManager:
         if full:
             self._on_node.clear()
             self._per_configuration.clear()
-            dirty |= {i.name for i in self.store.list_cached()} | set(self.instance_plugins)
+            dirty |= {i.name for i in self.served.all()} | set(self.instance_plugins)
         touched: set[str] = set()
         for name in dirty:
             before, after = self._track(name)
@@ -203,10 +223,12 @@ class DevicePluginManager:
         )
         starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
         for name in new_il:
-            logic = InstancePlugin(name, self.store.get_cached, self.ledger, self.source)
+            logic = InstancePlugin(name, self.served.get, self.ledger, self.source)
             starting.append((self.instance_plugins, name, self._endpoint(logic)))
         for name in new_cl:
-            cl_logic = ConfigurationPlugin(name, self.store.list_cached, self.ledger, self.source)
+            cl_logic = ConfigurationPlugin(
+                name, self.served.of_configuration, self.ledger, self.source
+            )
             starting.append((self.configuration_plugins, name, self._endpoint(cl_logic)))
         for plugins, name, endpoint in starting:
             plugins[name] = endpoint  # listed at once: close() stops it even mid-start
@@ -316,6 +338,8 @@ class DevicePluginManager:
         removed = self._removed_sockets() if changed and not recreated else []
         if recreated:
             self.kubelet_restarts += 1
+            for listener in self._restart_listeners:
+                listener()
             targets = self.endpoints()
             log.info(
                 "kubelet.sock was re-created (kubelet restarted): re-registering %d plugin(s)",

@@ -25,6 +25,7 @@ from agent.deviceplugin.views import (
 from agent.ledger.decisions import Owner
 from agent.ledger.ledger import SlotLedger, SlotRefusedError
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.model.naming import configuration_resource_name, parse_slot_id
 from agent.protos.deviceplugin.v1beta1 import api_pb2
 from agent.store.base import StoreError
@@ -65,13 +66,14 @@ def _response(
 def _refusal_code(error: SlotRefusedError) -> grpc.StatusCode:
     if error.reason in ("UnknownSlot", "UnknownInstance"):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if error.reason in ("SlotInUse", "CapacityReached", "Deleting"):
+    if error.reason in ("SlotInUse", "CapacityReached", "Deleting", "NotOnNode"):
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.UNAVAILABLE
 
 
 class InstancePlugin:
-    """``akri.sh/<instance>``: one device per slot."""
+    """``akri.sh/<instance>``: one device per slot. ``store_lookup`` finds the served
+    Instance by its (node-global) name."""
 
     preferred_allocation = False
 
@@ -120,14 +122,20 @@ class InstancePlugin:
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{self.resource_name}: unknown device {device_id!r}",
                     )
+            served = self._lookup(self.instance)
+            if served is None:
+                raise AllocationError(
+                    grpc.StatusCode.NOT_FOUND, f"{self.resource_name}: instance is gone"
+                )
+            key = served.key
             claimed: list[str] = []
             try:
                 for device_id in ids:
-                    result = await self._ledger.claim(self.instance, device_id, owner)
+                    result = await self._ledger.claim(key, device_id, owner)
                     if result.changed:
                         claimed.append(device_id)
             except (SlotRefusedError, StoreError) as error:
-                await self._roll_back(claimed, owner)
+                await self._roll_back(key, claimed, owner)
                 code = (
                     _refusal_code(error)
                     if isinstance(error, SlotRefusedError)
@@ -140,16 +148,17 @@ class InstancePlugin:
             responses.append(_response([current], self._source))
         return responses
 
-    async def _roll_back(self, claimed: Collection[str], owner: Owner) -> None:
+    async def _roll_back(self, key: ObjectKey, claimed: Collection[str], owner: Owner) -> None:
         for device_id in claimed:
             try:
-                await self._ledger.release(self.instance, device_id, owner)
+                await self._ledger.release(key, device_id, owner)
             except Exception as error:  # the reclaimer will free it later
                 log.warning("could not roll back %s: %s", device_id, error)
 
 
 class ConfigurationPlugin:
-    """``akri.sh/<configuration>``: virtual devices, each a distinct Instance per container."""
+    """``akri.sh/<configuration>``: virtual devices, each a distinct Instance per container.
+    ``list_instances`` gives the served Instances of a Configuration name."""
 
     preferred_allocation = True
 
@@ -216,16 +225,18 @@ class ConfigurationPlugin:
             raise AllocationError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.resource_name}: {error}"
             ) from error
-        granted: list[tuple[str, Owner, str, bool]] = []  # (instance, owner, slot, new)
+        known = {i.name: i for i in self._list(self.configuration)}
+        granted: list[tuple[ObjectKey, Owner, str, bool]] = []  # (instance, owner, slot, new)
         used: list[str] = []
         for choice in choices:
             owner = Owner.configuration_level(choice.vdev, node)
             placed = False
             for candidate in choice.candidates:
-                if candidate in used:
+                if candidate in used or candidate not in known:
                     continue
+                key = known[candidate].key
                 try:
-                    result = await self._ledger.claim_any(candidate, owner)
+                    result = await self._ledger.claim_any(key, owner)
                 except SlotRefusedError:
                     continue  # taken meanwhile (another node): next Instance
                 except StoreError as error:
@@ -233,7 +244,7 @@ class ConfigurationPlugin:
                     raise AllocationError(
                         grpc.StatusCode.UNAVAILABLE, f"{self.resource_name}: {error}"
                     ) from error
-                granted.append((candidate, owner, result.slot, result.changed))
+                granted.append((key, owner, result.slot, result.changed))
                 used.append(candidate)
                 placed = True
                 break
@@ -249,7 +260,7 @@ class ConfigurationPlugin:
     def _lookup(self, name: str) -> Instance | None:
         return next((i for i in self._list(self.configuration) if i.name == name), None)
 
-    async def _roll_back(self, granted: Sequence[tuple[str, Owner, str, bool]]) -> None:
+    async def _roll_back(self, granted: Sequence[tuple[ObjectKey, Owner, str, bool]]) -> None:
         for instance, owner, slot, new in granted:
             if not new:
                 continue

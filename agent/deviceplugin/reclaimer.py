@@ -1,16 +1,24 @@
 """Frees slots this node holds for containers that no longer exist.
 
-kubelet's pod-resources API (``List``) says which device IDs are assigned to live containers,
-per resource. A slot this node holds through a device plugin is *in use* if its device ID is
-listed under its resource:
+kubelet says which device IDs are assigned to containers, per resource: its pod-resources
+``List`` plus its device-manager checkpoint (which also has init containers, see
+:mod:`agent.deviceplugin.kubelet_state`). A slot this node holds through a device plugin is
+*in use* if its device ID is assigned under its resource:
 
 * IL value ``<node>`` in Instance I, slot S → ``S`` listed under ``akri.sh/I``;
 * CL value ``C:<vdev>:<node>`` in an Instance of configuration C → ``vdev`` listed under
   ``akri.sh/C``.
 
 (Both are compared in kubelet's own format, so unlike Akri 0.13 IL slots are really freed.)
-DRA slots (``D:…``) belong to the DRA driver and are never touched here. If the pod-resources
-socket is missing, reclaim is off and the log says so once.
+DRA slots (``D:…``) belong to the DRA driver (:mod:`agent.dra.reclaim`) and are never
+touched here. If the pod-resources socket is missing, reclaim is off and the log says so once.
+Only Instances served on this node (their Configuration name's owner namespace,
+:mod:`agent.discovery.ownership`) are considered: ``akri.sh/<name>`` is node-global.
+
+kubelet restarts. While kubelet restarts, ``List`` can answer before it has re-admitted its
+pods. A restart seen by the device-plugin manager (``kubelet_restarted``) or a new
+pod-resources socket drops all evidence gathered so far and pauses reclaim for ``settle``
+seconds.
 
 Timing. Passes run at a fixed rate, ``interval`` apart measured start to start. A pass takes
 a clock reading, then asks kubelet: a slot missing from the answer is *seen unused* from that
@@ -46,35 +54,46 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 import grpc
 
+from agent.deviceplugin.kubelet_state import InUse, KubeletStateError, KubeletView
 from agent.deviceplugin.views import configuration_resource, instance_resource
 from agent.events import Subscription
 from agent.ledger.ledger import SlotLedger
 from agent.model.device_usage import ConfigurationUsage, NodeUsage, parse_usage
 from agent.model.instance import Instance
-from agent.protos.podresources.v1 import api_pb2 as pr_pb2
-from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.model.keys import ObjectKey
 from agent.store.base import EventType, InstanceEvent
 
 log = logging.getLogger(__name__)
 
-InUse = Mapping[str, frozenset[str]]  # resource name -> device ids assigned to live containers
-SlotKey = tuple[str, str]  # (instance, slot)
+SlotKey = tuple[ObjectKey, str]  # (instance, slot)
 
 TICK_SLACK = 0.1  # fraction of the interval a pass may move to confirm a deadline with it
 DEFAULT_CONCURRENCY = 8  # Instances released at the same time
+RESTART_SETTLE = 10.0  # seconds without reclaim after kubelet restarted
+RENUDGE_INTERVAL = 10.0  # how often to ask kubelet to rewrite its checkpoint for the same slots
+
+
+class KubeletSource(Protocol):
+    """Where the reclaimer learns what kubelet assigns (:class:`KubeletState`)."""
+
+    def available(self) -> bool: ...
+
+    def socket_identity(self) -> tuple[int, int] | None: ...
+
+    async def view(self) -> KubeletView: ...
 
 
 @dataclass(frozen=True)
 class HeldSlot:
     """A slot this node holds through a device plugin, and the kubelet ID that proves use."""
 
-    instance: str
+    instance: ObjectKey
     slot: str
     value: str
     resource: str
@@ -94,11 +113,11 @@ def held_in(instance: Instance, node: str) -> tuple[HeldSlot, ...]:
         usage = parse_usage(value)
         if usage == NodeUsage(node):
             result.append(
-                HeldSlot(instance.name, slot, value, instance_resource(instance.name), slot)
+                HeldSlot(instance.key, slot, value, instance_resource(instance.name), slot)
             )
         elif isinstance(usage, ConfigurationUsage) and usage.node == node:
             resource = configuration_resource(instance.configuration_name)
-            result.append(HeldSlot(instance.name, slot, value, resource, usage.vdev))
+            result.append(HeldSlot(instance.key, slot, value, resource, usage.vdev))
     return tuple(result)
 
 
@@ -108,17 +127,28 @@ def held_by_plugins(instances: Iterable[Instance], node: str) -> list[HeldSlot]:
 
 
 class HeldIndex:
-    """The slots ``node`` holds through plugins, per Instance, kept up to date by
-    :meth:`update` / :meth:`remove` (from Instance events) or :meth:`sync` (from a list)."""
+    """The slots ``node`` holds through plugins (``extract``: IL/CL by default), per
+    Instance, kept up to date by :meth:`update` / :meth:`remove` (from Instance events) or
+    :meth:`sync` (from a list). Instances for which ``served`` is False are left out."""
 
-    def __init__(self, node: str) -> None:
+    def __init__(
+        self,
+        node: str,
+        served: Callable[[Instance], bool] = lambda _: True,
+        extract: Callable[[Instance, str], tuple[HeldSlot, ...]] = held_in,
+    ) -> None:
         self.node = node
-        self._held: dict[str, tuple[HeldSlot, ...]] = {}  # only Instances with held slots
-        self._seen: dict[str, Instance] = {}  # the object each entry was computed from
+        self._served = served
+        self._extract = extract
+        self._held: dict[ObjectKey, tuple[HeldSlot, ...]] = {}  # only Instances with held slots
+        self._seen: dict[ObjectKey, Instance] = {}  # the object each entry was computed from
 
     def update(self, instance: Instance) -> None:
         """Record the current state of ``instance``."""
-        name = instance.name
+        name = instance.key
+        if not self._served(instance):
+            self.remove(name)
+            return
         previous = self._seen.get(name)
         self._seen[name] = instance
         if previous is not None and (
@@ -129,13 +159,13 @@ class HeldIndex:
             )
         ):
             return  # no slot changed (status, nodes, properties, resourceVersion only)
-        held = held_in(instance, self.node)
+        held = self._extract(instance, self.node)
         if held:
             self._held[name] = held
         else:
             self._held.pop(name, None)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: ObjectKey) -> None:
         """``name`` was deleted."""
         self._seen.pop(name, None)
         self._held.pop(name, None)
@@ -143,7 +173,7 @@ class HeldIndex:
     def apply(self, event: InstanceEvent) -> None:
         """Apply one store event."""
         if event.type == EventType.DELETED:
-            self.remove(event.instance.name)
+            self.remove(event.instance.key)
         else:
             self.update(event.instance)
 
@@ -151,7 +181,7 @@ class HeldIndex:
         """Make the index match ``instances`` (every cached Instance)."""
         names = set()
         for instance in instances:
-            names.add(instance.name)
+            names.add(instance.key)
             self.update(instance)
         for name in [n for n in self._seen if n not in names]:
             self.remove(name)
@@ -223,9 +253,9 @@ def stale_slots(
     return list(plan_reclaim(held, in_use, unused_since, now, grace).due)
 
 
-def by_instance(slots: Iterable[HeldSlot]) -> dict[str, list[HeldSlot]]:
+def by_instance(slots: Iterable[HeldSlot]) -> dict[ObjectKey, list[HeldSlot]]:
     """Slots grouped per Instance (one write each), in the order given."""
-    groups: defaultdict[str, list[HeldSlot]] = defaultdict(list)
+    groups: defaultdict[ObjectKey, list[HeldSlot]] = defaultdict(list)
     for slot in slots:
         groups[slot.instance].append(slot)
     return dict(groups)
@@ -249,32 +279,21 @@ def next_tick_after(started: float, tick: float, interval: float, slack: float) 
     return tick + (math.floor((started + slack - tick) / interval) + 1) * interval
 
 
-async def list_pod_resources(socket: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
-    """kubelet's pod-resources ``List``: device ids per resource over all live containers."""
-    in_use: defaultdict[str, set[str]] = defaultdict(set)
-    async with grpc.aio.insecure_channel(f"unix://{socket}") as channel:
-        stub = pr_grpc.PodResourcesListerStub(channel)
-        response = await stub.List(pr_pb2.ListPodResourcesRequest(), timeout=rpc_timeout)
-    for pod in response.pod_resources:
-        for container in pod.containers:
-            for devices in container.devices:
-                in_use[devices.resource_name].update(devices.device_ids)
-    return {resource: frozenset(ids) for resource, ids in in_use.items()}
-
-
 class SlotReclaimer:
     """Frees this node's stale IL/CL slots.
 
     ``clock`` must be the clock of the ledger's grant times (monotonic); ``sleep`` waits on
     it. ``events`` (the store's ``subscribe_instances``) keeps the held-slot index without
     listing every Instance on every pass; without it ``list_instances`` is read each pass.
+    ``served`` tells which Instances this node serves (the others are never touched);
+    ``nudge`` asks kubelet to rewrite its checkpoint (a plugin re-sends its device list).
     """
 
     def __init__(
         self,
         ledger: SlotLedger,
         list_instances: Callable[[], list[Instance]],
-        socket: Path,
+        kubelet: KubeletSource,
         *,
         interval: float = 1.0,
         grace: float = 3.0,
@@ -282,29 +301,55 @@ class SlotReclaimer:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         events: Callable[[], Subscription[InstanceEvent]] | None = None,
         concurrency: int = DEFAULT_CONCURRENCY,
+        served: Callable[[Instance], bool] = lambda _: True,
+        nudge: Callable[[], object] = lambda: None,
+        settle: float = RESTART_SETTLE,
     ) -> None:
         self.ledger = ledger
         self._list = list_instances
-        self.socket = socket
+        self.kubelet = kubelet
         self.interval = interval
         self.grace = grace
+        self.settle = settle
         self.concurrency = max(1, concurrency)
         self._clock = clock
         self._sleep = sleep
         self._events = events
+        self._nudge = nudge
         self._subscription: Subscription[InstanceEvent] | None = None
-        self.index = HeldIndex(ledger.node)
+        self.index = HeldIndex(ledger.node, served)
         self._unused_since: dict[SlotKey, float] = {}
         self._next_deadline: float | None = None
         self._warned = False
+        self._socket_identity: tuple[int, int] | None = None
+        self._quiet_until: float | None = None
+        self._nudged: dict[SlotKey, float] = {}  # slot -> when kubelet was last asked about it
         self.freed = 0
         self.passes = 0  # passes that asked kubelet
         self.skipped = 0  # passes that did not need to (nothing held)
+        self.nudges = 0
+        self.restarts_seen = 0
 
     @property
     def next_deadline(self) -> float | None:
         """The earliest deadline of a slot seen unused (None if there is none)."""
         return self._next_deadline
+
+    def kubelet_restarted(self) -> None:
+        """kubelet restarted: what it said before may not hold, and what it says for a while
+        may be incomplete. Forget the evidence and pause for ``settle`` seconds."""
+        self.restarts_seen += 1
+        self._unused_since.clear()
+        self._nudged.clear()
+        self._quiet_until = self._clock() + self.settle
+        log.info("kubelet restarted: slot reclaim paused for %.0fs", self.settle)
+
+    def resync(self) -> None:
+        """Which Instances are served changed: rebuild the held-slot index."""
+        self.index.clear()
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
 
     async def run(self) -> None:
         """Reclaim until cancelled: passes at a fixed rate, plus one at each deadline."""
@@ -350,18 +395,31 @@ class SlotReclaimer:
                 return
             self.index.apply(event)
 
+    def _check_restart(self) -> None:
+        identity = self.kubelet.socket_identity()
+        if identity is None:
+            return
+        if self._socket_identity is not None and identity != self._socket_identity:
+            self.kubelet_restarted()
+        self._socket_identity = identity
+
     async def reclaim_once(self) -> list[HeldSlot]:
         """One pass; returns the slots freed."""
         self._next_deadline = None
         await self._refresh_index()  # even while reclaim is off: keeps the event queue short
-        if not self.socket.exists():
+        if not self.kubelet.available():
             if not self._warned:
                 log.warning(
-                    "pod-resources socket %s not found: slot reclaim is off until it appears",
-                    self.socket,
+                    "kubelet pod-resources socket not found: slot reclaim is off until it appears"
                 )
                 self._warned = True
             return []
+        self._check_restart()
+        if self._quiet_until is not None:
+            if self._clock() < self._quiet_until:
+                self._next_deadline = self._quiet_until
+                return []
+            self._quiet_until = None
         if not self.index:
             self._unused_since.clear()
             self.skipped += 1
@@ -369,31 +427,55 @@ class SlotReclaimer:
         # taken before asking kubelet: anything granted after this is not covered by the answer
         snapshot = self._clock()
         try:
-            in_use = await list_pod_resources(self.socket)
-        except grpc.aio.AioRpcError as error:
+            view = await self.kubelet.view()
+        except (grpc.aio.AioRpcError, KubeletStateError) as error:
+            what = error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
             if not self._warned:
-                log.warning(
-                    "pod-resources List failed (%s): slot reclaim paused", error.code().name
-                )
+                log.warning("asking kubelet what is in use failed (%s): slot reclaim paused", what)
                 self._warned = True
             return []
         self.passes += 1
         if self._warned:
-            log.info("pod-resources API available: slot reclaim is on")
+            log.info("kubelet pod-resources available: slot reclaim is on")
             self._warned = False
+        self._check_restart()  # restarted while we asked: this answer may be incomplete
+        if self._quiet_until is not None:
+            self._next_deadline = self._quiet_until
+            return []
         await self._refresh_index()  # what was granted while kubelet answered
-        plan = plan_reclaim(self.index, in_use, self._unused_since, snapshot, self.grace)
+        self._nudge_if_stale(view, snapshot)
+        plan = plan_reclaim(self.index, view.in_use, self._unused_since, snapshot, self.grace)
         self._next_deadline = plan.next_deadline
         if not plan.due:
             return []
         return await self._release(plan.due)
+
+    def _nudge_if_stale(self, view: KubeletView, now: float) -> None:
+        """Held slots in kubelet's checkpoint but not in ``List``: ask kubelet to rewrite the
+        checkpoint (once per slot, then every ``RENUDGE_INTERVAL``), so a pod that is gone
+        drops out of it; a running init container stays in it."""
+        due = False
+        current: set[SlotKey] = set()
+        for slot in self.index:
+            if not view.only_checkpointed(slot.resource, slot.device_id):
+                continue
+            current.add(slot.key)
+            last = self._nudged.get(slot.key)
+            if last is None or now - last >= RENUDGE_INTERVAL:
+                self._nudged[slot.key] = now
+                due = True
+        for key in [k for k in self._nudged if k not in current]:
+            del self._nudged[key]
+        if due:
+            self.nudges += 1
+            self._nudge()
 
     async def _release(self, due: Sequence[HeldSlot]) -> list[HeldSlot]:
         """Release ``due``: one write per Instance, Instances concurrently (bounded)."""
         limit = asyncio.Semaphore(self.concurrency)
         groups = by_instance(due)
 
-        async def release(name: str, slots: list[HeldSlot]) -> tuple[str, ...]:
+        async def release(name: ObjectKey, slots: list[HeldSlot]) -> tuple[str, ...]:
             expected = {slot.slot: slot.value for slot in slots}
             since = {slot.slot: self._unused_since[slot.key] for slot in slots}
             async with limit:

@@ -86,6 +86,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self._clock = clock
         self._sleep = sleep
         self._version = 0
+        self._resends = 0
         self._changed = asyncio.Event()  # replaced (after being set) on every change
         self._closing = asyncio.Event()  # replaced (after being set) by end_streams()
         self.sends = 0
@@ -107,12 +108,11 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         event, self._changed = self._changed, asyncio.Event()
         event.set()
 
-    async def notify(self) -> None:
-        """:meth:`changed`, awaitable (kept for callers in async code)."""
-        self.changed()
-
-    def notify_soon(self) -> None:
-        """:meth:`changed` (the name synchronous callers use)."""
+    def resend(self) -> None:
+        """Make every ListAndWatch stream send its list again even if unchanged: kubelet
+        rewrites its device-manager checkpoint on every message it receives (the reclaimer
+        uses this to have a gone pod dropped from it)."""
+        self._resends += 1
         self.changed()
 
     def end_streams(self) -> None:
@@ -129,6 +129,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         self.open_streams += 1
         try:
             last: tuple[tuple[str, bool], ...] | None = None
+            resent = self._resends
             while not closing.is_set():
                 seen = self._version
                 computed_at = self._clock()
@@ -136,8 +137,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 self.computations += 1
                 key = tuple((d.id, d.healthy) for d in devices)
                 message = None
-                if key != last:
+                if key != last or resent != self._resends:
                     last = key
+                    resent = self._resends
                     self.sends += 1
                     message = api_pb2.ListAndWatchResponse(
                         devices=[

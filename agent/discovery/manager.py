@@ -2,9 +2,18 @@
 
 Follows Configuration events from the store: starts a runner for a new Configuration, hands an
 edited one to its runner (which restarts discovery only if the discovery handler's part of the
-spec changed), stops a deleted one and removes this node from its Instances. A Configuration
-naming an unknown handler, or with unusable discoveryDetails, is reported (log line + event)
-and does not affect the others; the last good version of an edited Configuration keeps running.
+spec changed), and retires a deleted one (this node leaves its Instances, each as soon as it
+holds none of its slots). Invalid input never costs a slot:
+
+* a Configuration naming an unknown handler, or with unusable discoveryDetails, is reported
+  (log line + Event); the last good version of an edited Configuration keeps running;
+* a Configuration that exists but has never been valid leaves its Instances exactly as they
+  are (no leave, no delete, no slot change), and says so;
+* at start, Instances that list this node but whose Configuration no longer exists are
+  retired — unless a Configuration source cannot be read at all (it may define them), in
+  which case nothing is taken for an orphan until it can;
+* a Configuration whose name another namespace owns (kubelet and DRA names are node-global,
+  see :mod:`agent.discovery.ownership`) is refused and starts once the name is free.
 """
 
 from __future__ import annotations
@@ -15,10 +24,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agent.discovery.ownership import Ownership
 from agent.discovery.plan import grace_for
-from agent.discovery.runner import ConfigurationRunner, remove_node
+from agent.discovery.retirement import Retirement
+from agent.discovery.runner import ConfigurationRunner
 from agent.events import Subscription
+from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration
+from agent.model.keys import ObjectKey
 from agent.store.base import ConfigurationEvent, EventType, InstanceEvent, InstanceStore
 from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
 from discovery_handlers.registry import HandlerRegistry
@@ -35,7 +48,7 @@ class GraceSettings:
 
 
 class DiscoveryManager:
-    """Keeps one runner per valid Configuration."""
+    """Keeps one runner per valid Configuration, and retires the Instances of gone ones."""
 
     def __init__(
         self,
@@ -43,23 +56,37 @@ class DiscoveryManager:
         handlers: HandlerRegistry,
         node: str,
         grace: GraceSettings = GraceSettings(),
+        *,
+        ledger: SlotLedger | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.store = store
         self.handlers = handlers
         self.node = node
         self.grace = grace
-        self.runners: dict[str, ConfigurationRunner] = {}
+        self.ledger = ledger or SlotLedger(store, node)
+        self.ownership = ownership or Ownership(store)
+        self.runners: dict[ObjectKey, ConfigurationRunner] = {}
+        self.retirements: dict[ObjectKey, Retirement] = {}
+        self.refused: dict[ObjectKey, Configuration] = {}  # waiting for their name
+        self._noticed: dict[ObjectKey, str] = {}  # last notice logged per Configuration
+        self._sweep_pending = True
+        self._unreadable_noticed: list[str] = []
         self._offline_listeners: list[Callable[[], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._retries: set[asyncio.Task[None]] = set()
+        self._lock = asyncio.Lock()  # one Configuration event at a time
 
     def _grace_for(self, configuration: Configuration, shared: bool) -> float:
         return grace_for(configuration, shared, self.grace.local, self.grace.shared)
 
     async def start(self) -> None:
-        """Remove this node from Instances of vanished Configurations, then follow events."""
-        await self._sweep_orphans()
+        """Follow Configuration and Instance events; retire orphaned Instances."""
         configurations = self.store.subscribe_configurations()
         instances = self.store.subscribe_instances()
+        self.ownership.add_listener(self._owners_changed)
+        self._notice_invalid()
+        self._sweep_orphans()
         self._tasks = [
             asyncio.create_task(self._follow_configurations(configurations), name="configs"),
             asyncio.create_task(self._follow_instances(instances), name="instances"),
@@ -67,17 +94,22 @@ class DiscoveryManager:
 
     async def close(self) -> None:
         """Stop all runners (Instances stay; a restarted agent picks them up)."""
-        for task in self._tasks:
+        for task in [*self._tasks, *self._retries]:
             task.cancel()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._retries]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for runner in list(self.runners.values()):
-            await runner.stop(remove_instances=False)
+            await runner.stop()
+        for retirement in list(self.retirements.values()):
+            await retirement.stop()
         self.runners.clear()
+        self.retirements.clear()
 
+    # -- what the device plugins and the DRA driver ask ----------------------------------------
     def add_offline_listener(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` whenever the set of offline (in-grace) Instances changes."""
+        """Call ``listener`` whenever the set of offline (in-grace or draining) Instances
+        changes."""
         self._offline_listeners.append(listener)
 
     def _offline_changed(self) -> None:
@@ -85,32 +117,109 @@ class DiscoveryManager:
             listener()
 
     def offline_instances(self) -> frozenset[str]:
-        """Instances this node has lost but keeps during the grace period (slots Unhealthy)."""
+        """Names of the Instances whose slots must not be offered: devices this node lost
+        but keeps during the grace period, and Instances draining before this node leaves."""
         result: set[str] = set()
         for runner in self.runners.values():
             result |= runner.offline
+        for retirement in self.retirements.values():
+            result |= retirement.offline
         return frozenset(result)
 
+    def draining(self) -> dict[ObjectKey, tuple[str, ...]]:
+        """Instances this node stays in only because it still holds these slots."""
+        result: dict[ObjectKey, tuple[str, ...]] = {}
+        for runner in self.runners.values():
+            for name, slots in runner.draining.items():
+                result[ObjectKey(runner.configuration.namespace, name)] = slots
+        for retirement in self.retirements.values():
+            for name, slots in retirement.draining.items():
+                result[ObjectKey(retirement.configuration.namespace, name)] = slots
+        return result
+
     def device_for(self, instance: str) -> Device | None:
-        """The device behind ``instance`` as this node last discovered it."""
+        """The device behind Instance ``instance`` (a served name) as last discovered here."""
         for runner in self.runners.values():
             device = runner.devices_by_instance.get(instance)
             if device is not None:
                 return device
         return None
 
-    async def _sweep_orphans(self) -> None:
-        known = {cfg.name for cfg in self.store.configurations()}
-        for instance in self.store.list_cached():
-            if instance.configuration_name not in known and self.node in instance.nodes:
+    # -- orphans and invalid Configurations ----------------------------------------------------
+    def _known_configurations(self) -> set[ObjectKey]:
+        known = {c.key for c in self.store.configurations()}
+        return known | {i.key for i in self.store.invalid_configurations()}
+
+    def _sweep_orphans(self) -> None:
+        """Retire Instances on this node whose Configuration does not exist, unless a
+        Configuration source is unreadable (then no Instance is taken for an orphan)."""
+        unreadable = self.store.unreadable_sources()
+        if unreadable:
+            if self._unreadable_noticed != unreadable:
+                self._unreadable_noticed = unreadable
+                log.warning(
+                    "not leaving any instance of an unknown configuration while a configuration "
+                    "source cannot be read (it may define it): %s",
+                    "; ".join(unreadable),
+                )
+            self._sweep_pending = True
+            return
+        self._sweep_pending = False
+        self._unreadable_noticed = []
+        known = self._known_configurations()
+        for key in sorted(self.store.instance_configurations() - known):
+            if key in self.retirements or key in self.runners:
+                continue
+            if any(self.node in i.nodes for i in self.store.list_cached(key)):
                 log.info(
-                    "instance %s: configuration %s no longer exists; removing node %s",
-                    instance.name,
-                    instance.configuration_name,
+                    "configuration %s no longer exists: %s leaves its instances",
+                    key,
                     self.node,
                 )
-                await remove_node(self.store, instance.name, self.node)
+                self._retire(key, "its Configuration no longer exists")
 
+    def _notice_invalid(self) -> None:
+        """Say (once per message) that Instances of never-valid Configurations are kept."""
+        for invalid in self.store.invalid_configurations():
+            mine = [i for i in self.store.list_cached(invalid.key) if self.node in i.nodes]
+            if not mine or invalid.key in self.runners:
+                continue
+            message = (
+                f"configuration {invalid.key} is invalid and has no good version to run "
+                f"({invalid.message}); its {len(mine)} instance(s) on {self.node} are left "
+                "exactly as they are (no slot is freed) until it is fixed or deleted"
+            )
+            if self._noticed.get(invalid.key) == message:
+                continue
+            self._noticed[invalid.key] = message
+            log.warning("%s", message)
+            task = asyncio.get_running_loop().create_task(
+                self.store.record_raw_configuration_event(invalid.raw, "InstancesKept", message)
+            )
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+
+    def _retire(self, key: ObjectKey, why: str) -> None:
+        if key in self.retirements:
+            return
+        if not any(self.node in i.nodes for i in self.store.list_cached(key)):
+            return
+        retirement = Retirement(
+            key, self.store, self.ledger, why, on_offline_change=self._offline_changed
+        )
+        self.retirements[key] = retirement
+        retirement.start()
+
+        async def forget_when_done() -> None:
+            await retirement.done.wait()
+            if self.retirements.get(key) is retirement:
+                del self.retirements[key]
+
+        task = asyncio.get_running_loop().create_task(forget_when_done())
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    # -- events ----------------------------------------------------------------------------------
     async def _follow_configurations(self, events: Subscription[ConfigurationEvent]) -> None:
         async for event in events:
             try:
@@ -118,46 +227,93 @@ class DiscoveryManager:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("configuration %s: unexpected error", event.name)
+                log.exception("configuration %s: unexpected error", event.key)
 
     async def _follow_instances(self, events: Subscription[InstanceEvent]) -> None:
         async for event in events:
-            runner = self.runners.get(event.instance.configuration_name)
+            key = event.instance.configuration_key
+            runner = self.runners.get(key)
             if runner is not None:
                 runner.wake()
+            retirement = self.retirements.get(key)
+            if retirement is not None:
+                retirement.wake()
+
+    def _owners_changed(self, names: set[str]) -> None:
+        waiting = [c for c in self.refused.values() if c.name in names]
+        if not waiting:
+            return
+
+        async def retry() -> None:
+            for configuration in waiting:
+                current = next(
+                    (c for c in self.store.configurations() if c.key == configuration.key), None
+                )
+                if current is not None and configuration.key in self.refused:
+                    await self.handle_configuration_event(
+                        ConfigurationEvent(EventType.ADDED, current.key, current)
+                    )
+
+        task = asyncio.get_running_loop().create_task(retry())
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
 
     async def handle_configuration_event(self, event: ConfigurationEvent) -> None:
-        """Start, update or stop the runner for one Configuration event."""
+        """Start, update, refuse or retire for one Configuration event."""
+        async with self._lock:
+            await self._handle(event)
+            if self._sweep_pending:
+                self._sweep_orphans()
+
+    async def _handle(self, event: ConfigurationEvent) -> None:
+        key = event.key
         if event.error is not None:
-            return  # already logged by the source; the last good version keeps running
+            # already logged by the source; the last good version (if any) keeps running
+            self._notice_invalid()
+            return
+        assert key is not None
         if event.type is EventType.DELETED:
-            runner = self.runners.pop(event.name, None)
+            self.refused.pop(key, None)
+            self._noticed.pop(key, None)
+            runner = self.runners.pop(key, None)
             if runner is not None:
+                await runner.stop()
+            if any(self.node in i.nodes for i in self.store.list_cached(key)):
                 log.info(
-                    "configuration %s deleted: stopping discovery, removing its instances",
-                    event.name,
+                    "configuration %s deleted: stopping discovery; %s leaves its instances "
+                    "as soon as it holds none of their slots",
+                    key,
+                    self.node,
                 )
-                await runner.stop(remove_instances=True)
+            self._retire(key, "its Configuration was deleted")
             return
         configuration = event.configuration
         assert configuration is not None
+        if not self.ownership.owns(key) and key not in self.runners:
+            await self._refuse(configuration)
+            return
+        self.refused.pop(key, None)
+        self._noticed.pop(key, None)
         problem = self._check(configuration)
         if problem is not None:
             reason, message = problem
-            log.error("configuration %s: %s", configuration.name, message)
+            log.error("configuration %s: %s", key, message)
             await self.store.record_configuration_event(configuration, reason, message)
             return
-        runner = self.runners.get(configuration.name)
+        retirement = self.retirements.pop(key, None)
+        if retirement is not None:
+            await retirement.stop()
+        runner = self.runners.get(key)
         if runner is not None and runner.handler.name == configuration.discovery_handler.name:
             runner.update(configuration)
             return
         if runner is not None:
-            await runner.stop(remove_instances=True)
+            await runner.stop()  # another handler: the new runner takes the Instances over
         handler = self.handlers.get(configuration.discovery_handler.name)
         assert handler is not None
         log.info(
             "configuration %s: starting %s discovery (capacity %d)",
-            configuration.name,
+            key,
             handler.name,
             configuration.capacity,
         )
@@ -168,9 +324,26 @@ class DiscoveryManager:
             self.node,
             self._grace_for,
             on_offline_change=self._offline_changed,
+            ledger=self.ledger,
         )
-        self.runners[configuration.name] = runner
+        self.runners[key] = runner
         runner.start()
+
+    async def _refuse(self, configuration: Configuration) -> None:
+        key = configuration.key
+        owner = self.ownership.owner(configuration.name)
+        message = (
+            f"the name {configuration.name!r} is in use by the Configuration in namespace "
+            f"{owner!r}: kubelet resource names (akri.sh/<name>) and DRA device names are "
+            f"node-global, so {key} is not run; it starts by itself once {owner}/"
+            f"{configuration.name} and its instances are gone"
+        )
+        self.refused[key] = configuration
+        if self._noticed.get(key) == message:
+            return
+        self._noticed[key] = message
+        log.error("configuration %s: %s", key, message)
+        await self.store.record_configuration_event(configuration, "NameConflict", message)
 
     def _check(self, configuration: Configuration) -> tuple[str, str] | None:
         name = configuration.discovery_handler.name

@@ -9,15 +9,19 @@ Akri name they have. Existing Instances keep their names, so a new device never 
 one.
 
 Offline grace: a device this node had but no longer sees is kept (its slots reported
-Unhealthy) until ``grace`` seconds have passed, then this node leaves the Instance.
+Unhealthy) until ``grace`` seconds have passed, then this node leaves the Instance — through
+the slot ledger, which keeps the node (draining) while it still holds slots there.
+
+``deviceUsage`` is never decided here: new Instances get theirs from the ledger, and a
+capacity change is resized by the ledger in the same write.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agent.ledger.decisions import decide_release_node, resize_usage
+from agent.ledger.decisions import with_draining
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
 from agent.model.naming import (
@@ -114,13 +118,17 @@ def plan_discovery(
     missing_since: Mapping[str, float],
     now: float,
     grace: float,
+    own: Iterable[Instance] | None = None,
 ) -> DiscoveryPlan:
-    """Decide upserts, departures and offline Instances for this node."""
+    """Decide upserts, departures and offline Instances for this node. ``instances`` maps
+    names of the Configuration's namespace to Instances (lookups only, unless ``own`` — the
+    Configuration's Instances — is not given)."""
     desired, duplicates = assign_names(configuration.name, node, shared, devices, instances)
     discovered = {item.name for item in desired}
+    candidates = own if own is not None else instances.values()
     mine = {
-        name
-        for name, inst in instances.items()
+        inst.name
+        for inst in candidates
         if inst.configuration_name == configuration.name and node in inst.nodes
     }
     still_missing: dict[str, float] = {}
@@ -168,9 +176,9 @@ def owner_reference(configuration: Configuration) -> dict[str, object] | None:
 def new_instance(
     configuration: Configuration, desired: DesiredInstance, node: str, shared: bool
 ) -> Instance:
-    """The Instance to create for a newly discovered device."""
+    """The Instance to create for a newly discovered device (the ledger fills its slots)."""
     ref = owner_reference(configuration)
-    instance = Instance(
+    return Instance(
         name=desired.name,
         namespace=configuration.namespace,
         configuration_name=configuration.name,
@@ -183,7 +191,6 @@ def new_instance(
         annotations={DEVICE_DIGEST_ANNOTATION: desired.fingerprint},
         owner_references=(ref,) if ref else (),
     )
-    return instance.evolve(device_usage=resize_usage(instance, configuration.capacity))
 
 
 def join_instance(
@@ -193,16 +200,14 @@ def join_instance(
     node: str,
     shared: bool,
 ) -> Instance | None:
-    """The Instance with this node in ``nodes`` and the Configuration's current settings,
-    or None when nothing needs writing."""
+    """The Instance with this node in ``nodes`` (no longer draining: it sees the device) and
+    the Configuration's current settings, or None when nothing needs writing. A capacity
+    change is only the ``capacity`` field here: the ledger resizes the slots."""
     changes: dict[str, object] = {}
     if node not in instance.nodes:
         changes["nodes"] = (*instance.nodes, node)
     if instance.capacity != configuration.capacity:
         changes["capacity"] = configuration.capacity
-        changes["device_usage"] = resize_usage(instance, configuration.capacity)
-    elif any(sid not in instance.device_usage for sid in instance.slot_ids()):
-        changes["device_usage"] = resize_usage(instance, instance.capacity)
     props = broker_properties(configuration, desired.device)
     if dict(instance.broker_properties) != props:
         changes["broker_properties"] = props
@@ -211,11 +216,13 @@ def join_instance(
     expected_cdi = cdi_name(configuration.name, desired.digest)
     if instance.cdi_name != expected_cdi:
         changes["cdi_name"] = expected_cdi
-    if instance.annotations.get(DEVICE_DIGEST_ANNOTATION) != desired.fingerprint:
-        changes["annotations"] = {
-            **dict(instance.annotations),
-            DEVICE_DIGEST_ANNOTATION: desired.fingerprint,
-        }
+    annotations = dict(instance.annotations)
+    if node in instance.draining_nodes:
+        annotations = dict(with_draining(instance, node, False).annotations)
+    if annotations.get(DEVICE_DIGEST_ANNOTATION) != desired.fingerprint:
+        annotations[DEVICE_DIGEST_ANNOTATION] = desired.fingerprint
+    if annotations != dict(instance.annotations):
+        changes["annotations"] = annotations
     if instance.labels.get(CONFIGURATION_LABEL) != configuration.name:
         changes["labels"] = {**dict(instance.labels), CONFIGURATION_LABEL: configuration.name}
     ref = owner_reference(configuration)
@@ -227,18 +234,3 @@ def join_instance(
     if not changes:
         return None
     return instance.evolve(**changes)
-
-
-def leave_instance(instance: Instance, node: str) -> Instance | None:
-    """The Instance without this node and without this node's slots (None if not a member).
-
-    Returns an Instance with empty ``nodes`` when this node was the last one: the caller then
-    deletes it (with a resourceVersion precondition) instead of writing it.
-    """
-    if node not in instance.nodes:
-        return None
-    released = decide_release_node(instance, node)
-    return instance.evolve(
-        nodes=tuple(n for n in instance.nodes if n != node),
-        device_usage=dict(released.device_usage),
-    )

@@ -5,6 +5,13 @@ with capped backoff if it fails), and the *reconcile task* turns the latest list
 writes. Reconciling is sequential and idempotent: it is woken by a new device list, a
 Configuration change, an Instance change of this Configuration, or a grace deadline, and
 writes nothing when the store already matches.
+
+Every write goes through the slot ledger (creation with the slots already in use, spec changes
+that carry the slots over, departures that wait while this node holds slots).
+
+A handler that fails is not a handler that reports no devices: its last successful list is
+kept until it reports again, so an exception never starts the offline grace of a device that
+may still be there. Only a successful report that lacks a device does.
 """
 
 from __future__ import annotations
@@ -14,13 +21,12 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from agent.discovery.plan import (
     DesiredInstance,
     DiscoveryPlan,
     join_instance,
-    leave_instance,
     new_instance,
     plan_discovery,
 )
@@ -29,22 +35,42 @@ from agent.discovery.properties import (
     references,
     resolve_properties,
 )
+from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import (
     AlreadyExistsError,
-    ConflictError,
     InstanceStore,
     NotFoundError,
     StoreError,
 )
-from agent.store.cas import cas_update
 from discovery_handlers.base import Device, DiscoveryHandler, InvalidDiscoveryDetailsError
 
 log = logging.getLogger("agent.discovery")
 
 MAX_HANDLER_BACKOFF = 60.0
 MAX_RECONCILE_BACKOFF = 30.0
+
+
+class NamespaceInstances(Mapping[str, Instance]):
+    """The cached Instances of one namespace, by name (lookups without copying the cache)."""
+
+    def __init__(self, store: InstanceStore, namespace: str) -> None:
+        self._store = store
+        self._namespace = namespace
+
+    def __getitem__(self, name: str) -> Instance:
+        found = self._store.get_cached(ObjectKey(self._namespace, name))
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return (i.name for i in self._store.list_cached() if i.namespace == self._namespace)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class ConfigurationRunner:
@@ -59,12 +85,14 @@ class ConfigurationRunner:
         grace_for: Callable[[Configuration, bool], float],
         clock: Callable[[], float] = time.monotonic,
         on_offline_change: Callable[[], None] = lambda: None,
+        ledger: SlotLedger | None = None,
     ) -> None:
         self._on_offline_change = on_offline_change
         self.configuration = configuration
         self.handler = handler
         self.store = store
         self.node = node
+        self.ledger = ledger or SlotLedger(store, node)
         self._grace_for = grace_for
         self._clock = clock
         self._devices: list[Device] | None = None
@@ -72,11 +100,17 @@ class ConfigurationRunner:
         self._wake = asyncio.Event()
         self._handler_task: asyncio.Task[None] | None = None
         self._reconcile_task: asyncio.Task[None] | None = None
-        self.offline: frozenset[str] = frozenset()
+        self.offline: frozenset[str] = frozenset()  # names: in grace, or draining
+        self.draining: dict[str, tuple[str, ...]] = {}  # name -> slots this node still holds
         self.devices_by_instance: dict[str, Device] = {}
         self.reconciled = asyncio.Event()
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
+
+    @property
+    def key(self) -> ObjectKey:
+        """The Configuration's key."""
+        return self.configuration.key
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -89,8 +123,9 @@ class ConfigurationRunner:
             self._reconcile_loop(), name=f"reconcile-{self.configuration.name}"
         )
 
-    async def stop(self, *, remove_instances: bool) -> None:
-        """Stop; with ``remove_instances`` this node leaves every Instance of the Configuration."""
+    async def stop(self) -> None:
+        """Stop discovery. The Instances stay as they are (a retirement or a new runner takes
+        them over)."""
         self._stop_watching()
         for task in (self._handler_task, self._reconcile_task):
             if task is not None:
@@ -102,10 +137,6 @@ class ConfigurationRunner:
         if self.offline:
             self.offline = frozenset()
             self._on_offline_change()
-        if remove_instances:
-            for instance in self.store.list_cached(self.configuration.name):
-                if self.node in instance.nodes:
-                    await self._leave(instance.name)
 
     def update(self, configuration: Configuration) -> None:
         """Apply an edited Configuration; restarts the handler if what it sees changed."""
@@ -114,7 +145,7 @@ class ConfigurationRunner:
         if restart and self._handler_task is not None:
             log.info(
                 "configuration %s: discovery details changed, restarting discovery",
-                configuration.name,
+                configuration.key,
             )
             self._watch_property_sources()
             self._restart_handler()
@@ -147,7 +178,7 @@ class ConfigurationRunner:
         if digest != self._properties_digest:
             log.info(
                 "configuration %s: a referenced Secret/ConfigMap changed; restarting discovery",
-                self.configuration.name,
+                self.configuration.key,
             )
             self._restart_handler()
 
@@ -163,7 +194,7 @@ class ConfigurationRunner:
     # -- handler -----------------------------------------------------------------------------
     async def _run_handler(self) -> None:
         backoff = 1.0
-        name = self.configuration.name
+        key = self.configuration.key
         while True:
             details = self.configuration.discovery_handler.discovery_details
             started = self._clock()
@@ -175,7 +206,7 @@ class ConfigurationRunner:
                     ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
                     log.info(
                         "configuration %s: %s reports %d device(s): %s",
-                        name,
+                        key,
                         self.handler.name,
                         len(devices),
                         ids,
@@ -184,38 +215,40 @@ class ConfigurationRunner:
                     self.wake()
                 log.warning(
                     "configuration %s: handler %s ended its stream; restarting",
-                    name,
+                    key,
                     self.handler.name,
                 )
             except asyncio.CancelledError:
                 raise
             except PropertyResolutionError as error:
                 # keep the last device list: a briefly missing Secret must not drop devices
-                log.error("configuration %s: %s; retrying in %.0fs", name, error, backoff)
+                log.error("configuration %s: %s; retrying in %.0fs", key, error, backoff)
                 await self.store.record_configuration_event(
                     self.configuration, "DiscoveryPropertiesUnresolved", str(error)
                 )
             except InvalidDiscoveryDetailsError as error:
-                log.error("configuration %s: %s", name, error)
+                log.error(
+                    "configuration %s: %s (keeping the last device list until it is edited)",
+                    key,
+                    error,
+                )
                 await self.store.record_configuration_event(
                     self.configuration, "InvalidDiscoveryDetails", str(error)
                 )
-                self._devices = []
-                self.wake()
                 return  # waits for an edited Configuration (update() restarts us)
             except Exception as error:
                 log.error(
-                    "configuration %s: handler %s failed: %s: %s",
-                    name,
+                    "configuration %s: handler %s failed: %s: %s (keeping its last device "
+                    "list until it reports again; retrying in %.0fs)",
+                    key,
                     self.handler.name,
                     type(error).__name__,
                     error,
+                    backoff,
                 )
                 await self.store.record_configuration_event(
                     self.configuration, "DiscoveryFailed", f"{type(error).__name__}: {error}"
                 )
-                self._devices = []  # its devices are gone until it recovers (grace applies)
-                self.wake()
             if self._clock() - started > 2 * MAX_HANDLER_BACKOFF:
                 backoff = 1.0
             await asyncio.sleep(backoff)
@@ -242,7 +275,7 @@ class ConfigurationRunner:
             except Exception as error:  # API errors: retry, never die
                 log.error(
                     "configuration %s: reconcile failed (%s: %s); retrying in %.1fs",
-                    self.configuration.name,
+                    self.configuration.key,
                     type(error).__name__,
                     error,
                     backoff,
@@ -253,17 +286,17 @@ class ConfigurationRunner:
 
     def current_plan(self) -> DiscoveryPlan:
         """The plan for the latest device list against the cache (pure)."""
-        instances: Mapping[str, Instance] = {i.name: i for i in self.store.list_cached()}
         shared = self.handler.shared
         return plan_discovery(
             self.configuration,
             self.node,
             shared,
             self._devices or [],
-            instances,
+            NamespaceInstances(self.store, self.configuration.namespace),
             self._missing_since,
             self._clock(),
             self._grace_for(self.configuration, shared),
+            own=self.store.list_cached(self.configuration.key),
         )
 
     async def reconcile_once(self) -> float | None:
@@ -272,44 +305,47 @@ class ConfigurationRunner:
         for device_id in plan.duplicate_ids:
             log.warning(
                 "configuration %s: handler reported device id %r twice; using the first",
-                self.configuration.name,
+                self.configuration.key,
                 device_id,
             )
         self._missing_since = dict(plan.missing_since)
         newly_offline = set(plan.offline) - self.offline
         for name in sorted(newly_offline):
             log.info(
-                "instance %s: device not seen by %s; slots Unhealthy for up to %.0fs",
+                "instance %s/%s: device not seen by %s; slots Unhealthy for up to %.0fs",
+                self.configuration.namespace,
                 name,
                 self.node,
                 self._grace_for(self.configuration, self.handler.shared),
             )
-        if frozenset(plan.offline) != self.offline:
-            self.offline = frozenset(plan.offline)
-            self._on_offline_change()
         for desired in plan.upserts:
             await self._upsert(desired)
+            self.draining.pop(desired.name, None)
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}
         for name in plan.leave:
             await self._leave(name)
+        offline = frozenset(plan.offline) | frozenset(self.draining)
+        if offline != self.offline:
+            self.offline = offline
+            self._on_offline_change()
         return plan.next_deadline
 
     async def _upsert(self, desired: DesiredInstance) -> None:
         shared = self.handler.shared
+        key = ObjectKey(self.configuration.namespace, desired.name)
         for _ in range(5):
-            if self.store.get_cached(desired.name) is None:
+            if self.store.get_cached(key) is None:
                 try:
-                    await self.store.create(
+                    await self.ledger.create_instance(
                         new_instance(self.configuration, desired, self.node, shared)
                     )
                     return
                 except AlreadyExistsError:
-                    await self._refresh(desired.name)
+                    await self._refresh(key)
                     continue
             try:
-                await cas_update(
-                    self.store,
-                    desired.name,
+                await self.ledger.update_instance(
+                    key,
                     lambda inst: join_instance(
                         inst, self.configuration, desired, self.node, shared
                     ),
@@ -317,15 +353,37 @@ class ConfigurationRunner:
                 return
             except NotFoundError:
                 continue  # deleted meanwhile (another node left last): create it again
-        raise StoreError(f"could not upsert instance {desired.name}")
+        raise StoreError(f"could not upsert instance {key}")
 
-    async def _refresh(self, name: str) -> None:
+    async def _refresh(self, key: ObjectKey) -> None:
         with contextlib.suppress(NotFoundError):
-            await self.store.get(name)
+            await self.store.get(key)
 
     async def _leave(self, name: str) -> None:
-        await remove_node(self.store, name, self.node)
+        key = ObjectKey(self.configuration.namespace, name)
+        result = await self.ledger.leave(key)
         self.devices_by_instance.pop(name, None)
+        if result.left:
+            self.draining.pop(name, None)
+            self._missing_since.pop(name, None)
+            return
+        if self.draining.get(name) != result.slots:
+            await report_draining(self.store, key, self.node, result.slots, "its device is gone")
+        self.draining[name] = result.slots
+
+
+async def report_draining(
+    store: InstanceStore, key: ObjectKey, node: str, slots: tuple[str, ...], why: str
+) -> None:
+    """Log line + Event: ``node`` keeps Instance ``key`` until its ``slots`` are released."""
+    message = (
+        f"draining: {len(slots)} slot(s) in use on {node} ({', '.join(slots)}); {why}, so the "
+        f"instance stops offering free slots and {node} leaves it once they are released"
+    )
+    log.warning("instance %s: %s", key, message)
+    instance = store.get_cached(key)
+    if instance is not None:
+        await store.record_instance_event(instance, "Draining", message, warning=False)
 
 
 def _digest(properties: Mapping[str, bytes | None]) -> str:
@@ -335,30 +393,3 @@ def _digest(properties: Mapping[str, bytes | None]) -> str:
         value = properties[key]
         hasher.update(key.encode() + b"\0" + (b"\1" + value if value is not None else b"\0"))
     return hasher.hexdigest()
-
-
-async def remove_node(store: InstanceStore, name: str, node: str) -> None:
-    """Remove ``node`` (and its slots) from Instance ``name``; delete the Instance if ``node``
-    was the last one, with a resourceVersion precondition so a node joining meanwhile wins."""
-    for _ in range(12):
-        instance = store.get_cached(name)
-        if instance is None:
-            try:
-                instance = await store.get(name)
-            except NotFoundError:
-                return
-        updated = leave_instance(instance, node)
-        if updated is None:
-            return
-        try:
-            if not updated.nodes:
-                await store.delete(name, resource_version=instance.resource_version)
-            else:
-                await store.update(updated)
-            return
-        except NotFoundError:
-            return
-        except ConflictError:
-            with contextlib.suppress(NotFoundError):
-                await store.get(name)
-    raise StoreError(f"could not remove node {node} from instance {name}")

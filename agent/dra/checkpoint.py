@@ -1,9 +1,17 @@
 """Prepared claims on disk, so a restarted agent answers repeated calls the same way.
 
-``<data-dir>/checkpoint.json`` = ``{"version": 1, "preparedClaims": {uid: PreparedClaim}}``,
-written atomically (temp file, fsync, rename). An unreadable checkpoint is reported and
-replaced by an empty one only on the next write: prepared slots are still recorded in the
-Instances (``D:<uid>:<node>``), so nothing is leaked by losing it.
+``<data-dir>/checkpoint.json`` = ``{"version": 2, "preparedClaims": {uid: PreparedClaim},
+"preparingClaims": {uid: PendingClaim}}``, written atomically (temp file, fsync, rename).
+
+A claim is recorded as *preparing* (with its namespace and name) before any of its slots is
+claimed, and as *prepared* once its CDI spec is written. So every ``D:<uid>:<node>`` slot
+this node writes can be traced back to its ResourceClaim: the DRA reclaimer
+(:mod:`agent.dra.reclaim`) asks the API about preparing ones, and keeps prepared ones until
+kubelet unprepares them. Version 1 files (no ``preparingClaims``) are read as well.
+
+An unreadable checkpoint is reported and replaced by an empty one only on the next write; the
+slots it covered stay held (``D:<uid>:<node>`` values nobody can trace are never freed by
+the agent, see docs/dra.md).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ from agent.store.base import CorruptStateError
 from agent.store.files import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
-VERSION = 1
+VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,16 @@ class PreparedDevice:
     slot: str
     cdi_device_ids: tuple[str, ...]
     share_id: str | None = None
+    namespace: str = "default"  # the Instance's
+
+
+@dataclass(frozen=True)
+class PendingClaim:
+    """A claim whose prepare started (slots may be claimed) but did not finish."""
+
+    uid: str
+    namespace: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -44,11 +62,12 @@ class PreparedClaim:
 
 
 class Checkpoint:
-    """Load/save prepared claims."""
+    """Load/save prepared and preparing claims."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.claims: dict[str, PreparedClaim] = {}
+        self.pending: dict[str, PendingClaim] = {}
 
     def load(self) -> None:
         if not self.path.exists():
@@ -70,11 +89,16 @@ class Checkpoint:
                             slot=d["slot"],
                             cdi_device_ids=tuple(d["cdi_device_ids"]),
                             share_id=d.get("share_id"),
+                            namespace=d.get("namespace", "default"),
                         )
                         for d in c["devices"]
                     ),
                 )
                 for uid, c in claims.items()
+            }
+            self.pending = {
+                uid: PendingClaim(uid, p["namespace"], p["name"])
+                for uid, p in (data.get("preparingClaims") or {}).items()
             }
         except (CorruptStateError, KeyError, TypeError, AttributeError) as error:
             log.error(
@@ -84,6 +108,7 @@ class Checkpoint:
                 error,
             )
             self.claims = {}
+            self.pending = {}
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,5 +117,9 @@ class Checkpoint:
             {
                 "version": VERSION,
                 "preparedClaims": {uid: asdict(claim) for uid, claim in self.claims.items()},
+                "preparingClaims": {
+                    uid: {"namespace": p.namespace, "name": p.name}
+                    for uid, p in self.pending.items()
+                },
             },
         )

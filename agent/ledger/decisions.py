@@ -7,6 +7,7 @@ enforced against the exact version being replaced.
 
 Rules (invariant 1 of DESIGN.md):
 
+* only a node listed in ``instance.nodes`` may claim a slot (it sees the device);
 * a slot is one of ``<instance>-0`` … ``<instance>-<capacity-1>``; anything else is refused;
 * a slot has at most one holder: a claim succeeds only on a free slot, or on a slot already
   held by exactly the same owner (idempotent: "kubelet knows best"), or on a slot whose
@@ -16,7 +17,14 @@ Rules (invariant 1 of DESIGN.md):
 * held slots never exceed capacity: held entries at indexes ≥ capacity (left by a capacity
   decrease) count against capacity until released;
 * values we cannot parse count as held and are never handed out;
-* a release only frees a slot held by the releasing owner; releasing a free slot is a no-op.
+* a release only frees a slot held by the releasing owner; releasing a free slot is a no-op;
+* a new Instance starts with every slot free except those this node's kubelet or DRA
+  checkpoint already shows in use (:func:`initial_usage`): re-creating an Instance never
+  hands out a slot a running container holds;
+* a spec change (capacity, nodes, properties) keeps every held slot (:func:`decide_update`);
+* a node leaves an Instance only while it holds none of its slots (:func:`decide_leave`);
+  until then it is *draining*. The last node deletes the Instance only when no slot is held
+  by anyone.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from agent.model.device_usage import (
     parse_usage,
 )
 from agent.model.instance import Instance
-from agent.model.naming import parse_slot_id, slot_id
+from agent.model.naming import DRAINING_ANNOTATION, parse_slot_id, slot_id
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,8 @@ def decide_claim(
     """Claim a specific slot for ``owner``."""
     if instance.deletion_timestamp is not None:
         return Refused("Deleting", f"instance {instance.name} is being deleted")
+    if owner.node not in instance.nodes:
+        return _not_on_node(instance, owner)
     index = parse_slot_id(instance.name, slot)
     if index is None:
         return Refused("UnknownSlot", f"{slot!r} is not a slot of instance {instance.name}")
@@ -173,6 +183,14 @@ def decide_claim(
     return Granted(slot, _with(instance, slot, owner.value), changed=True)
 
 
+def _not_on_node(instance: Instance, owner: Owner) -> Refused:
+    return Refused(
+        "NotOnNode",
+        f"node {owner.node} is not in the nodes of instance {instance.name} "
+        f"({', '.join(instance.nodes) or 'none'}): it does not see the device",
+    )
+
+
 def _node_of(usage: SlotUsage) -> str | None:
     if isinstance(usage, NodeUsage | ConfigurationUsage | ClaimUsage):
         return usage.node
@@ -190,6 +208,8 @@ def decide_claim_any(
     held = slots_held_by(instance, owner)
     if held:
         return Granted(held[0], dict(instance.device_usage), changed=False)
+    if owner.node not in instance.nodes:
+        return _not_on_node(instance, owner)
     for sid in free_slots(instance):
         return decide_claim(instance, sid, owner)
     for sid in instance.slot_ids():
@@ -291,3 +311,82 @@ def resize_usage(instance: Instance, capacity: int) -> dict[str, str]:
         if position is not None and position >= capacity and usage[key] == "":
             del usage[key]
     return usage
+
+
+def initial_usage(instance: Instance, in_use: Mapping[str, str]) -> dict[str, str]:
+    """``deviceUsage`` of a new Instance: every slot free, except ``in_use`` (slot -> value of
+    this node: what kubelet or the DRA checkpoint shows a live container or claim using).
+    Values that are not a held value are ignored; a slot beyond the capacity is kept held (it
+    drains like after a capacity decrease)."""
+    usage = {sid: "" for sid in instance.slot_ids()}
+    for slot, value in sorted(in_use.items()):
+        if parse_slot_id(instance.name, slot) is None:
+            continue
+        if isinstance(parse_usage(value), NodeUsage | ConfigurationUsage | ClaimUsage):
+            usage[slot] = value
+    return usage
+
+
+def decide_update(current: Instance, changed: Instance) -> Instance | None:
+    """``changed`` (a spec/metadata change decided on ``current``, e.g. by discovery) with the
+    slots of ``current`` carried over and resized to the new capacity: held slots are never
+    dropped, free ones follow the capacity. None when nothing changes."""
+    usage = resize_usage(current, changed.capacity)
+    result = changed.evolve(device_usage=usage)
+    return None if result == current else result
+
+
+@dataclass(frozen=True)
+class Leave:
+    """This node may go: ``instance`` is what to write (without this node), or ``delete`` it
+    when no node and no held slot remain."""
+
+    instance: Instance
+    delete: bool
+
+
+@dataclass(frozen=True)
+class Drain:
+    """This node still holds ``slots``: it stays (draining). ``instance`` carries the draining
+    mark to write, or is None when already marked."""
+
+    slots: tuple[str, ...]
+    instance: Instance | None
+
+
+def node_slots(instance: Instance, node: str) -> tuple[str, ...]:
+    """Slots held by ``node`` through any plugin (IL, CL or DRA)."""
+    return tuple(
+        sorted(
+            (
+                sid
+                for sid, value in instance.device_usage.items()
+                if value and _node_of(parse_usage(value)) == node
+            ),
+            key=lambda sid: (parse_slot_id(instance.name, sid) or 0, sid),
+        )
+    )
+
+
+def with_draining(instance: Instance, node: str, draining: bool) -> Instance:
+    """``instance`` with ``node`` added to / removed from the draining annotation."""
+    nodes = set(instance.draining_nodes)
+    nodes = nodes | {node} if draining else nodes - {node}
+    annotations = {k: v for k, v in instance.annotations.items() if k != DRAINING_ANNOTATION}
+    if nodes:
+        annotations[DRAINING_ANNOTATION] = ",".join(sorted(nodes))
+    return instance.evolve(annotations=annotations)
+
+
+def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
+    """Whether ``node`` may leave ``instance`` now (None: it is not a member)."""
+    if node not in instance.nodes:
+        return None
+    held = node_slots(instance, node)
+    if held:
+        if node in instance.draining_nodes:
+            return Drain(held, None)
+        return Drain(held, with_draining(instance, node, True))
+    remaining = tuple(n for n in instance.nodes if n != node)
+    updated = with_draining(instance, node, False).evolve(nodes=remaining)
+    return Leave(updated, delete=not remaining and held_count(instance) == 0)

@@ -1,35 +1,52 @@
-"""``SlotLedger``: the single per-node allocator. IL and CL Allocate, DRA prepare and the
-reclaimer all go through it.
+"""``SlotLedger``: the single per-node writer of ``deviceUsage``.
 
-Claims on one Instance are serialised inside this process (one asyncio lock per Instance) and
-written with a resourceVersion precondition; a conflict (another node, or an Akri agent, wrote
-first) re-reads the Instance and re-decides, with bounded jittered backoff (``agent.store.cas``).
+Everything that changes a slot goes through it: IL and CL Allocate, DRA prepare, the
+reclaimers, and discovery's creation, spec changes (capacity, properties, nodes) and
+departures. Writes on one Instance are serialised inside this process (one asyncio lock per
+Instance) and made with a resourceVersion precondition; a conflict (another node, or an Akri
+agent, wrote first) re-reads the Instance and re-decides, with bounded jittered backoff
+(``agent.store.cas``). The decisions are the pure functions of ``agent.ledger.decisions``.
+
+Two rules keep a live container's slot from being lost by the agent's own choices:
+
+* a new Instance starts with the slots this node's kubelet (pod-resources ``List`` and its
+  checkpoint) or DRA checkpoint already shows in use held by this node (:class:`SlotEvidence`);
+* a node leaves an Instance only while it holds none of its slots; until then it stays in
+  ``nodes``, marked draining (the reclaimers free the slots once nothing uses them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from agent.ledger.decisions import (
+    Drain,
     Granted,
+    Leave,
     Owner,
     Refused,
     Released,
     decide_claim,
     decide_claim_any,
+    decide_leave,
     decide_release,
     decide_release_slots,
     decide_release_values,
+    decide_update,
+    initial_usage,
     regranted,
 )
 from agent.model.instance import Instance
-from agent.store.base import InstanceStore, NotFoundError
-from agent.store.cas import DEFAULT_RETRY, RetryPolicy, cas_update
+from agent.model.keys import ObjectKey
+from agent.store.base import ConflictError, InstanceStore, NotFoundError
+from agent.store.cas import DEFAULT_RETRY, RetriesExhaustedError, RetryPolicy, cas_update
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +59,22 @@ class SlotRefusedError(Exception):
         super().__init__(message)
 
 
+class SlotEvidence(Protocol):
+    """What this node's kubelet and DRA driver say is in use, for an Instance being created."""
+
+    async def in_use(self, instance: Instance) -> Mapping[str, str]:
+        """slot id -> the usage value of this node for every slot of ``instance`` (by name)
+        that a live container or a prepared claim on this node uses. Raises when the evidence
+        cannot be had now (the creation is retried later)."""
+
+
+class NoEvidence:
+    """No kubelet and no DRA driver on this agent: nothing can be in use here."""
+
+    async def in_use(self, instance: Instance) -> Mapping[str, str]:
+        return {}
+
+
 @dataclass(frozen=True)
 class ClaimResult:
     """A granted claim: the slot and the Instance as written."""
@@ -49,6 +82,16 @@ class ClaimResult:
     slot: str
     instance: Instance
     changed: bool
+
+
+@dataclass(frozen=True)
+class LeaveResult:
+    """What :meth:`SlotLedger.leave` did: ``left`` (and ``deleted``), or stayed draining
+    because this node still holds ``slots``."""
+
+    left: bool
+    deleted: bool = False
+    slots: tuple[str, ...] = ()
 
 
 class SlotLedger:
@@ -61,38 +104,116 @@ class SlotLedger:
         *,
         policy: RetryPolicy = DEFAULT_RETRY,
         clock: Callable[[], float] | None = None,
+        evidence: SlotEvidence | None = None,
     ) -> None:
         self.store = store
         self.node = node
+        self.evidence: SlotEvidence = evidence or NoEvidence()
         self._policy = policy
         # grant times must come from the same clock as the reclaimer's evidence (monotonic)
         self._clock = clock
-        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._locks: defaultdict[ObjectKey, asyncio.Lock] = defaultdict(asyncio.Lock)
         # instance -> slot -> time of the last grant by this node, including idempotent
         # re-grants that write nothing: the reclaimer must not free a slot that was handed out
         # again after it judged the slot unused (the CAS cannot see such re-grants). A slot
         # this ledger frees loses its entry: any later holder is granted (and recorded) anew.
-        self._granted: defaultdict[str, dict[str, float]] = defaultdict(dict)
+        self._granted: defaultdict[ObjectKey, dict[str, float]] = defaultdict(dict)
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else time.monotonic()
 
-    def last_granted(self, instance: str, slot: str) -> float | None:
+    def last_granted(self, instance: ObjectKey, slot: str) -> float | None:
         """Time (monotonic) this node last granted ``slot`` (None if never, or if this ledger
         freed it since)."""
         return self._granted.get(instance, {}).get(slot)
 
-    def _regranted(self, instance: str, since: float | Mapping[str, float] | None) -> set[str]:
+    def _regranted(
+        self, instance: ObjectKey, since: float | Mapping[str, float] | None
+    ) -> set[str]:
         if since is None:
             return set()
         return regranted(self._granted.get(instance, {}), since)
 
-    def lock_for(self, instance: str) -> asyncio.Lock:
+    def lock_for(self, instance: ObjectKey) -> asyncio.Lock:
         """The lock serialising this node's writes to ``instance``."""
         return self._locks[instance]
 
+    # -- discovery: create, change, leave ------------------------------------------------------
+    async def create_instance(self, instance: Instance) -> Instance:
+        """Create ``instance`` (its ``deviceUsage`` is decided here): every slot free except
+        those the evidence shows this node using. Raises :class:`AlreadyExistsError`."""
+        async with self.lock_for(instance.key):
+            in_use = await self.evidence.in_use(instance)
+            usage = initial_usage(instance, in_use)
+            created = await self.store.create(instance.evolve(device_usage=usage))
+        held = {slot: value for slot, value in usage.items() if value}
+        if held:
+            now = self._now()
+            self._granted[instance.key].update(dict.fromkeys(held, now))
+            log.warning(
+                "instance %s created with %d slot(s) already in use on %s: %s",
+                instance.key,
+                len(held),
+                self.node,
+                ", ".join(f"{slot}={value}" for slot, value in sorted(held.items())),
+            )
+        return created
+
+    async def update_instance(
+        self, key: ObjectKey, change: Callable[[Instance], Instance | None]
+    ) -> Instance:
+        """Apply a spec/metadata ``change`` (None: nothing to change) decided on the current
+        Instance; its ``deviceUsage`` is not the caller's: held slots are kept, free ones
+        follow the capacity. Raises :class:`NotFoundError`."""
+
+        def mutate(current: Instance) -> Instance | None:
+            changed = change(current)
+            if changed is None:
+                return None
+            return decide_update(current, changed)
+
+        async with self.lock_for(key):
+            stored = await cas_update(self.store, key, mutate, policy=self._policy)
+        assert stored is not None
+        return stored
+
+    async def leave(self, key: ObjectKey) -> LeaveResult:
+        """Take this node out of Instance ``key`` if it holds none of its slots (deleting the
+        Instance when no node and no held slot remain); otherwise mark it draining and stay."""
+        async with self.lock_for(key):
+            for attempt in range(1, self._policy.attempts + 1):
+                current = self.store.get_cached(key)
+                if current is None:
+                    try:
+                        current = await self.store.get(key)
+                    except NotFoundError:
+                        return LeaveResult(left=True)
+                decision = decide_leave(current, self.node)
+                try:
+                    if decision is None:
+                        return LeaveResult(left=True)
+                    if isinstance(decision, Drain):
+                        if decision.instance is not None:
+                            await self.store.update(decision.instance)
+                        return LeaveResult(left=False, slots=decision.slots)
+                    assert isinstance(decision, Leave)
+                    if decision.delete:
+                        await self.store.delete(key, resource_version=current.resource_version)
+                    else:
+                        await self.store.update(decision.instance)
+                    self._granted.pop(key, None)
+                    return LeaveResult(left=True, deleted=decision.delete)
+                except NotFoundError:
+                    return LeaveResult(left=True)
+                except ConflictError:
+                    await asyncio.sleep(self._policy.delay(attempt))
+                    with contextlib.suppress(NotFoundError):
+                        await self.store.get(key)
+        raise RetriesExhaustedError(f"could not take {self.node} out of instance {key}")
+
+    # -- claims and releases -------------------------------------------------------------------
     async def _apply(
-        self, name: str, decide: Callable[[Instance], Granted | Refused | Released]
+        self, key: ObjectKey, decide: Callable[[Instance], Granted | Refused | Released]
     ) -> tuple[Instance, Granted | Released]:
         outcome: list[Granted | Released] = []
         refusal: list[Refused] = []
@@ -109,18 +230,18 @@ class SlotLedger:
                 return None
             return instance.evolve(device_usage=dict(decision.device_usage))
 
-        async with self.lock_for(name):
+        async with self.lock_for(key):
             try:
-                stored = await cas_update(self.store, name, mutate, policy=self._policy)
+                stored = await cas_update(self.store, key, mutate, policy=self._policy)
             except NotFoundError as error:
                 raise SlotRefusedError(
-                    "UnknownInstance", f"instance {name} does not exist"
+                    "UnknownInstance", f"instance {key} does not exist"
                 ) from error
             done = outcome[0] if outcome else None
             if isinstance(done, Granted):
-                self._granted[name][done.slot] = self._now()
-            elif isinstance(done, Released) and done.changed and name in self._granted:
-                grants = self._granted[name]
+                self._granted[key][done.slot] = self._now()
+            elif isinstance(done, Released) and done.changed and key in self._granted:
+                grants = self._granted[key]
                 for slot in done.slots:
                     grants.pop(slot, None)
         if refusal:
@@ -129,7 +250,7 @@ class SlotLedger:
         return stored, outcome[0]
 
     async def claim(
-        self, instance: str, slot: str, owner: Owner, *, reclaimable: Collection[str] = ()
+        self, instance: ObjectKey, slot: str, owner: Owner, *, reclaimable: Collection[str] = ()
     ) -> ClaimResult:
         """Claim ``slot`` of ``instance`` for ``owner``; raises :class:`SlotRefusedError`."""
         stored, decision = await self._apply(
@@ -141,7 +262,7 @@ class SlotLedger:
         return ClaimResult(decision.slot, stored, decision.changed)
 
     async def claim_any(
-        self, instance: str, owner: Owner, *, reclaimable: Collection[str] = ()
+        self, instance: ObjectKey, owner: Owner, *, reclaimable: Collection[str] = ()
     ) -> ClaimResult:
         """Claim the owner's slot of ``instance`` or the lowest free one."""
         stored, decision = await self._apply(
@@ -152,7 +273,7 @@ class SlotLedger:
             log.info("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
         return ClaimResult(decision.slot, stored, decision.changed)
 
-    async def release(self, instance: str, slot: str, owner: Owner) -> bool:
+    async def release(self, instance: ObjectKey, slot: str, owner: Owner) -> bool:
         """Free ``slot`` if ``owner`` holds it. Returns True if something was freed."""
         try:
             _, decision = await self._apply(
@@ -167,9 +288,14 @@ class SlotLedger:
             log.info("slot %s: %r -> free", slot, owner.value)
         return decision.changed
 
+    def _check_own(self, values: Collection[str]) -> None:
+        foreign = [v for v in values if not v.endswith(":" + self.node) and v != self.node]
+        if foreign:
+            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+
     async def release_slots(
         self,
-        instance: str,
+        instance: ObjectKey,
         expected: Mapping[str, str],
         *,
         unless_granted_since: float | Mapping[str, float] | None = None,
@@ -181,11 +307,7 @@ class SlotLedger:
         a time per slot (each slot's evidence that it is unused started at its own time). The
         kept set is re-computed on every CAS attempt, so a re-grant during a conflict retry
         still counts."""
-        foreign = [
-            v for v in expected.values() if not v.endswith(":" + self.node) and v != self.node
-        ]
-        if foreign:
-            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+        self._check_own(expected.values())
 
         def decide(inst: Instance) -> Released:
             keep = self._regranted(instance, unless_granted_since)
@@ -202,7 +324,7 @@ class SlotLedger:
 
     async def release_values(
         self,
-        instance: str,
+        instance: ObjectKey,
         values: Collection[str],
         *,
         unless_granted_since: float | None = None,
@@ -212,15 +334,13 @@ class SlotLedger:
         With ``unless_granted_since`` (monotonic time), slots this node granted at or after
         that time are kept: the caller's evidence that they are unused predates the grant.
         """
-        foreign = [v for v in values if not v.endswith(":" + self.node) and v != self.node]
-        if foreign:
-            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+        self._check_own(values)
+
+        def decide(inst: Instance) -> Released:
+            keep = self._regranted(instance, unless_granted_since)
+            return decide_release_values(inst, values, keep=keep)
+
         try:
-
-            def decide(inst: Instance) -> Released:
-                keep = self._regranted(instance, unless_granted_since)
-                return decide_release_values(inst, values, keep=keep)
-
             _, decision = await self._apply(instance, decide)
         except SlotRefusedError as error:
             if error.reason == "UnknownInstance":

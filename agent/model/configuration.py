@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
 from agent.model.naming import MAX_CAPACITY, is_dns_subdomain
 
 API_VERSION = "akri.sh/v0"
@@ -71,7 +72,13 @@ class Configuration:
     resource_version: str | None = None
     generation: int | None = None
     annotations: Mapping[str, str] = field(default_factory=dict)
+    creation_timestamp: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def key(self) -> ObjectKey:
+        """``(namespace, name)``: the Configuration's identity."""
+        return ObjectKey(self.namespace, self.name)
 
     @property
     def discovery_hash(self) -> str:
@@ -187,10 +194,10 @@ def parse_configuration(obj: Any) -> Configuration:
         problems.add("kind", f"must be {KIND!r}, got {obj.get('kind')!r}")
     if not isinstance(name, str) or not is_dns_subdomain(name):
         problems.add("metadata.name", f"must be a DNS-1123 subdomain, got {name!r}")
-    namespace = metadata.get("namespace", "default")
+    namespace = metadata.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace:
         problems.add("metadata.namespace", "must be a non-empty string")
-        namespace = "default"
+        namespace = DEFAULT_NAMESPACE
     annotations = _string_map(metadata.get("annotations"), "metadata.annotations", problems)
 
     spec = _expect_mapping(obj.get("spec"), "spec", problems)
@@ -274,5 +281,24 @@ def parse_configuration(obj: Any) -> Configuration:
         ),
         generation=generation if isinstance(generation, int) else None,
         annotations=annotations,
+        creation_timestamp=_opt_str(metadata.get("creationTimestamp")),
         raw=dict(obj),
     )
+
+
+def _opt_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def object_key(obj: Any) -> ObjectKey | None:
+    """``(namespace, name)`` of a raw object (even an invalid one), None without a name."""
+    if not isinstance(obj, Mapping):
+        return None
+    metadata = obj.get("metadata")
+    if not isinstance(metadata, Mapping):
+        return None
+    name = metadata.get("name")
+    namespace = metadata.get("namespace") or DEFAULT_NAMESPACE
+    if not isinstance(name, str) or not name or not isinstance(namespace, str):
+        return None
+    return ObjectKey(namespace, name)

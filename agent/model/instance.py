@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agent.model.device_usage import SlotUsage, parse_usage
-from agent.model.naming import DEVICE_DIGEST_ANNOTATION, slot_id
+from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
+from agent.model.naming import DEVICE_DIGEST_ANNOTATION, DRAINING_ANNOTATION, slot_id
 
 API_VERSION = "akri.sh/v0"
 KIND = "Instance"
@@ -25,7 +25,7 @@ class Instance:
     name: str
     configuration_name: str
     capacity: int
-    namespace: str = "default"
+    namespace: str = DEFAULT_NAMESPACE
     cdi_name: str = ""
     broker_properties: Mapping[str, str] = field(default_factory=dict)
     shared: bool = False
@@ -44,6 +44,23 @@ class Instance:
         return replace(self, **changes)
 
     @property
+    def key(self) -> ObjectKey:
+        """``(namespace, name)``: the Instance's identity."""
+        return ObjectKey(self.namespace, self.name)
+
+    @property
+    def configuration_key(self) -> ObjectKey:
+        """The key of its Configuration (always in the Instance's own namespace)."""
+        return ObjectKey(self.namespace, self.configuration_name)
+
+    @property
+    def draining_nodes(self) -> tuple[str, ...]:
+        """Nodes that lost the device (or its Configuration) but still hold slots in use, so
+        they stay in ``nodes`` until those slots are released (annotation, see slot-model)."""
+        text = self.annotations.get(DRAINING_ANNOTATION, "")
+        return tuple(node for node in text.split(",") if node)
+
+    @property
     def device_fingerprint(self) -> str | None:
         """Fingerprint of the device this Instance stands for, when our agent wrote it."""
         return self.annotations.get(DEVICE_DIGEST_ANNOTATION)
@@ -51,10 +68,6 @@ class Instance:
     def slot_ids(self) -> list[str]:
         """Slot ids ``<name>-0`` … ``<name>-<capacity-1>``."""
         return [slot_id(self.name, index) for index in range(self.capacity)]
-
-    def usage_of(self, slot: str) -> SlotUsage:
-        """Parsed usage of ``slot`` (absent = free)."""
-        return parse_usage(self.device_usage.get(slot, ""))
 
     def to_dict(self) -> dict[str, Any]:
         """The Kubernetes JSON object."""
@@ -122,7 +135,7 @@ class Instance:
         known |= {"ownerReferences", "deletionTimestamp"}
         return cls(
             name=name,
-            namespace=str(metadata.get("namespace") or "default"),
+            namespace=str(metadata.get("namespace") or DEFAULT_NAMESPACE),
             configuration_name=config,
             cdi_name=str(spec.get("cdiName") or ""),
             capacity=capacity,

@@ -31,6 +31,7 @@ MAX_INSTANCE_NAME_LENGTH = KUBELET_DEVICE_ID_MAX - 1 - len(str(MAX_CAPACITY - 1)
 DNS_SUBDOMAIN_MAX = 253
 DIGEST_HEX_LENGTH = 6
 DEVICE_DIGEST_ANNOTATION = "akri.sh/device-digest"
+DRAINING_ANNOTATION = "akri.sh/draining"
 CONFIGURATION_LABEL = "akri.sh/configuration"
 
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

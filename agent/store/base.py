@@ -7,7 +7,13 @@ Semantics follow the Kubernetes API server so the rest of the agent is backend-a
 * reads come from a watched cache (``get_cached``/``list_cached``), kept current by the
   backend; ``get`` bypasses the cache (used to re-read after a conflict);
 * subscribers receive every change as an :class:`InstanceEvent`, starting with the current
-  contents as ``ADDED`` so a late subscriber never misses state.
+  contents as ``ADDED`` so a late subscriber never misses state;
+* objects are keyed by ``(namespace, name)`` (:class:`agent.model.keys.ObjectKey`)
+  everywhere; ``instances_named`` finds the Instances of one name across namespaces;
+* the *catalog* — which Configurations exist (valid or not, with their creation times) and
+  which Configurations have Instances — decides which namespace may use a node-global name
+  (:mod:`agent.discovery.ownership`); listeners registered with ``on_catalog_change`` hear
+  about every change of it, synchronously.
 """
 
 from __future__ import annotations
@@ -17,13 +23,14 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agent.discovery.properties import ObjectRef, PropertyResolutionError
 from agent.events import Broadcaster, Subscription
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 
 
 class StoreError(Exception):
@@ -77,14 +84,32 @@ class ConfigurationEvent:
     """A Configuration was added, changed or deleted, or a source failed to provide one.
 
     ``error`` is set (and ``configuration`` is None) when a Configuration could not be read:
-    ``source`` names the file or object and the message names the field.
+    ``source`` names the file or object and the message names the field; ``key`` is None when
+    not even the name could be read (a file that is not YAML).
     """
 
     type: EventType
-    name: str
+    key: ObjectKey | None
     configuration: Configuration | None = None
     error: str | None = None
     source: str = ""
+
+    @property
+    def name(self) -> str:
+        """The Configuration's name ("" when unknown)."""
+        return self.key.name if self.key is not None else ""
+
+
+@dataclass(frozen=True)
+class InvalidConfiguration:
+    """A Configuration that exists but has never been valid (no good version to run).
+
+    Its Instances are left exactly as they are until it is fixed or deleted."""
+
+    key: ObjectKey
+    message: str
+    creation_timestamp: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 class InstanceStore(abc.ABC):
@@ -94,6 +119,7 @@ class InstanceStore(abc.ABC):
         self._instance_events: Broadcaster[InstanceEvent] = Broadcaster()
         self._configuration_events: Broadcaster[ConfigurationEvent] = Broadcaster()
         self._tasks: list[asyncio.Task[None]] = []
+        self._catalog_listeners: list[Callable[[], None]] = []
 
     async def _stop_watching(self) -> None:
         """Cancel the backend's background tasks and end every subscription."""
@@ -115,16 +141,24 @@ class InstanceStore(abc.ABC):
         """Stop watching and release resources."""
 
     @abc.abstractmethod
-    def get_cached(self, name: str) -> Instance | None:
-        """The cached Instance ``name`` or None."""
+    def get_cached(self, key: ObjectKey) -> Instance | None:
+        """The cached Instance ``key`` or None."""
 
     @abc.abstractmethod
-    def list_cached(self, configuration: str | None = None) -> list[Instance]:
-        """All cached Instances (of one Configuration if given), sorted by name."""
+    def list_cached(self, configuration: ObjectKey | None = None) -> list[Instance]:
+        """All cached Instances (of one Configuration if given), sorted by key."""
 
     @abc.abstractmethod
-    async def get(self, name: str) -> Instance:
-        """Read ``name`` from the backend itself. Raises :class:`NotFoundError`."""
+    def instances_named(self, name: str) -> list[Instance]:
+        """Every cached Instance called ``name``, in any namespace (sorted by namespace)."""
+
+    @abc.abstractmethod
+    def instance_configurations(self) -> set[ObjectKey]:
+        """Keys of the Configurations that have at least one cached Instance."""
+
+    @abc.abstractmethod
+    async def get(self, key: ObjectKey) -> Instance:
+        """Read ``key`` from the backend itself. Raises :class:`NotFoundError`."""
 
     @abc.abstractmethod
     async def create(self, instance: Instance) -> Instance:
@@ -138,12 +172,32 @@ class InstanceStore(abc.ABC):
         """
 
     @abc.abstractmethod
-    async def delete(self, name: str, *, resource_version: str | None = None) -> None:
-        """Delete ``name``; with ``resource_version`` only if still at that version."""
+    async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
+        """Delete ``key``; with ``resource_version`` only if still at that version."""
 
     @abc.abstractmethod
     def configurations(self) -> list[Configuration]:
-        """The currently known valid Configurations."""
+        """The Configurations in force: every valid one, and the last good version of one
+        whose latest edit is invalid. Sorted by key."""
+
+    def invalid_configurations(self) -> list[InvalidConfiguration]:
+        """Configurations that exist but have no good version (sorted by key)."""
+        return []
+
+    def unreadable_sources(self) -> list[str]:
+        """Sources whose Configurations cannot even be named right now (e.g. a file that is
+        not YAML): while any exists, no Instance may be taken for an orphan."""
+        return []
+
+    def on_catalog_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (synchronously) whenever the catalog changes: a Configuration
+        appears, disappears or becomes (in)valid, or a Configuration gains its first or loses
+        its last Instance."""
+        self._catalog_listeners.append(listener)
+
+    def _catalog_changed(self) -> None:
+        for listener in list(self._catalog_listeners):
+            listener()
 
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
         """A Secret (``kind="secret"``) or ConfigMap (``"configMap"``), None if it is absent.
@@ -165,7 +219,22 @@ class InstanceStore(abc.ABC):
     async def record_configuration_event(
         self, configuration: Configuration, reason: str, message: str, *, warning: bool = True
     ) -> None:
-        """Make a problem with ``configuration`` visible (Kubernetes Event; log in local mode)."""
+        """Make a problem with ``configuration`` visible (Kubernetes Event; the caller's log
+        line in local mode)."""
+        await self.record_raw_configuration_event(
+            configuration.raw, reason, message, warning=warning
+        )
+
+    async def record_raw_configuration_event(
+        self, raw: Mapping[str, Any], reason: str, message: str, *, warning: bool = True
+    ) -> None:
+        """:meth:`record_configuration_event` for a Configuration that may not be valid."""
+        return None
+
+    async def record_instance_event(
+        self, instance: Instance, reason: str, message: str, *, warning: bool = True
+    ) -> None:
+        """Make something about ``instance`` visible (Kubernetes Event; log in local mode)."""
         return None
 
     def subscribe_instances(self) -> Subscription[InstanceEvent]:
@@ -176,7 +245,7 @@ class InstanceStore(abc.ABC):
     def subscribe_configurations(self) -> Subscription[ConfigurationEvent]:
         """Every Configuration change; current Configurations first as ADDED."""
         initial = [
-            ConfigurationEvent(EventType.ADDED, cfg.name, cfg) for cfg in self.configurations()
+            ConfigurationEvent(EventType.ADDED, cfg.key, cfg) for cfg in self.configurations()
         ]
         return self._configuration_events.subscribe(initial)
 

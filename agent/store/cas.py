@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import ConflictError, InstanceStore, NotFoundError, StoreError
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,20 @@ STATS = CasStats()
 
 async def cas_update(
     store: InstanceStore,
-    name: str,
+    key: ObjectKey,
     mutate: Callable[[Instance], Instance | None],
     *,
     policy: RetryPolicy = DEFAULT_RETRY,
     fresh: bool = False,
 ) -> Instance | None:
-    """Apply ``mutate`` to Instance ``name`` with optimistic concurrency.
+    """Apply ``mutate`` to Instance ``key`` with optimistic concurrency.
 
     Returns the stored Instance after the write, the unchanged Instance if ``mutate`` returned
     None, or raises :class:`NotFoundError` if it does not exist.
     """
-    current = None if fresh else store.get_cached(name)
+    current = None if fresh else store.get_cached(key)
     if current is None:
-        current = await store.get(name)
+        current = await store.get(key)
     for attempt in range(1, policy.attempts + 1):
         desired = mutate(current)
         if desired is None:
@@ -81,7 +82,7 @@ async def cas_update(
             if attempt == policy.attempts:
                 break
             await asyncio.sleep(policy.delay(attempt))
-            current = await store.get(name)
+            current = await store.get(key)
         except NotFoundError:
             raise
-    raise RetriesExhaustedError(f"gave up updating {name} after {policy.attempts} conflicts")
+    raise RetriesExhaustedError(f"gave up updating {key} after {policy.attempts} conflicts")

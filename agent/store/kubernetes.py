@@ -24,8 +24,14 @@ from typing import Any
 
 from agent.discovery.properties import ObjectRef, PropertyResolutionError
 from agent.kube import ApiError, KubeClient, resource_path
-from agent.model.configuration import Configuration, ConfigurationError, parse_configuration
+from agent.model.configuration import (
+    Configuration,
+    ConfigurationError,
+    object_key,
+    parse_configuration,
+)
 from agent.model.instance import Instance, InstanceFormatError
+from agent.model.keys import ObjectKey
 from agent.store.base import (
     AlreadyExistsError,
     ConfigurationEvent,
@@ -33,10 +39,12 @@ from agent.store.base import (
     EventType,
     InstanceEvent,
     InstanceStore,
+    InvalidConfiguration,
     NotFoundError,
     StoreError,
     StoreUnavailableError,
 )
+from agent.store.cache import InstanceCache
 from agent.store.informer import (
     Informer,
     ListFn,
@@ -93,9 +101,10 @@ class KubernetesInstanceStore(InstanceStore):
         super().__init__()
         self._client = api_client
         self.settings = settings
-        self._instances: dict[str, Instance] = {}
-        self._configurations: dict[str, Configuration] = {}
-        self._config_errors: dict[str, str] = {}
+        self._instances = InstanceCache()
+        self._configurations: dict[ObjectKey, Configuration] = {}
+        self._invalid: dict[ObjectKey, InvalidConfiguration] = {}  # never valid (yet)
+        self._config_errors: dict[ObjectKey, str] = {}  # latest error, reported once
         self._instance_informer = Informer(
             "instances",
             self._lister(INSTANCES),
@@ -178,92 +187,115 @@ class KubernetesInstanceStore(InstanceStore):
         except InstanceFormatError as error:
             log.warning("ignoring malformed Instance: %s", error)
             return
-        previous = self._instances.get(instance.name)
-        self._instances[instance.name] = instance
+        previous, catalog = self._instances.put(instance)
         kind = EventType.ADDED if previous is None else EventType.MODIFIED
         self._publish_instance(InstanceEvent(kind, instance, previous))
+        if catalog:
+            self._catalog_changed()
 
     def _on_instance_deleted(self, obj: Obj) -> None:
         """A deletion: ``obj`` is the last state (from a watch) or, after a relist, only the
         identity the informer kept (the typed copy here is the last state we know)."""
-        name = str((obj.get("metadata") or {}).get("name") or "")
-        previous = self._instances.pop(name, None)
+        meta = obj.get("metadata") or {}
+        key = ObjectKey(str(meta.get("namespace") or "default"), str(meta.get("name") or ""))
+        previous, catalog = self._instances.remove(key)
         try:
             instance = Instance.from_dict(obj) if obj.get("spec") is not None else previous
         except InstanceFormatError:
             instance = previous
         if instance is not None:
             self._publish_instance(InstanceEvent(EventType.DELETED, instance, previous))
+        if catalog:
+            self._catalog_changed()
 
     def _on_configuration(self, event: RawEvent) -> None:
-        meta = event.obj.get("metadata") or {}
-        name = str(meta.get("name") or "")
-        if event.type == "DELETED":
-            old = self._configurations.pop(name, None)
-            self._config_errors.pop(name, None)
-            self._publish_configuration(ConfigurationEvent(EventType.DELETED, name, old))
+        key = object_key(event.obj)
+        if key is None:
+            log.warning("ignoring a Configuration without a name")
             return
+        if event.type == "DELETED":
+            old = self._configurations.pop(key, None)
+            invalid = self._invalid.pop(key, None)
+            self._config_errors.pop(key, None)
+            self._publish_configuration(ConfigurationEvent(EventType.DELETED, key, old))
+            if old is not None or invalid is not None:
+                self._catalog_changed()
+            return
+        meta = event.obj.get("metadata") or {}
         try:
             configuration = parse_configuration(event.obj)
         except ConfigurationError as error:
             message = "; ".join(error.problems)
-            source = f"configuration {meta.get('namespace', 'default')}/{name}"
-            if self._config_errors.get(name) != message:
-                self._config_errors[name] = message
+            source = f"configuration {key}"
+            newly_invalid = key not in self._configurations and key not in self._invalid
+            if key not in self._configurations:  # no good version: remember it exists
+                self._invalid[key] = InvalidConfiguration(
+                    key, message, meta.get("creationTimestamp"), dict(event.obj)
+                )
+            if self._config_errors.get(key) != message:
+                self._config_errors[key] = message
                 log.error("invalid %s: %s", source, message)
                 asyncio.get_running_loop().create_task(
-                    self._event_for_raw(event.obj, "InvalidConfiguration", message)
+                    self._event_for_raw(event.obj, "Configuration", "InvalidConfiguration", message)
                 )
             self._publish_configuration(
-                ConfigurationEvent(EventType.MODIFIED, name, None, message, source)
+                ConfigurationEvent(EventType.MODIFIED, key, None, message, source)
             )
+            if newly_invalid:
+                self._catalog_changed()
             return
-        self._config_errors.pop(name, None)
-        old = self._configurations.get(name)
-        self._configurations[name] = configuration
+        was_broken = self._config_errors.pop(key, None) is not None
+        self._invalid.pop(key, None)
+        old = self._configurations.get(key)
+        self._configurations[key] = configuration
+        if was_broken:
+            log.info("configuration %s is valid again: accepted", key)
+        if old is None:
+            self._catalog_changed()
         kind = EventType.ADDED if old is None else EventType.MODIFIED
         if old is not None and old.raw.get("spec") == configuration.raw.get("spec"):
             return  # metadata-only change (Akri #372): nothing to do
-        self._publish_configuration(ConfigurationEvent(kind, name, configuration))
+        self._publish_configuration(ConfigurationEvent(kind, key, configuration))
 
     # -- reads -----------------------------------------------------------------------------
-    def get_cached(self, name: str) -> Instance | None:
-        return self._instances.get(name)
+    def get_cached(self, key: ObjectKey) -> Instance | None:
+        return self._instances.get(key)
 
-    def list_cached(self, configuration: str | None = None) -> list[Instance]:
-        return [
-            inst
-            for _, inst in sorted(self._instances.items())
-            if configuration is None or inst.configuration_name == configuration
-        ]
+    def list_cached(self, configuration: ObjectKey | None = None) -> list[Instance]:
+        return self._instances.all(configuration)
+
+    def instances_named(self, name: str) -> list[Instance]:
+        return self._instances.named(name)
+
+    def instance_configurations(self) -> set[ObjectKey]:
+        return self._instances.configuration_keys()
 
     def configurations(self) -> list[Configuration]:
-        return [self._configurations[n] for n in sorted(self._configurations)]
+        return [self._configurations[key] for key in sorted(self._configurations)]
 
-    def _namespace_of(self, name: str, instance: Instance | None = None) -> str:
-        if instance is not None:
-            return instance.namespace
-        cached = self._instances.get(name)
-        if cached is not None:
-            return cached.namespace
-        return self.settings.namespace or "default"
+    def invalid_configurations(self) -> list[InvalidConfiguration]:
+        return [self._invalid[key] for key in sorted(self._invalid)]
 
-    async def get(self, name: str) -> Instance:
-        namespace = self._namespace_of(name)
+    async def get(self, key: ObjectKey) -> Instance:
         self.request_count += 1
         try:
             obj = await self._client.get(
-                self._instances_path(namespace, name), request_timeout=self.settings.request_timeout
+                self._instances_path(key.namespace, key.name),
+                request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
-            translated = _translate(error, f"instance {namespace}/{name}")
+            translated = _translate(error, f"instance {key}")
             if isinstance(translated, NotFoundError):
-                cached = self._instances.get(name)
-                if cached is not None:
-                    self._instance_informer.apply_local(RawEvent("DELETED", cached.to_dict()))
+                self._forget(key)
             raise translated from error
         self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
         return Instance.from_dict(obj)
+
+    def _forget(self, key: ObjectKey) -> None:
+        """The server says ``key`` is gone: drop it from the cache (with an event)."""
+        cached = self._instances.get(key)
+        if cached is not None:
+            self._instance_informer.apply_local(RawEvent("DELETED", cached.to_dict()))
 
     # -- writes ----------------------------------------------------------------------------
     async def create(self, instance: Instance) -> Instance:
@@ -276,13 +308,13 @@ class KubernetesInstanceStore(InstanceStore):
                 request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
-            raise _translate(error, f"instance {instance.name}") from error
+            raise _translate(error, f"instance {instance.key}") from error
         self._instance_informer.apply_local(RawEvent("ADDED", obj))
         return Instance.from_dict(obj)
 
     async def update(self, instance: Instance) -> Instance:
         if instance.resource_version is None:
-            raise ConflictError(f"{instance.name}: update needs the resourceVersion it is based on")
+            raise ConflictError(f"{instance.key}: update needs the resourceVersion it is based on")
         self.request_count += 1
         try:
             obj = await self._client.replace(
@@ -291,36 +323,31 @@ class KubernetesInstanceStore(InstanceStore):
                 request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
-            translated = _translate(error, f"instance {instance.name}")
+            translated = _translate(error, f"instance {instance.key}")
             if isinstance(translated, ConflictError | NotFoundError):
                 with contextlib.suppress(StoreError):
-                    await self.get(instance.name)  # refresh the cache for the next decision
+                    await self.get(instance.key)  # refresh the cache for the next decision
             raise translated from error
         self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
         return Instance.from_dict(obj)
 
-    async def delete(self, name: str, *, resource_version: str | None = None) -> None:
-        namespace = self._namespace_of(name)
+    async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
         self.request_count += 1
         try:
             await self._client.delete(
-                self._instances_path(namespace, name),
+                self._instances_path(key.namespace, key.name),
                 delete_options(resource_version),
                 request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
-            translated = _translate(error, f"instance {namespace}/{name}")
+            translated = _translate(error, f"instance {key}")
             if isinstance(translated, ConflictError):
                 with contextlib.suppress(StoreError):
-                    await self.get(name)
+                    await self.get(key)
             if isinstance(translated, NotFoundError):
-                cached = self._instances.get(name)
-                if cached is not None:
-                    self._instance_informer.apply_local(RawEvent("DELETED", cached.to_dict()))
+                self._forget(key)
             raise translated from error
-        cached = self._instances.get(name)
-        if cached is not None:
-            self._instance_informer.apply_local(RawEvent("DELETED", cached.to_dict()))
+        self._forget(key)
 
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
@@ -401,19 +428,30 @@ class KubernetesInstanceStore(InstanceStore):
         await informer.run()
 
     # -- Kubernetes Events -----------------------------------------------------------------
-    async def record_configuration_event(
-        self, configuration: Configuration, reason: str, message: str, *, warning: bool = True
+    async def record_raw_configuration_event(
+        self, raw: Mapping[str, Any], reason: str, message: str, *, warning: bool = True
     ) -> None:
-        await self._event_for_raw(dict(configuration.raw), reason, message, warning=warning)
+        await self._event_for_raw(raw, "Configuration", reason, message, warning=warning)
+
+    async def record_instance_event(
+        self, instance: Instance, reason: str, message: str, *, warning: bool = True
+    ) -> None:
+        await self._event_for_raw(instance.to_dict(), "Instance", reason, message, warning=warning)
 
     async def _event_for_raw(
-        self, obj: Mapping[str, Any], reason: str, message: str, *, warning: bool = True
+        self,
+        obj: Mapping[str, Any],
+        kind: str,
+        reason: str,
+        message: str,
+        *,
+        warning: bool = True,
     ) -> None:
-        """Create a core/v1 Event about a Configuration; the same event at most every 5 min."""
+        """Create a core/v1 Event about an akri.sh object; the same event at most every 5 min."""
         meta = obj.get("metadata") or {}
         name = str(meta.get("name") or "")
         namespace = str(meta.get("namespace") or "default")
-        key = (f"{namespace}/{name}", reason, message)
+        key = (f"{kind}/{namespace}/{name}", reason, message)
         now = time.monotonic()
         if now - self._events_sent.get(key, -EVENT_REPEAT_INTERVAL) < EVENT_REPEAT_INTERVAL:
             return
@@ -425,7 +463,7 @@ class KubernetesInstanceStore(InstanceStore):
             "metadata": {"generateName": f"{name}.", "namespace": namespace},
             "involvedObject": {
                 "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": "Configuration",
+                "kind": kind,
                 "name": name,
                 "namespace": namespace,
                 "uid": meta.get("uid"),
@@ -449,7 +487,9 @@ class KubernetesInstanceStore(InstanceStore):
                 request_timeout=self.settings.request_timeout,
             )
         except Exception as error:  # an Event is best effort; never fail the caller
-            log.warning("could not record event %s on %s/%s: %s", reason, namespace, name, error)
+            log.warning(
+                "could not record event %s on %s %s/%s: %s", reason, kind, namespace, name, error
+            )
 
 
 def delete_options(resource_version: str | None) -> dict[str, Any]:

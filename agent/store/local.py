@@ -2,7 +2,9 @@
 
 Layout::
 
-    STATE_DIR/instances/<instance>.json   one Instance each (Kubernetes JSON form)
+    STATE_DIR/instances/<instance>.json   one Instance of namespace ``default`` each
+                                          (Kubernetes JSON form)
+    STATE_DIR/instances/<ns>/<instance>.json  Instances of any other namespace
     STATE_DIR/resource-version            last resourceVersion handed out (an integer)
     STATE_DIR/.lock                       flock taken around every write
 
@@ -27,7 +29,8 @@ from pathlib import Path
 from agent.config_files import ConfigurationFiles
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance, InstanceFormatError
-from agent.model.naming import is_dns_subdomain
+from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
+from agent.model.naming import is_dns_label, is_dns_subdomain
 from agent.store.base import (
     AlreadyExistsError,
     ConfigurationEvent,
@@ -36,9 +39,11 @@ from agent.store.base import (
     EventType,
     InstanceEvent,
     InstanceStore,
+    InvalidConfiguration,
     NotFoundError,
     StoreError,
 )
+from agent.store.cache import InstanceCache
 from agent.store.files import (
     atomic_write_bytes,
     atomic_write_json,
@@ -53,7 +58,15 @@ COUNTER_FILE = "resource-version"
 LOCK_FILE = ".lock"
 
 
-def load_instance_file(path: Path) -> Instance:
+def instance_path(instances_dir: Path, key: ObjectKey) -> Path:
+    """Where Instance ``key`` is kept: namespace ``default`` flat (the layout before
+    namespaces were kept apart), any other namespace in a subdirectory of its name."""
+    if key.namespace == DEFAULT_NAMESPACE:
+        return instances_dir / f"{key.name}.json"
+    return instances_dir / key.namespace / f"{key.name}.json"
+
+
+def load_instance_file(path: Path, namespace: str = DEFAULT_NAMESPACE) -> Instance:
     """Read one Instance file; raises :class:`CorruptStateError` naming it."""
     obj = read_json(path)
     try:
@@ -64,7 +77,26 @@ def load_instance_file(path: Path) -> Instance:
         raise CorruptStateError(str(path), "metadata.resourceVersion must be an integer string")
     if path.name != f"{instance.name}.json":
         raise CorruptStateError(str(path), f"holds Instance {instance.name!r}, not {path.stem!r}")
+    if instance.namespace != namespace:
+        raise CorruptStateError(
+            str(path), f"holds namespace {instance.namespace!r}, not {namespace!r}"
+        )
     return instance
+
+
+def _instance_files(directory: Path) -> list[tuple[Path, str]]:
+    """(path, namespace) of every Instance file under ``directory``."""
+    found = [
+        (path, DEFAULT_NAMESPACE)
+        for path in directory.glob("*.json")
+        if not path.name.startswith(".")
+    ]
+    for sub in directory.iterdir():
+        if sub.is_dir() and is_dns_label(sub.name):
+            found.extend(
+                (path, sub.name) for path in sub.glob("*.json") if not path.name.startswith(".")
+            )
+    return found
 
 
 def read_state_dir(state_dir: Path) -> list[Instance]:
@@ -76,8 +108,8 @@ def read_state_dir(state_dir: Path) -> list[Instance]:
     if not directory.is_dir():
         return []
     return sorted(
-        (load_instance_file(p) for p in directory.glob("*.json") if not p.name.startswith(".")),
-        key=lambda inst: inst.name,
+        (load_instance_file(path, namespace) for path, namespace in _instance_files(directory)),
+        key=lambda inst: inst.key,
     )
 
 
@@ -97,13 +129,15 @@ class LocalInstanceStore(InstanceStore):
         self._instances_dir = state_dir / INSTANCES_DIR
         self._counter_path = state_dir / COUNTER_FILE
         self._lock_path = state_dir / LOCK_FILE
-        self._cache: dict[str, Instance] = {}
+        self._cache = InstanceCache()
         self._durable = durable
         self._poll_interval = poll_interval
         self._write_lock = asyncio.Lock()
         self._last_counter_stat: tuple[int, int] | None = None
         self._rescan_pending = False
-        self._config_files = ConfigurationFiles(list(config_paths), self._on_configuration)
+        self._config_files = ConfigurationFiles(
+            list(config_paths), self._on_configuration, self._catalog_changed
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -113,11 +147,15 @@ class LocalInstanceStore(InstanceStore):
         with self._flock():
             strays = remove_stray_temp_files(self._instances_dir)
             strays += remove_stray_temp_files(self.state_dir)
+            for sub in self._instances_dir.iterdir():
+                if sub.is_dir():
+                    strays += remove_stray_temp_files(sub)
         for stray in strays:
             log.info("removed %s left by an interrupted write", stray)
         self._check_counter()
         self._rescan(publish=False)
         self._config_files.scan()
+        self._catalog_changed()
         self._tasks = [
             asyncio.create_task(self._poll_loop(), name="local-store-poll"),
         ]
@@ -146,89 +184,101 @@ class LocalInstanceStore(InstanceStore):
                 log.exception("local store poll failed")
 
     # -- reads -------------------------------------------------------------------------------
-    def get_cached(self, name: str) -> Instance | None:
-        return self._cache.get(name)
+    def get_cached(self, key: ObjectKey) -> Instance | None:
+        return self._cache.get(key)
 
-    def list_cached(self, configuration: str | None = None) -> list[Instance]:
-        return [
-            inst
-            for _, inst in sorted(self._cache.items())
-            if configuration is None or inst.configuration_name == configuration
-        ]
+    def list_cached(self, configuration: ObjectKey | None = None) -> list[Instance]:
+        return self._cache.all(configuration)
 
-    async def get(self, name: str) -> Instance:
-        path = self._path(name)
+    def instances_named(self, name: str) -> list[Instance]:
+        return self._cache.named(name)
+
+    def instance_configurations(self) -> set[ObjectKey]:
+        return self._cache.configuration_keys()
+
+    async def get(self, key: ObjectKey) -> Instance:
+        path = self._path(key)
         if not path.exists():
-            self._apply_to_cache(name, None)
-            raise NotFoundError(name)
-        instance = load_instance_file(path)
-        self._apply_to_cache(name, instance)
+            self._apply_to_cache(key, None)
+            raise NotFoundError(str(key))
+        instance = load_instance_file(path, key.namespace)
+        self._apply_to_cache(key, instance)
         return instance
 
     def configurations(self) -> list[Configuration]:
         return self._config_files.current()
 
+    def invalid_configurations(self) -> list[InvalidConfiguration]:
+        return self._config_files.invalid()
+
+    def unreadable_sources(self) -> list[str]:
+        return self._config_files.unreadable()
+
     # -- writes ------------------------------------------------------------------------------
     async def create(self, instance: Instance) -> Instance:
-        self._validate_name(instance.name)
+        self._validate_key(instance.key)
         async with self._write_lock:
             with self._flock():
-                path = self._path(instance.name)
+                path = self._path(instance.key)
                 if path.exists():
-                    raise AlreadyExistsError(instance.name)
+                    raise AlreadyExistsError(str(instance.key))
+                path.parent.mkdir(exist_ok=True)
                 stored = instance.evolve(
                     resource_version=self._next_version(), uid=instance.uid or str(uuid.uuid4())
                 )
                 atomic_write_json(path, stored.to_dict(), durable=self._durable)
-        self._apply_to_cache(stored.name, stored)
+        self._apply_to_cache(stored.key, stored)
         return stored
 
     async def update(self, instance: Instance) -> Instance:
-        self._validate_name(instance.name)
+        key = instance.key
+        self._validate_key(key)
         if instance.resource_version is None:
-            raise ConflictError(f"{instance.name}: update needs the resourceVersion it is based on")
+            raise ConflictError(f"{key}: update needs the resourceVersion it is based on")
         async with self._write_lock:
             with self._flock():
-                path = self._path(instance.name)
+                path = self._path(key)
                 if not path.exists():
-                    raise NotFoundError(instance.name)
-                current = load_instance_file(path)
+                    raise NotFoundError(str(key))
+                current = load_instance_file(path, key.namespace)
                 if current.resource_version != instance.resource_version:
-                    self._apply_to_cache(current.name, current)
+                    self._apply_to_cache(key, current)
                     raise ConflictError(
-                        f"{instance.name}: resourceVersion {instance.resource_version} is stale "
+                        f"{key}: resourceVersion {instance.resource_version} is stale "
                         f"(stored {current.resource_version})"
                     )
                 stored = instance.evolve(resource_version=self._next_version(), uid=current.uid)
                 atomic_write_json(path, stored.to_dict(), durable=self._durable)
-        self._apply_to_cache(stored.name, stored)
+        self._apply_to_cache(key, stored)
         return stored
 
-    async def delete(self, name: str, *, resource_version: str | None = None) -> None:
-        self._validate_name(name)
+    async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
+        self._validate_key(key)
         async with self._write_lock:
             with self._flock():
-                path = self._path(name)
+                path = self._path(key)
                 if not path.exists():
-                    self._apply_to_cache(name, None)
-                    raise NotFoundError(name)
+                    self._apply_to_cache(key, None)
+                    raise NotFoundError(str(key))
                 if resource_version is not None:
-                    current = load_instance_file(path)
+                    current = load_instance_file(path, key.namespace)
                     if current.resource_version != resource_version:
-                        self._apply_to_cache(name, current)
-                        raise ConflictError(f"{name}: resourceVersion {resource_version} is stale")
+                        self._apply_to_cache(key, current)
+                        raise ConflictError(f"{key}: resourceVersion {resource_version} is stale")
                 self._next_version()  # a delete is a change other processes must notice
                 path.unlink()
-        self._apply_to_cache(name, None)
+        self._apply_to_cache(key, None)
 
     # -- internals ---------------------------------------------------------------------------
     @staticmethod
-    def _validate_name(name: str) -> None:
-        if not is_dns_subdomain(name):
-            raise StoreError(f"invalid Instance name {name!r}")
+    def _validate_key(key: ObjectKey) -> None:
+        if not is_dns_subdomain(key.name):
+            raise StoreError(f"invalid Instance name {key.name!r}")
+        if not is_dns_label(key.namespace):
+            raise StoreError(f"invalid namespace {key.namespace!r}")
 
-    def _path(self, name: str) -> Path:
-        return self._instances_dir / f"{name}.json"
+    def _path(self, key: ObjectKey) -> Path:
+        return instance_path(self._instances_dir, key)
 
     @contextlib.contextmanager
     def _flock(self) -> Iterator[None]:
@@ -256,7 +306,7 @@ class LocalInstanceStore(InstanceStore):
         return str(current)
 
     def _max_file_version(self) -> int:
-        versions = [int(i.resource_version or 0) for i in self._cache.values()]
+        versions = [int(i.resource_version or 0) for i in self._cache.all()]
         return max(versions, default=0)
 
     def _counter_stat(self) -> tuple[int, int] | None:
@@ -278,19 +328,21 @@ class LocalInstanceStore(InstanceStore):
 
     def _rescan(self, *, publish: bool) -> None:
         self._last_counter_stat = self._counter_stat()
-        on_disk = {inst.name: inst for inst in read_state_dir(self.state_dir)}
+        on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
         if not publish:
-            self._cache = on_disk
+            self._cache.replace_all(list(on_disk.values()))
             return
-        for name in sorted(set(self._cache) | set(on_disk)):
-            self._apply_to_cache(name, on_disk.get(name))
+        for key in sorted(set(self._cache) | set(on_disk)):
+            self._apply_to_cache(key, on_disk.get(key))
 
-    def _apply_to_cache(self, name: str, instance: Instance | None) -> None:
-        previous = self._cache.get(name)
+    def _apply_to_cache(self, key: ObjectKey, instance: Instance | None) -> None:
+        previous = self._cache.get(key)
         if instance is None:
             if previous is not None:
-                del self._cache[name]
+                _, catalog = self._cache.remove(key)
                 self._publish_instance(InstanceEvent(EventType.DELETED, previous, previous))
+                if catalog:
+                    self._catalog_changed()
             return
         if previous is not None and previous.resource_version == instance.resource_version:
             return
@@ -298,9 +350,11 @@ class LocalInstanceStore(InstanceStore):
             instance.resource_version or 0
         ):
             return  # an older read racing a newer write
-        self._cache[name] = instance
+        _, catalog = self._cache.put(instance)
         kind = EventType.ADDED if previous is None else EventType.MODIFIED
         self._publish_instance(InstanceEvent(kind, instance, previous))
+        if catalog:
+            self._catalog_changed()
 
     def _on_configuration(self, event: ConfigurationEvent) -> None:
         self._publish_configuration(event)

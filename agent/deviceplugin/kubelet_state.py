@@ -1,0 +1,185 @@
+"""What kubelet says is assigned to containers: pod-resources ``List`` plus its checkpoint.
+
+``List`` alone is not enough: kubelet leaves non-restartable init containers out of it
+(``server_v1.go``: only ``pod.Spec.Containers`` and restartable init containers are listed),
+yet keeps their devices assigned to the pod until the pod ends. Its device-manager checkpoint
+(``<device-plugin-dir>/kubelet_internal_checkpoint``, JSON
+``{"Data": {"PodDeviceEntries": [{"PodUID", "ContainerName", "ResourceName", "DeviceIDs",
+"AllocResp"}], "RegisteredDevices": {...}}, "Checksum": N}``) has every container's devices,
+init containers included; it is written right after each allocation and on every
+``ListAndWatch`` message kubelet receives.
+
+The rule (docs/slot-model.md, "Reclaim"): a device is **in use** when ``List`` shows it *or*
+the checkpoint, read after that ``List``, shows it. The checkpoint never misses a device kubelet
+counts as assigned; it can only be late in dropping a pod that is gone: ``List`` itself makes
+kubelet forget inactive pods (``UpdateAllocatedDevices``), but the file is only rewritten on
+kubelet's next write. So when a held device is in the checkpoint but not in ``List``, the
+reclaimer asks one of our plugins to re-send its (unchanged) device list: kubelet then
+rewrites the checkpoint, and a pod that is really gone drops out of it by the next pass,
+while a running init container stays.
+
+``DeviceIDs`` is ``{"<numa node>": [ids]}`` since Kubernetes 1.20 (``-1`` without topology)
+and a plain list before; both are read.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from agent.protos.podresources.v1 import api_pb2 as pr_pb2
+from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
+
+CHECKPOINT_FILE = "kubelet_internal_checkpoint"
+MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024
+MAX_POD_RESOURCES_BYTES = 64 * 1024 * 1024
+
+InUse = Mapping[str, frozenset[str]]  # resource name -> device ids
+
+
+class KubeletStateError(Exception):
+    """kubelet's answer or checkpoint cannot be used (nothing may be freed on it)."""
+
+
+def parse_kubelet_checkpoint(raw: bytes) -> dict[str, frozenset[str]]:
+    """Device ids per resource in a device-manager checkpoint (every container, init ones
+    included). Raises :class:`KubeletStateError` when it is not one."""
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise KubeletStateError(f"kubelet checkpoint is not JSON: {error}") from error
+    data = document.get("Data") if isinstance(document, dict) else None
+    if not isinstance(data, dict):
+        raise KubeletStateError("kubelet checkpoint has no Data object")
+    entries = data.get("PodDeviceEntries") or []
+    if not isinstance(entries, list):
+        raise KubeletStateError("kubelet checkpoint: Data.PodDeviceEntries is not a list")
+    found: defaultdict[str, set[str]] = defaultdict(set)
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("ResourceName"), str):
+            raise KubeletStateError("kubelet checkpoint: malformed PodDeviceEntries item")
+        found[entry["ResourceName"]].update(_device_ids(entry.get("DeviceIDs")))
+    return {resource: frozenset(ids) for resource, ids in found.items()}
+
+
+def _device_ids(value: Any) -> set[str]:
+    if value is None:
+        return set()
+    if isinstance(value, list):
+        groups: list[Any] = [value]
+    elif isinstance(value, dict):
+        groups = list(value.values())
+    else:
+        raise KubeletStateError("kubelet checkpoint: DeviceIDs is neither a list nor a map")
+    ids: set[str] = set()
+    for group in groups:
+        if not isinstance(group, list) or not all(isinstance(i, str) for i in group):
+            raise KubeletStateError("kubelet checkpoint: DeviceIDs holds a non-string")
+        ids.update(group)
+    return ids
+
+
+def read_kubelet_checkpoint(path: Path) -> dict[str, frozenset[str]]:
+    """:func:`parse_kubelet_checkpoint` of ``path``; no file = nothing assigned yet."""
+    try:
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CHECKPOINT_BYTES + 1)
+    except FileNotFoundError:
+        return {}
+    except OSError as error:
+        raise KubeletStateError(f"cannot read {path}: {error.strerror}") from error
+    if len(raw) > MAX_CHECKPOINT_BYTES:
+        raise KubeletStateError(f"{path} is larger than {MAX_CHECKPOINT_BYTES} bytes")
+    return parse_kubelet_checkpoint(raw)
+
+
+async def list_pod_resources(socket: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
+    """kubelet's pod-resources ``List``: device ids per resource over all listed containers."""
+    in_use: defaultdict[str, set[str]] = defaultdict(set)
+    options = [("grpc.max_receive_message_length", MAX_POD_RESOURCES_BYTES)]
+    async with grpc.aio.insecure_channel(f"unix://{socket}", options=options) as channel:
+        stub = pr_grpc.PodResourcesListerStub(channel)
+        response = await stub.List(pr_pb2.ListPodResourcesRequest(), timeout=rpc_timeout)
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            for devices in container.devices:
+                in_use[devices.resource_name].update(devices.device_ids)
+    return {resource: frozenset(ids) for resource, ids in in_use.items()}
+
+
+@dataclass(frozen=True)
+class KubeletView:
+    """One look at kubelet: ``listed`` by ``List``, ``checkpointed`` in its checkpoint (read
+    after the ``List``), taken after the clock read ``taken`` (monotonic)."""
+
+    listed: InUse
+    checkpointed: InUse
+    taken: float
+    in_use: InUse = field(init=False)
+
+    def __post_init__(self) -> None:
+        merged = {
+            resource: self.listed.get(resource, frozenset())
+            | self.checkpointed.get(resource, frozenset())
+            for resource in set(self.listed) | set(self.checkpointed)
+        }
+        object.__setattr__(self, "in_use", merged)
+
+    def only_checkpointed(self, resource: str, device_id: str) -> bool:
+        """In the checkpoint but not listed: an init container, or a pod kubelet has already
+        forgotten but not yet written out."""
+        return device_id in self.checkpointed.get(resource, frozenset()) and device_id not in (
+            self.listed.get(resource, frozenset())
+        )
+
+
+class KubeletState:
+    """Reads :class:`KubeletView` s from a pod-resources socket and a checkpoint file."""
+
+    def __init__(
+        self,
+        socket: Path,
+        checkpoint: Path,
+        *,
+        rpc_timeout: float = 5.0,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.socket = socket
+        self.checkpoint = checkpoint
+        self.rpc_timeout = rpc_timeout
+        self._clock = clock
+        self.last: KubeletView | None = None
+
+    def available(self) -> bool:
+        """Whether the pod-resources socket exists (kubelet serves it)."""
+        return self.socket.exists()
+
+    def socket_identity(self) -> tuple[int, int] | None:
+        """(inode, ctime) of the socket: a new one means kubelet restarted."""
+        try:
+            stat = self.socket.stat()
+        except OSError:
+            return None
+        return (stat.st_ino, stat.st_ctime_ns)
+
+    async def view(self) -> KubeletView:
+        """``List``, then the checkpoint. Raises ``grpc.aio.AioRpcError`` or
+        :class:`KubeletStateError`."""
+        taken = self._clock()
+        listed = await list_pod_resources(self.socket, self.rpc_timeout)
+        checkpointed = read_kubelet_checkpoint(self.checkpoint)
+        self.last = KubeletView(listed, checkpointed, taken)
+        return self.last
+
+    async def recent_view(self, max_age: float) -> KubeletView:
+        """The last view if it is at most ``max_age`` seconds old, else a new one."""
+        if self.last is not None and self._clock() - self.last.taken <= max_age:
+            return self.last
+        return await self.view()
