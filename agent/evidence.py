@@ -5,9 +5,11 @@ so an Instance that comes back — deleted by a user, by another agent, or lost 
 state directory — starts with the slots of running containers held, not free:
 
 * instance-level slots from kubelet: its pod-resources ``List`` and its device-manager
-  checkpoint list device ids ``<instance>-<n>`` under ``akri.sh/<instance>`` (a recent answer,
-  at most ``max_age`` seconds old, is reused; without the pod-resources socket the checkpoint
-  alone is read);
+  checkpoint list device ids ``<instance>-<n>`` under ``akri.sh/<instance>``. The answer must
+  be newer than this node's last grant of a slot of that Instance (``not_before``): a pod
+  admitted through the old Instance is in any answer from after its grant, so an earlier
+  answer is reused only when nothing was granted since (without the pod-resources socket the
+  checkpoint alone is read);
 * DRA slots from this node's DRA checkpoint (prepared claims on slots of that Instance).
 
 Configuration-level slots cannot be recovered this way: kubelet knows only the virtual device
@@ -34,19 +36,16 @@ class DraEvidence(Protocol):
 class NodeEvidence:
     """Implements ``SlotEvidence`` for this node."""
 
-    def __init__(
-        self, node: str, kubelet: KubeletState | None = None, *, max_age: float = 1.0
-    ) -> None:
+    def __init__(self, node: str, kubelet: KubeletState | None = None) -> None:
         self.node = node
         self.kubelet = kubelet
         self.dra: DraEvidence | None = None
-        self.max_age = max_age
 
-    async def in_use(self, instance: Instance) -> Mapping[str, str]:
+    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
         result: dict[str, str] = {}
         if self.kubelet is not None:
             if self.kubelet.available():
-                assigned = (await self.kubelet.recent_view(self.max_age)).in_use
+                assigned = (await self.kubelet.view_after(not_before)).in_use
             else:
                 assigned = read_kubelet_checkpoint(self.kubelet.checkpoint)
             for device_id in assigned.get(instance_resource(instance.name), frozenset()):

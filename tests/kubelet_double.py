@@ -23,6 +23,13 @@ plugins are tested end to end exactly as the kubelet would drive them (reference
 * ``restart()``: stop both servers, drop every plugin connection, remove every socket in the
   directory (``CleanupPluginDirectory``), forget devices and registrations but keep pods
   (the kubelet's checkpoint), and serve a fresh ``kubelet.sock``.
+* The device-manager checkpoint ``<dir>/kubelet_internal_checkpoint`` in kubelet's JSON form
+  (``Data.PodDeviceEntries`` with ``PodUID``, ``ContainerName``, ``ResourceName``,
+  ``DeviceIDs`` per NUMA node, ``AllocResp``; ``Data.RegisteredDevices``; ``Checksum``),
+  with kubelet's timing: written after each successful ``Allocate`` and on every
+  ``ListAndWatch`` message; a deleted pod stays in its in-memory ``podDevices`` (and so in
+  the file) until ``UpdateAllocatedDevices`` runs — at the next admission or pod-resources
+  ``List`` — and in the file until the next write after that.
 
 All times are ``time.monotonic()`` values.
 """
@@ -30,7 +37,9 @@ All times are ``time.monotonic()`` values.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import os
 import random
 import re
@@ -387,7 +396,9 @@ class KubeletDouble:
         self._earliest_stop: float | None = None  # bound for _gc_stopped (see there)
         self._clients: dict[str, _Client] = {}  # server.clients, by resource name
         self._live_clients: set[_Client] = set()
-        self._pods: dict[tuple[str, str], PodAdmission] = {}
+        self._pods: dict[tuple[str, str], PodAdmission] = {}  # active pods
+        self._pod_devices: dict[str, PodAdmission] = {}  # podDevices, by pod uid
+        self.checkpoint_writes = 0
 
         self._registration_server: grpc.aio.Server | None = None
         self._pod_resources_server: grpc.aio.Server | None = None
@@ -818,6 +829,7 @@ class KubeletDouble:
         self.list_and_watch_log.append(
             ListAndWatchEvent(name, client.endpoint, now, self.devices(name))
         )
+        self.write_checkpoint()  # genericDeviceUpdateCallback ends with writeCheckpoint
         self._notify()
 
     def _plugin_disconnected(self, name: str, now: float) -> None:
@@ -872,6 +884,7 @@ class KubeletDouble:
             if key in self._pods:
                 raise ValueError(f"pod {namespace}/{name} is already active; delete it first")
             self._gc_stopped()
+            self.update_allocated_devices()
             pod = PodAdmission(
                 namespace=namespace, name=name, uid=str(uuid.uuid4()), started=time.monotonic()
             )
@@ -911,6 +924,7 @@ class KubeletDouble:
             pod.admitted = True
             pod.pending = False
             pod.finished = time.monotonic()
+            self._pod_devices[pod.uid] = pod
             self._notify()
         if start_containers:
             await self._pre_start(pod)
@@ -954,6 +968,8 @@ class KubeletDouble:
             raise
         alloc.responses[resource] = response
         _merge_run_options(alloc, response)
+        self._pod_devices[pod.uid] = pod  # podDevices.insert, then writeCheckpoint
+        self.write_checkpoint()
         self._notify()
 
     async def _devices_to_allocate(
@@ -1171,8 +1187,57 @@ class KubeletDouble:
             containers.append(pr.ContainerResources(name=c.name, devices=devices))
         return pr.PodResources(name=pod.name, namespace=pod.namespace, containers=containers)
 
+    def update_allocated_devices(self) -> None:
+        """``UpdateAllocatedDevices``: forget the devices of pods that are no longer active
+        (in memory only: the checkpoint file keeps them until the next write)."""
+        active = {pod.uid for pod in self._pods.values()}
+        for uid in [uid for uid in self._pod_devices if uid not in active]:
+            del self._pod_devices[uid]
+
+    def checkpoint_data(self) -> dict[str, Any]:
+        """The device-manager checkpoint as kubelet writes it (``checkpoint.Data``)."""
+        entries = []
+        for uid, pod in self._pod_devices.items():
+            for container in pod.containers:
+                for resource, ids in container.devices.items():
+                    response = container.responses.get(resource)
+                    if response is None:
+                        continue  # Allocate in flight: inserted once it succeeded
+                    per_numa: dict[str, list[str]] = {}
+                    for device in ids:
+                        nodes = container.topology.get(resource, {}).get(device) or [-1]
+                        for node in nodes:
+                            per_numa.setdefault(str(node), []).append(device)
+                    entries.append(
+                        {
+                            "PodUID": uid,
+                            "ContainerName": container.name,
+                            "ResourceName": resource,
+                            "DeviceIDs": per_numa,
+                            "AllocResp": base64.b64encode(
+                                response.SerializeToString()
+                            ).decode(),
+                        }
+                    )
+        registered = {
+            resource: sorted(devices) for resource, devices in self._all_devices.items()
+        }
+        data = {"PodDeviceEntries": entries, "RegisteredDevices": registered}
+        checksum = sum(json.dumps(data, sort_keys=True).encode()) & 0xFFFFFFFF
+        return {"Data": data, "Checksum": checksum}
+
+    def write_checkpoint(self) -> None:
+        """``writeCheckpoint``: atomically replace the checkpoint file."""
+        path = self.device_plugin_dir / CHECKPOINT_FILE
+        tmp = path.with_name(f".{CHECKPOINT_FILE}.tmp")
+        tmp.write_text(json.dumps(self.checkpoint_data()))
+        tmp.replace(path)
+        self.checkpoint_writes += 1
+
     def pod_resources_list(self) -> pr.ListPodResourcesResponse:
-        """What ``List`` returns now."""
+        """What ``List`` returns now (it runs ``UpdateAllocatedDevices`` first, like
+        ``server_v1.go``)."""
+        self.update_allocated_devices()
         return pr.ListPodResourcesResponse(
             pod_resources=[self._pod_resources_of(p) for p in self._pods.values()]
         )

@@ -163,9 +163,7 @@ def test_a_new_file_never_takes_over_a_running_configuration(
     old.unlink()
     settle(files)
     assert [(c.name, c.capacity) for c in files.current()] == [("same", 7)]
-    assert [(e.type, e.name) for e in events if e.error is None] == [
-        (EventType.MODIFIED, "same")
-    ]
+    assert [(e.type, e.name) for e in events if e.error is None] == [(EventType.MODIFIED, "same")]
 
 
 def test_invalid_and_unreadable_sources_are_known(

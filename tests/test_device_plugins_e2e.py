@@ -13,6 +13,7 @@ import pytest
 
 from agent.ledger.decisions import Owner, held_count
 from agent.model.device_usage import ConfigurationUsage, NodeUsage, parse_usage
+from agent.model.keys import ObjectKey
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import (
     DpNode,
@@ -154,7 +155,7 @@ async def test_pod_recreation_is_admitted_at_once(api: ApiServerDouble, tmp_path
             # hand the slot back before switching plugins
             usage = next(iter(api_instances(api).values())).device_usage
             for value in {v for v in usage.values() if v}:
-                await node.ledger.release_values("cam-8120fe", {value})
+                await node.ledger.release_values(ObjectKey("default", "cam-8120fe"), {value})
             await eventually(lambda: node.kubelet.allocatable(IL) == 1, what="slot free again")
         errors = [c for c in node.kubelet.rpc_calls if c.code not in (None, grpc.StatusCode.OK)]
         assert errors == []
@@ -205,7 +206,9 @@ async def test_bad_allocate_requests_get_clear_errors(api: ApiServerDouble, tmp_
         assert unknown.grpc_code == grpc.StatusCode.INVALID_ARGUMENT, unknown.message
         assert "cam-8120fe-7" in (unknown.grpc_details or "")
         # node-b takes slot 0 behind node-a's back; node-a's kubelet still thinks it is free
-        await b.ledger.claim("cam-8120fe", "cam-8120fe-0", Owner.instance_level("node-b"))
+        await b.ledger.claim(
+            ObjectKey("default", "cam-8120fe"), "cam-8120fe-0", Owner.instance_level("node-b")
+        )
         raced = await a.kubelet.admit_pod(
             "default", "raced", [("c", {IL: 1})], choose={IL: ["cam-8120fe-0"]}
         )
@@ -297,12 +300,14 @@ async def test_offline_device_turns_unhealthy_then_plugin_goes(
 async def test_missing_pod_resources_socket_is_tolerated(
     api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from agent.deviceplugin.kubelet_state import KubeletState
     from agent.deviceplugin.reclaimer import SlotReclaimer
 
     api.create(one_device_configuration("cam", ("foo0",), capacity=1))
     node = await start_dp_node(api, "node-a", tmp_path)
     try:
-        reclaimer = SlotReclaimer(node.ledger, node.store.list_cached, tmp_path / "none.sock")
+        missing = KubeletState(tmp_path / "none.sock", tmp_path / "none-checkpoint")
+        reclaimer = SlotReclaimer(node.ledger, node.store.list_cached, missing)
         with caplog.at_level("WARNING"):
             assert await reclaimer.reclaim_once() == []
             assert await reclaimer.reclaim_once() == []

@@ -16,6 +16,7 @@ from agent.deviceplugin.views import (
     preferred_configuration_devices,
 )
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from discovery_handlers.base import Device, DeviceSpec, Mount
 
 
@@ -145,10 +146,10 @@ def test_reclaim_decisions() -> None:
     a = inst("cams-aaaaaa", capacity=4, s0="n1", s1="C:cams-3:n1", s2="n2", s3="D:uid:n1")
     held = held_by_plugins([a], "n1")
     assert held == [
-        HeldSlot("cams-aaaaaa", "cams-aaaaaa-0", "n1", "akri.sh/cams-aaaaaa", "cams-aaaaaa-0"),
-        HeldSlot("cams-aaaaaa", "cams-aaaaaa-1", "C:cams-3:n1", "akri.sh/cams", "cams-3"),
+        HeldSlot(a.key, "cams-aaaaaa-0", "n1", "akri.sh/cams-aaaaaa", "cams-aaaaaa-0"),
+        HeldSlot(a.key, "cams-aaaaaa-1", "C:cams-3:n1", "akri.sh/cams", "cams-3"),
     ]
-    since: dict[tuple[str, str], float] = {}
+    since: dict[tuple[ObjectKey, str], float] = {}
     in_use = {"akri.sh/cams-aaaaaa": frozenset({"cams-aaaaaa-0"})}
     assert stale_slots(held, in_use, since, now=0.0, grace=3.0) == []
     assert stale_slots(held, in_use, since, now=2.0, grace=3.0) == []

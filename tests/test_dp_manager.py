@@ -24,11 +24,14 @@ from agent.deviceplugin.endpoint import PluginEndpoint
 from agent.deviceplugin.manager import DevicePluginManager
 from agent.deviceplugin.service import DevicePluginService
 from agent.deviceplugin.views import DeviceView
+from agent.discovery.ownership import Ownership, ServedInstances
 from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 from agent.store.base import EventType, InstanceEvent, InstanceStore, NotFoundError
+from agent.store.cache import InstanceCache
 from discovery_handlers.base import Device
 from tests.kubelet_double import KubeletDouble
 
@@ -41,7 +44,7 @@ class MemoryStore(InstanceStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cache: dict[str, Instance] = {}
+        self._cache = InstanceCache()
         self.full_lists = 0  # list_cached() of everything
 
     async def start(self) -> None:
@@ -50,22 +53,25 @@ class MemoryStore(InstanceStore):
     async def close(self) -> None:
         await self._stop_watching()
 
-    def get_cached(self, name: str) -> Instance | None:
-        return self._cache.get(name)
+    def get_cached(self, key: ObjectKey) -> Instance | None:
+        return self._cache.get(key)
 
-    def list_cached(self, configuration: str | None = None) -> list[Instance]:
+    def list_cached(self, configuration: ObjectKey | None = None) -> list[Instance]:
         if configuration is None:
             self.full_lists += 1
-        return [
-            inst
-            for _, inst in sorted(self._cache.items())
-            if configuration is None or inst.configuration_name == configuration
-        ]
+        return self._cache.all(configuration)
 
-    async def get(self, name: str) -> Instance:
-        if name not in self._cache:
-            raise NotFoundError(name)
-        return self._cache[name]
+    def instances_named(self, name: str) -> list[Instance]:
+        return self._cache.named(name)
+
+    def instance_configurations(self) -> set[ObjectKey]:
+        return self._cache.configuration_keys()
+
+    async def get(self, key: ObjectKey) -> Instance:
+        found = self._cache.get(key)
+        if found is None:
+            raise NotFoundError(str(key))
+        return found
 
     async def create(self, instance: Instance) -> Instance:
         self.put(instance)
@@ -75,21 +81,25 @@ class MemoryStore(InstanceStore):
         self.put(instance)
         return instance
 
-    async def delete(self, name: str, *, resource_version: str | None = None) -> None:
-        self.remove(name)
+    async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
+        self.remove(key.name)
 
     def configurations(self) -> list[Configuration]:
         return []
 
     def put(self, instance: Instance) -> None:
-        previous = self._cache.get(instance.name)
-        self._cache[instance.name] = instance
+        previous, catalog = self._cache.put(instance)
         kind = EventType.ADDED if previous is None else EventType.MODIFIED
         self._publish_instance(InstanceEvent(kind, instance, previous))
+        if catalog:
+            self._catalog_changed()
 
     def remove(self, name: str) -> None:
-        previous = self._cache.pop(name)
+        previous, catalog = self._cache.remove(ObjectKey("default", name))
+        assert previous is not None
         self._publish_instance(InstanceEvent(EventType.DELETED, previous, previous))
+        if catalog:
+            self._catalog_changed()
 
 
 class Source:
@@ -150,8 +160,9 @@ async def make_manager(store: MemoryStore, kubelet: KubeletDouble) -> AsyncItera
 
     async def make(**kwargs: Any) -> DevicePluginManager:
         kwargs.setdefault("kubelet_poll", 3600)  # tests poll with check_sockets()
+        served = ServedInstances(store, Ownership(store))
         manager = DevicePluginManager(
-            store, SlotLedger(store, NODE), Source(), kubelet.device_plugin_dir, **kwargs
+            served, SlotLedger(store, NODE), Source(), kubelet.device_plugin_dir, **kwargs
         )
         await manager.start()
         managers.append(manager)

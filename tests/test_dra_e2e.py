@@ -14,6 +14,7 @@ from agent.dra.cdi import CdiWriter
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.state import ClaimRef, DraState
 from agent.ledger.decisions import Owner, held_count
+from agent.model.keys import ObjectKey
 from tests.apiserver import ApiServerDouble
 from tests.cdi_validate import validate_cdi_file
 from tests.dp_nodes import DpNode, api_instances, start_dp_node
@@ -80,9 +81,13 @@ async def test_slices_follow_free_slots(api: ApiServerDouble, tmp_path: Path) ->
             "values"
         ] == ["node-a"]
         # a slot taken through the IL device plugin leaves the slice promptly
-        await node.ledger.claim("cam-8120fe", "cam-8120fe-0", Owner.instance_level("node-a"))
+        await node.ledger.claim(
+            ObjectKey("default", "cam-8120fe"), "cam-8120fe-0", Owner.instance_level("node-a")
+        )
         await eventually(lambda: published(api)["cam-8120fe"] == ["cam-8120fe-1"], within=2)
-        await node.ledger.release("cam-8120fe", "cam-8120fe-0", Owner.instance_level("node-a"))
+        await node.ledger.release(
+            ObjectKey("default", "cam-8120fe"), "cam-8120fe-0", Owner.instance_level("node-a")
+        )
         await eventually(lambda: len(published(api)["cam-8120fe"]) == 2, within=2)
     finally:
         await kubelet.stop()
@@ -167,7 +172,9 @@ async def test_prepare_of_a_slot_taken_meanwhile_names_the_holder(
         uid = claim["metadata"]["uid"]
         allocate_claim(api, "default", "late", "node-a", pod_name="p", pod_uid="p")
         # between scheduling and prepare, node-b's device plugin takes the slot
-        await b.ledger.claim("cam-8120fe", "cam-8120fe-0", Owner.instance_level("node-b"))
+        await b.ledger.claim(
+            ObjectKey("default", "cam-8120fe"), "cam-8120fe-0", Owner.instance_level("node-b")
+        )
         with pytest.raises(PrepareError) as info:
             await kubelet_a.prepare("p", [("default", uid, "late")])
         assert "node-b" in str(info.value)

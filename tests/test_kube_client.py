@@ -21,6 +21,7 @@ from agent.kube import ApiError, KubeClient, TransportError, make_kube_client, r
 from agent.kube.credentials import Credentials, TokenFileCredentials
 from agent.kube.kubeconfig import ClusterConfig
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import (
     AlreadyExistsError,
     ConflictError,
@@ -178,15 +179,17 @@ async def test_store_delete_sends_a_precondition(api: ApiServerDouble, tmp_path:
             Instance(name="cfg-abcdef", configuration_name="cfg", capacity=1)
         )
         with pytest.raises(ConflictError):
-            await store.delete("cfg-abcdef", resource_version="1")
-        await store.delete("cfg-abcdef", resource_version=created.resource_version)
+            await store.delete(ObjectKey("default", "cfg-abcdef"), resource_version="1")
+        await store.delete(
+            ObjectKey("default", "cfg-abcdef"), resource_version=created.resource_version
+        )
         bodies = [json.loads(r.body) for r in api.requests_for(verb="delete")]
         assert bodies == [
             {"preconditions": {"resourceVersion": "1"}},
             {"preconditions": {"resourceVersion": created.resource_version}},
         ]
         with pytest.raises(NotFoundError):
-            await store.get("cfg-abcdef")
+            await store.get(ObjectKey("default", "cfg-abcdef"))
         assert await store.read_object("secret", "default", "nope") is None
         assert await store.read_resource_claim("default", "nope") is None
     finally:
@@ -310,6 +313,7 @@ import agent.app, agent.cli, agent.store.kubernetes, agent.dra.publisher, agent.
 from agent.kube import make_kube_client
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from agent.dra.publisher import SlicePublisher
+from agent.model.keys import ObjectKey
 
 async def main():
     client = make_kube_client({str(kubeconfig)!r})

@@ -16,6 +16,7 @@ import pytest
 from agent.discovery.manager import GraceSettings
 from agent.kube import make_kube_client
 from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
 from agent.store.base import ConflictError
 from agent.store.cas import cas_update
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
@@ -137,7 +138,7 @@ async def test_configuration_edits_converge_and_deletion_cleans_up(
             what="descriptions applied on both nodes",
         )
         for node in nodes:
-            assert set(node.manager.runners) == {"echo"}
+            assert set(node.manager.runners) == {ObjectKey("default", "echo")}
         api.delete("configurations.akri.sh", "echo", "default")
         await eventually(lambda: instances(api) == [], what="instances removed with config")
         await eventually(lambda: all(not n.manager.runners for n in nodes))
@@ -167,12 +168,12 @@ async def test_concurrent_cas_writers_never_lose_an_update(
             def mutate(inst: Instance) -> Instance:
                 return inst.evolve(broker_properties={**inst.broker_properties, marker: "1"})
 
-            await cas_update(store, "cfg-abcdef", mutate)
+            await cas_update(store, ObjectKey("default", "cfg-abcdef"), mutate)
 
         await asyncio.gather(
             *(add(stores[i % 4], f"m{i}") for i in range(40)),
         )
-        final = await stores[0].get("cfg-abcdef")
+        final = await stores[0].get(ObjectKey("default", "cfg-abcdef"))
         assert set(final.broker_properties) == {f"m{i}" for i in range(40)}
         with pytest.raises(ConflictError):
             await stores[1].update(created.evolve(nodes=("x",)))
@@ -235,7 +236,12 @@ async def test_api_server_restart_and_watch_410_relist(
 
         await change_during_outage(api, node, join)
         await eventually(
-            lambda: "node-x" in (node.store.get_cached(name) or Instance(name, "x", 1)).nodes,
+            lambda: (
+                "node-x"
+                in (
+                    node.store.get_cached(ObjectKey("default", name)) or Instance(name, "x", 1)
+                ).nodes
+            ),
             what="relisted state in the cache",
         )
         await asyncio.sleep(0.5)
@@ -259,13 +265,15 @@ async def test_instance_deleted_during_a_watch_outage_is_seen_after_the_relist(
     node = await start_node(api, "node-a", tmp_path)
     events = node.store.subscribe_instances()
     try:
-        await eventually(lambda: node.store.get_cached("other-abc123") is not None)
+        await eventually(
+            lambda: node.store.get_cached(ObjectKey("default", "other-abc123")) is not None
+        )
         cached = node.store._instance_informer.cache["default/other-abc123"]
         assert set(cached) == {"metadata"} and "spec" not in cached
         await change_during_outage(
             api, node, lambda: api.delete("instances.akri.sh", "other-abc123", "default")
         )
-        assert node.store.get_cached("other-abc123") is None
+        assert node.store.get_cached(ObjectKey("default", "other-abc123")) is None
         seen = []
         while events.pending():
             seen.append(await events.__anext__())
@@ -352,7 +360,7 @@ async def test_metadata_only_configuration_change_does_not_restart(
     node = await start_node(api, "node-a", tmp_path, grace=GraceSettings(0, 0))
     try:
         await eventually(lambda: len(instances(api)) == 2)
-        runner = node.manager.runners["echo"]
+        runner = node.manager.runners[ObjectKey("default", "echo")]
         events = node.store.subscribe_configurations()
         assert (await asyncio.wait_for(events.__anext__(), 1)).type.value == "ADDED"
         labelled = dict(config)
@@ -360,7 +368,7 @@ async def test_metadata_only_configuration_change_does_not_restart(
         api.apply(labelled)
         await asyncio.sleep(0.5)
         assert events.pending() == 0  # Akri #372: metadata-only changes are not acted on
-        assert node.manager.runners["echo"] is runner
+        assert node.manager.runners[ObjectKey("default", "echo")] is runner
         api.apply(edited(labelled, capacity=5))
         changed = await asyncio.wait_for(events.__anext__(), 2)
         assert changed.configuration is not None and changed.configuration.capacity == 5

@@ -260,7 +260,8 @@ async def test_release_slots_frees_many_in_one_write_keeping_regranted_ones(
     await ledger.claim(KEY, f"{NAME}-1", owner)  # re-granted at 20 (writes nothing)
     assert ledger.last_granted(KEY, f"{NAME}-1") == 20.0
     writes = STATS.writes
-    freed = await ledger.release_slots(KEY,
+    freed = await ledger.release_slots(
+        KEY,
         {f"{NAME}-0": "node-a", f"{NAME}-1": "node-a", f"{NAME}-2": "node-a"},
         unless_granted_since={f"{NAME}-0": 15.0, f"{NAME}-1": 15.0, f"{NAME}-2": 15.0},
     )

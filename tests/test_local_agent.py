@@ -277,7 +277,9 @@ def test_offline_shared_with_grace_keeps_instances_for_the_grace(env: LocalEnv) 
     # Back online within the grace: the very same Instances stay.
     since = agent.mark()
     set_offline(env.avail)
-    agent.wait_for_log(rf"instance {FOO0}: device not seen by {NODE}", since=since, timeout=2)
+    agent.wait_for_log(
+        rf"instance default/{FOO0}: device not seen by {NODE}", since=since, timeout=2
+    )
     set_online(env.avail)
     env.hold_names({FOO0, FOO1}, 2.5)
     assert {n: o["metadata"]["uid"] for n, o in instance_files(env.state_dir).items()} == uids
@@ -379,7 +381,7 @@ def test_live_configuration_edits(env: LocalEnv) -> None:
     config.unlink()
     env.wait_names(set(), timeout=3.0)
     agent.wait_for_log(rf"ERROR .*{config}: file not found", since=since)
-    agent.wait_for_log(rf"configuration {CONFIG} deleted", since=since)
+    agent.wait_for_log(rf"configuration default/{CONFIG} deleted", since=since)
     time.sleep(0.6)  # three more polls of the missing file: still reported once
     assert len(agent.matching("file not found", since)) == 1, agent.describe()
 
@@ -484,7 +486,7 @@ def test_bad_configurations_are_reported_and_do_not_stop_good_ones(env: LocalEnv
     for fixture, field_name in FILE_ERRORS.items():
         agent.wait_for_log(rf"ERROR .*{directory / fixture}.*{field_name}")
     for name, field_name in CONFIGURATION_ERRORS.items():
-        agent.wait_for_log(rf"ERROR .*configuration {name}: .*{field_name}")
+        agent.wait_for_log(rf"ERROR .*configuration default/{name}: .*{field_name}")
     time.sleep(1.0)  # five more polls: each problem must still be reported exactly once
     errors = agent.errors()
     assert len(errors) == len(FILE_ERRORS) + len(CONFIGURATION_ERRORS), "\n".join(errors)
@@ -492,7 +494,7 @@ def test_bad_configurations_are_reported_and_do_not_stop_good_ones(env: LocalEnv
         lines = [e for e in errors if str(directory / fixture) in e]
         assert len(lines) == 1 and field_name in lines[0], (fixture, errors)
     for name, field_name in CONFIGURATION_ERRORS.items():
-        lines = [e for e in errors if f"configuration {name}:" in e]
+        lines = [e for e in errors if f"configuration default/{name}:" in e]
         assert len(lines) == 1 and field_name in lines[0], (name, errors)
     assert any("100000" in e for e in errors), errors
     assert any("'Pod'" in e for e in errors), errors

@@ -22,7 +22,6 @@ from agent.store.base import (
 )
 from agent.store.local import LocalInstanceStore, read_state_dir
 
-
 KEY = ObjectKey("default", "cfg-abcdef")
 
 

@@ -34,7 +34,7 @@ START = 100.0
 Listing = dict[str, frozenset[str]]
 
 
-def K(name: str) -> ObjectKey:  # noqa: N802 - reads like a constructor
+def K(name: str) -> ObjectKey:
     return ObjectKey("default", name)
 
 

@@ -24,6 +24,7 @@ and a plain list before; both are read.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import defaultdict
@@ -100,28 +101,38 @@ def read_kubelet_checkpoint(path: Path) -> dict[str, frozenset[str]]:
     return parse_kubelet_checkpoint(raw)
 
 
-async def list_pod_resources(socket: Path, rpc_timeout: float = 5.0) -> dict[str, frozenset[str]]:
-    """kubelet's pod-resources ``List``: device ids per resource over all listed containers."""
+PodName = tuple[str, str]  # (namespace, name)
+
+
+async def list_pod_resources(
+    socket: Path, rpc_timeout: float = 5.0
+) -> tuple[dict[str, frozenset[str]], frozenset[PodName]]:
+    """kubelet's pod-resources ``List``: device ids per resource over all listed containers,
+    and the pods listed."""
     in_use: defaultdict[str, set[str]] = defaultdict(set)
     options = [("grpc.max_receive_message_length", MAX_POD_RESOURCES_BYTES)]
     async with grpc.aio.insecure_channel(f"unix://{socket}", options=options) as channel:
         stub = pr_grpc.PodResourcesListerStub(channel)
         response = await stub.List(pr_pb2.ListPodResourcesRequest(), timeout=rpc_timeout)
+    pods = set()
     for pod in response.pod_resources:
+        pods.add((pod.namespace, pod.name))
         for container in pod.containers:
             for devices in container.devices:
                 in_use[devices.resource_name].update(devices.device_ids)
-    return {resource: frozenset(ids) for resource, ids in in_use.items()}
+    return {resource: frozenset(ids) for resource, ids in in_use.items()}, frozenset(pods)
 
 
 @dataclass(frozen=True)
 class KubeletView:
     """One look at kubelet: ``listed`` by ``List``, ``checkpointed`` in its checkpoint (read
-    after the ``List``), taken after the clock read ``taken`` (monotonic)."""
+    after the ``List``), taken after the clock read ``taken`` (monotonic); ``pods`` are the
+    pods ``List`` showed."""
 
     listed: InUse
     checkpointed: InUse
     taken: float
+    pods: frozenset[PodName] = frozenset()
     in_use: InUse = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +167,8 @@ class KubeletState:
         self.rpc_timeout = rpc_timeout
         self._clock = clock
         self.last: KubeletView | None = None
+        self._inflight: asyncio.Future[KubeletView] | None = None
+        self._inflight_started = 0.0
 
     def available(self) -> bool:
         """Whether the pod-resources socket exists (kubelet serves it)."""
@@ -171,15 +184,27 @@ class KubeletState:
 
     async def view(self) -> KubeletView:
         """``List``, then the checkpoint. Raises ``grpc.aio.AioRpcError`` or
-        :class:`KubeletStateError`."""
-        taken = self._clock()
-        listed = await list_pod_resources(self.socket, self.rpc_timeout)
+        :class:`KubeletStateError`. Concurrent callers share one look."""
+        started = self._clock()
+        if self._inflight is not None and self._inflight_started >= started:
+            return await asyncio.shield(self._inflight)
+        self._inflight_started = started
+        self._inflight = asyncio.ensure_future(self._look(started))
+        try:
+            return await asyncio.shield(self._inflight)
+        finally:
+            if self._inflight is not None and self._inflight.done():
+                self._inflight = None
+
+    async def _look(self, taken: float) -> KubeletView:
+        listed, pods = await list_pod_resources(self.socket, self.rpc_timeout)
         checkpointed = read_kubelet_checkpoint(self.checkpoint)
-        self.last = KubeletView(listed, checkpointed, taken)
+        self.last = KubeletView(listed, checkpointed, taken, pods)
         return self.last
 
-    async def recent_view(self, max_age: float) -> KubeletView:
-        """The last view if it is at most ``max_age`` seconds old, else a new one."""
-        if self.last is not None and self._clock() - self.last.taken <= max_age:
+    async def view_after(self, not_before: float) -> KubeletView:
+        """A look taken at or after ``not_before`` (monotonic): the last one if it is recent
+        enough, else a new one."""
+        if self.last is not None and self.last.taken >= not_before:
             return self.last
         return await self.view()

@@ -324,6 +324,7 @@ class SlotReclaimer:
         self._socket_identity: tuple[int, int] | None = None
         self._quiet_until: float | None = None
         self._nudged: dict[SlotKey, float] = {}  # slot -> when kubelet was last asked about it
+        self._listed_pods: frozenset[tuple[str, str]] = frozenset()
         self.freed = 0
         self.passes = 0  # passes that asked kubelet
         self.skipped = 0  # passes that did not need to (nothing held)
@@ -452,8 +453,12 @@ class SlotReclaimer:
 
     def _nudge_if_stale(self, view: KubeletView, now: float) -> None:
         """Held slots in kubelet's checkpoint but not in ``List``: ask kubelet to rewrite the
-        checkpoint (once per slot, then every ``RENUDGE_INTERVAL``), so a pod that is gone
-        drops out of it; a running init container stays in it."""
+        checkpoint, so a pod that is gone drops out of it (a running init container stays).
+        Asked when such a slot first appears, when a pod disappeared from ``List`` (this
+        ``List`` made kubelet forget it: only the file lags), and every
+        ``RENUDGE_INTERVAL`` seconds."""
+        gone = bool(self._listed_pods - view.pods)
+        self._listed_pods = view.pods
         due = False
         current: set[SlotKey] = set()
         for slot in self.index:
@@ -461,7 +466,7 @@ class SlotReclaimer:
                 continue
             current.add(slot.key)
             last = self._nudged.get(slot.key)
-            if last is None or now - last >= RENUDGE_INTERVAL:
+            if last is None or gone or now - last >= RENUDGE_INTERVAL:
                 self._nudged[slot.key] = now
                 due = True
         for key in [k for k in self._nudged if k not in current]:

@@ -62,16 +62,17 @@ class SlotRefusedError(Exception):
 class SlotEvidence(Protocol):
     """What this node's kubelet and DRA driver say is in use, for an Instance being created."""
 
-    async def in_use(self, instance: Instance) -> Mapping[str, str]:
+    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
         """slot id -> the usage value of this node for every slot of ``instance`` (by name)
-        that a live container or a prepared claim on this node uses. Raises when the evidence
-        cannot be had now (the creation is retried later)."""
+        that a live container or a prepared claim on this node uses, as seen at or after
+        ``not_before`` (monotonic: this node's last grant of a slot of that Instance). Raises
+        when the evidence cannot be had now (the creation is retried later)."""
 
 
 class NoEvidence:
     """No kubelet and no DRA driver on this agent: nothing can be in use here."""
 
-    async def in_use(self, instance: Instance) -> Mapping[str, str]:
+    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
         return {}
 
 
@@ -143,7 +144,8 @@ class SlotLedger:
         """Create ``instance`` (its ``deviceUsage`` is decided here): every slot free except
         those the evidence shows this node using. Raises :class:`AlreadyExistsError`."""
         async with self.lock_for(instance.key):
-            in_use = await self.evidence.in_use(instance)
+            grants = self._granted.get(instance.key, {})
+            in_use = await self.evidence.in_use(instance, max(grants.values(), default=0.0))
             usage = initial_usage(instance, in_use)
             created = await self.store.create(instance.evolve(device_usage=usage))
         held = {slot: value for slot, value in usage.items() if value}

@@ -1,0 +1,315 @@
+"""Issue 11: nothing frees, deletes or re-creates a slot that a live container holds.
+
+Each test is one way the agent itself used to give away the slot of a running container:
+an invalid Configuration at start, a same-named Configuration in another namespace, an init
+container, a deleted Configuration or unplugged device, and a deleted Instance. Every node
+runs the real agent wiring against the API-server double with its own kubelet double.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.ledger.decisions import held_count
+from agent.model.instance import Instance
+from agent.model.keys import ObjectKey
+from tests.apiserver import ApiServerDouble
+from tests.dp_nodes import DpNode, api_instances, assert_never_over_capacity, start_dp_node
+from tests.k8s_nodes import CRDS, ROOT, debug_echo_configuration, eventually
+
+IL = "akri.sh/cam-8120fe"  # shared debugEcho device "foo0" of configuration "cam"
+INSTANCES = "instances.akri.sh"
+CONFIGURATIONS = "configurations.akri.sh"
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+@pytest.fixture
+async def akri_crd_api(tmp_path: Path) -> AsyncIterator[ApiServerDouble]:
+    """A cluster with Akri's own Configuration CRD: it accepts values (here a capacity of 0
+    or above 1000) that this agent refuses."""
+    crd = yaml.safe_load((ROOT / "crds" / "akri-configuration-crd.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    capacity = schema["properties"]["spec"]["properties"]["capacity"]
+    capacity.pop("minimum", None)
+    capacity.pop("maximum", None)
+    relaxed = tmp_path / "akri-configuration-crd.yaml"
+    relaxed.write_text(yaml.safe_dump(crd))
+    async with ApiServerDouble(crds=[relaxed, CRDS[1]]) as server:
+        yield server
+
+
+def in_namespace(obj: dict[str, Any], namespace: str) -> dict[str, Any]:
+    result = copy.deepcopy(obj)
+    result["metadata"]["namespace"] = namespace
+    return result
+
+
+def instance_in(api: ApiServerDouble, name: str, namespace: str = "default") -> Instance | None:
+    obj = api.get(INSTANCES, name, namespace)
+    return Instance.from_dict(obj) if obj is not None else None
+
+
+def events(api: ApiServerDouble, reason: str) -> list[dict[str, Any]]:
+    return [e for e in api.list("events") if e.get("reason") == reason]
+
+
+async def admitted(node: DpNode, pod: str, resource: str = IL, **kwargs: Any) -> None:
+    result = await node.kubelet.admit_pod("default", pod, [("c", {resource: 1})], **kwargs)
+    assert result.admitted, result.message
+
+
+async def ready(node: DpNode, resource: str = IL, devices: int = 1) -> None:
+    await node.kubelet.wait_registered(resource, timeout=10)
+    await eventually(
+        lambda: node.kubelet.allocatable(resource) >= devices, what=f"{resource} on {node.name}"
+    )
+
+
+async def reclaim_passes(node: DpNode, count: int) -> None:
+    """Wait until the reclaimer has asked kubelet ``count`` more times."""
+    target = node.reclaimer.passes + count
+    await eventually(lambda: node.reclaimer.passes >= target, within=10, what="reclaim passes")
+
+
+# -- case 1: an invalid Configuration at start ------------------------------------------------
+
+
+async def test_an_invalid_configuration_at_start_leaves_its_instances_as_they_are(
+    akri_crd_api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Before: the orphan sweep counted only Configurations that parsed, so this node left
+    the Instance (freeing its slot) and, being the last node, deleted it."""
+    api = akri_crd_api
+    api.create(debug_echo_configuration("cam", ("foo0",), 0))  # Akri allows it; we do not
+    held = Instance(
+        name="cam-8120fe",
+        configuration_name="cam",
+        capacity=2,
+        shared=True,
+        nodes=("node-a",),
+        device_usage={"cam-8120fe-0": "node-a", "cam-8120fe-1": ""},
+    )
+    api.create(held.to_dict())
+    before = api.get(INSTANCES, "cam-8120fe", "default")
+    assert before is not None
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: events(api, "InstancesKept") != [], what="InstancesKept Event")
+        message = events(api, "InstancesKept")[0]["message"]
+        assert "default/cam is invalid" in message and "spec.capacity" in message
+        assert "left exactly as they are" in message
+        after = api.get(INSTANCES, "cam-8120fe", "default")
+        assert after == before  # no leave, no delete, no slot change
+        assert node.discovery.retirements == {} and node.discovery.runners == {}
+        # fixed: it runs again and the held slot is still held
+        fixed = api.get(CONFIGURATIONS, "cam", "default")
+        assert fixed is not None
+        fixed["spec"]["capacity"] = 2
+        api.apply(fixed)
+        await ready(node)
+        instance = instance_in(api, "cam-8120fe")
+        assert instance is not None and instance.device_usage["cam-8120fe-0"] == "node-a"
+        assert held_count(instance) == 1
+    finally:
+        await node.stop()
+
+
+# -- case 2: two namespaces, one name -----------------------------------------------------------
+
+
+async def test_a_same_named_configuration_in_another_namespace_is_refused(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Before: Configurations and Instances were kept by bare name, so ``other/cam`` created
+    then deleted made the agent delete every Instance of ``default/cam``."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node, devices=2)
+        await admitted(node, "user")
+        owned = instance_in(api, "cam-8120fe")
+        assert owned is not None and held_count(owned) == 1
+        api.create(in_namespace(debug_echo_configuration("cam", ("foo0",), 2), "other"))
+        await eventually(lambda: events(api, "NameConflict") != [], what="NameConflict Event")
+        conflict = events(api, "NameConflict")[0]
+        assert conflict["involvedObject"]["namespace"] == "other"
+        assert "namespace 'default'" in conflict["message"]
+        assert ObjectKey("other", "cam") in node.discovery.refused
+        assert api.list(INSTANCES, namespace="other") == []
+        api.delete(CONFIGURATIONS, "cam", "other")
+        await eventually(lambda: ObjectKey("other", "cam") not in node.discovery.refused)
+        # a full reconcile later, default/cam is exactly as it was
+        runner = node.discovery.runners[ObjectKey("default", "cam")]
+        await runner.reconcile_once()
+        after = instance_in(api, "cam-8120fe")
+        assert after is not None and after.device_usage == owned.device_usage
+        assert after.nodes == ("node-a",)
+        assert node.kubelet.capacity(IL) == 2
+    finally:
+        await node.stop()
+
+
+async def test_the_namespace_with_instances_keeps_the_name_until_they_are_gone(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Every path sees only the owner's Instances: the device plugin, the reclaimer (its pod
+    ends: the slot is reclaimed; the other namespace's same-named Instance is never touched)
+    and deletion (the owner drains, then the other namespace's Configuration starts)."""
+    stray = Instance(
+        name="cam-8120fe",
+        namespace="other",
+        configuration_name="cam",
+        capacity=1,
+        shared=True,
+        nodes=("node-a",),
+        device_usage={"cam-8120fe-0": "node-a"},  # written by someone else
+    )
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node, devices=2)
+        await admitted(node, "user")
+        api.create(stray.to_dict())
+        api.create(in_namespace(debug_echo_configuration("cam", ("foo0",), 1), "other"))
+        await eventually(lambda: ObjectKey("other", "cam") in node.discovery.refused)
+        # the plugin serves default's Instance (2 slots), never the stray one
+        assert node.kubelet.capacity(IL) == 2
+        await node.kubelet.delete_pod("default", "user")
+        await eventually(
+            lambda: held_count(instance_in(api, "cam-8120fe") or stray) == 0,
+            what="default's slot reclaimed",
+        )
+        left = instance_in(api, "cam-8120fe", "other")
+        assert left is not None and left.device_usage == {"cam-8120fe-0": "node-a"}
+        # default/cam goes: its Instance is left and deleted; then other/cam, the only
+        # namespace with Instances of that name, owns it and runs
+        api.delete(CONFIGURATIONS, "cam", "default")
+        await eventually(lambda: instance_in(api, "cam-8120fe") is None, what="default left")
+        await eventually(
+            lambda: ObjectKey("other", "cam") in node.discovery.runners, what="other/cam runs"
+        )
+        assert ObjectKey("other", "cam") not in node.discovery.refused
+        adopted = instance_in(api, "cam-8120fe", "other")
+        assert adopted is not None and adopted.nodes == ("node-a",)
+        assert_never_over_capacity(api)
+    finally:
+        await node.stop()
+
+
+# -- case 3: init containers --------------------------------------------------------------------
+
+
+async def test_an_init_containers_slot_is_kept_until_its_pod_ends(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """kubelet's pod-resources List leaves non-restartable init containers out; before, their
+    slots were reclaimed while they ran. kubelet's checkpoint lists them."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 1))
+    node = await start_dp_node(api, "node-a", tmp_path, reclaim_grace=0.3)
+    try:
+        await ready(node)
+        pod = await node.kubelet.admit_pod(
+            "default", "init", [("app", {})], init_containers=[("setup", {IL: 1})]
+        )
+        assert pod.admitted, pod.message
+        listed = node.kubelet.pod_resources_list()
+        assert all(not c.devices for p in listed.pod_resources for c in p.containers)
+        await reclaim_passes(node, 8)  # well past the 0.3 s grace
+        instance = instance_in(api, "cam-8120fe")
+        assert instance is not None and instance.device_usage["cam-8120fe-0"] == "node-a"
+        await node.kubelet.delete_pod("default", "init")
+        await eventually(
+            lambda: held_count(instance_in(api, "cam-8120fe") or instance) == 0,
+            what="slot freed once the pod ended",
+        )
+        assert node.reclaimer.nudges >= 1  # kubelet was asked to rewrite its checkpoint
+    finally:
+        await node.stop()
+
+
+# -- leaving and deleting wait for the slots ----------------------------------------------------
+
+
+async def test_a_deleted_configuration_drains_then_goes(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node, devices=2)
+        await admitted(node, "user")
+        api.delete(CONFIGURATIONS, "cam", "default")
+        await eventually(lambda: events(api, "Draining") != [], what="Draining Event")
+        assert "draining: 1 slot(s) in use on node-a" in events(api, "Draining")[0]["message"]
+        instance = instance_in(api, "cam-8120fe")
+        assert instance is not None and instance.draining_nodes == ("node-a",)
+        assert instance.device_usage["cam-8120fe-0"] == "node-a"
+        # it stops offering free slots at once
+        await eventually(lambda: node.kubelet.allocatable(IL) == 0, what="all Unhealthy")
+        assert "cam-8120fe" in node.discovery.offline_instances()
+        await node.kubelet.delete_pod("default", "user")
+        await eventually(lambda: instance_in(api, "cam-8120fe") is None, within=10)
+        assert node.discovery.retirements == {}
+    finally:
+        await node.stop()
+
+
+async def test_an_unplugged_device_with_a_live_pod_drains(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """With the default local grace of 0, an unplugged device used to be left (its slots
+    freed) at once."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 1))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node)
+        await admitted(node, "user")
+        node.offline()
+        await eventually(lambda: events(api, "Draining") != [], what="Draining Event")
+        instance = instance_in(api, "cam-8120fe")
+        assert instance is not None and instance.device_usage["cam-8120fe-0"] == "node-a"
+        node.offline(False)  # plugged back: no longer draining, nothing was lost
+        await eventually(lambda: (instance_in(api, "cam-8120fe") or instance).draining_nodes == ())
+        node.offline()
+        await node.kubelet.delete_pod("default", "user")
+        await eventually(lambda: instance_in(api, "cam-8120fe") is None, within=10)
+    finally:
+        await node.stop()
+
+
+async def test_an_instance_recreated_under_a_live_pod_starts_with_its_slot_held(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Someone deletes the Instance while a pod uses slot 0: discovery re-creates it with the
+    slot kubelet lists held by this node, not free."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node, devices=2)
+        await admitted(node, "user")
+        used = node.kubelet.pod("default", "user")
+        assert used is not None
+        slot = used.devices(IL)[0]
+        first = instance_in(api, "cam-8120fe")
+        assert first is not None
+        api.delete(INSTANCES, "cam-8120fe", "default")
+        await eventually(
+            lambda: (instance_in(api, "cam-8120fe") or first).uid != first.uid,
+            what="re-created",
+        )
+        again = instance_in(api, "cam-8120fe")
+        assert again is not None and again.device_usage[slot] == "node-a"
+        assert held_count(again) == 1
+    finally:
+        await node.stop()
