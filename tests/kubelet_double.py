@@ -1214,14 +1214,10 @@ class KubeletDouble:
                             "ContainerName": container.name,
                             "ResourceName": resource,
                             "DeviceIDs": per_numa,
-                            "AllocResp": base64.b64encode(
-                                response.SerializeToString()
-                            ).decode(),
+                            "AllocResp": base64.b64encode(response.SerializeToString()).decode(),
                         }
                     )
-        registered = {
-            resource: sorted(devices) for resource, devices in self._all_devices.items()
-        }
+        registered = {resource: sorted(devices) for resource, devices in self._all_devices.items()}
         data = {"PodDeviceEntries": entries, "RegisteredDevices": registered}
         checksum = sum(json.dumps(data, sort_keys=True).encode()) & 0xFFFFFFFF
         return {"Data": data, "Checksum": checksum}

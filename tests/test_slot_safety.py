@@ -20,7 +20,7 @@ from agent.ledger.decisions import held_count
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
 from tests.apiserver import ApiServerDouble
-from tests.dp_nodes import DpNode, api_instances, assert_never_over_capacity, start_dp_node
+from tests.dp_nodes import DpNode, assert_never_over_capacity, start_dp_node
 from tests.k8s_nodes import CRDS, ROOT, debug_echo_configuration, eventually
 
 IL = "akri.sh/cam-8120fe"  # shared debugEcho device "foo0" of configuration "cam"
