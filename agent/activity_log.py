@@ -15,17 +15,22 @@ def _usage(value: str) -> str:
     return value if value else "free"
 
 
+def _name(instance: Instance) -> str:
+    """The Instance's name, with its namespace unless it is ``default``."""
+    return instance.name if instance.namespace == "default" else str(instance.key)
+
+
 def describe(event: InstanceEvent) -> list[str]:
     """Lines describing ``event`` (empty when nothing a reader cares about changed)."""
     inst = event.instance
     if event.type is EventType.ADDED and event.previous is None:
         return [
-            f"instance {inst.name} added: configuration={inst.configuration_name} "
+            f"instance {_name(inst)} added: configuration={inst.configuration_name} "
             f"shared={str(inst.shared).lower()} capacity={inst.capacity} "
             f"nodes={list(inst.nodes)} properties={dict(inst.broker_properties)}"
         ]
     if event.type is EventType.DELETED:
-        return [f"instance {inst.name} deleted"]
+        return [f"instance {_name(inst)} deleted"]
     previous = event.previous
     assert previous is not None
     return _diff(previous, inst)
@@ -42,8 +47,10 @@ def _diff(old: Instance, new: Instance) -> list[str]:
         changes.append(f"properties {dict(old.broker_properties)} -> {dict(new.broker_properties)}")
     if old.shared != new.shared:
         changes.append(f"shared {old.shared} -> {new.shared}")
+    if old.draining_nodes != new.draining_nodes:
+        changes.append(f"draining {list(old.draining_nodes)} -> {list(new.draining_nodes)}")
     if changes:
-        lines.append(f"instance {new.name} updated: " + "; ".join(changes))
+        lines.append(f"instance {_name(new)} updated: " + "; ".join(changes))
     for slot in sorted(set(old.device_usage) | set(new.device_usage)):
         before, after = old.device_usage.get(slot, ""), new.device_usage.get(slot, "")
         if before != after and slot in old.device_usage and slot in new.device_usage:

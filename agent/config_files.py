@@ -88,6 +88,7 @@ class ConfigurationFiles:
         self._provider: dict[ObjectKey, Path] = {}  # which file a Configuration comes from
         self._first_seen: dict[ObjectKey, str] = {}
         self._reported_errors: set[tuple[str, str]] = set()
+        self._unreadable_before: list[str] = []
 
     def current(self) -> list[Configuration]:
         """The Configurations in force, sorted by key."""
@@ -194,7 +195,11 @@ class ConfigurationFiles:
             del self._files[gone]
             changed = True
         if changed:
+            unreadable = self.unreadable()
             self._merge(files)
+            if unreadable != self._unreadable_before:
+                self._unreadable_before = unreadable
+                self._on_catalog_change()
 
     def _merge(self, files: list[Path]) -> None:
         definers: dict[ObjectKey, list[Path]] = {}

@@ -6,16 +6,34 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agent.ledger.decisions import node_slots
 from agent.model.instance import Instance
+from agent.model.keys import DEFAULT_NAMESPACE
 
 
 def to_json(instances: Sequence[Instance]) -> str:
-    """A JSON list of ``{"metadata": {"name": ...}, "spec": {...}}`` as in the CRD."""
+    """A JSON list of ``{"metadata": {"name": ...}, "spec": {...}}`` as in the CRD (with
+    ``namespace`` and ``annotations`` in ``metadata`` when they are not the defaults)."""
     items: list[dict[str, Any]] = []
     for instance in instances:
         obj = instance.to_dict()
-        items.append({"metadata": {"name": instance.name}, "spec": obj["spec"]})
+        metadata: dict[str, Any] = {"name": instance.name}
+        if instance.namespace != DEFAULT_NAMESPACE:
+            metadata["namespace"] = instance.namespace
+        if instance.annotations:
+            metadata["annotations"] = dict(instance.annotations)
+        items.append({"metadata": metadata, "spec": obj["spec"]})
     return json.dumps(items, indent=2, sort_keys=True)
+
+
+def state(instance: Instance) -> str:
+    """``ok``, or ``draining: N slots in use (node)`` for each node that stays in the
+    Instance only until its slots are released."""
+    parts = []
+    for node in instance.draining_nodes:
+        count = len(node_slots(instance, node))
+        parts.append(f"draining: {count} slot{'s' if count != 1 else ''} in use ({node})")
+    return "; ".join(parts) or "ok"
 
 
 def _usage_summary(instance: Instance) -> str:
@@ -30,18 +48,29 @@ def _usage_summary(instance: Instance) -> str:
 
 def to_table(instances: Sequence[Instance]) -> str:
     """An aligned text table: name, configuration, nodes, shared, capacity, deviceUsage."""
-    header = ("NAME", "CONFIGURATION", "NODES", "SHARED", "CAPACITY", "USED", "DEVICE USAGE")
+    header = (
+        "NAME",
+        "CONFIGURATION",
+        "NODES",
+        "SHARED",
+        "CAPACITY",
+        "USED",
+        "STATE",
+        "DEVICE USAGE",
+    )
     rows = [header]
     for inst in instances:
         used = sum(1 for v in inst.device_usage.values() if v)
+        name = inst.name if inst.namespace == DEFAULT_NAMESPACE else f"{inst.namespace}/{inst.name}"
         rows.append(
             (
-                inst.name,
+                name,
                 inst.configuration_name,
                 ",".join(inst.nodes) or "-",
                 str(inst.shared).lower(),
                 str(inst.capacity),
                 str(used),
+                state(inst),
                 _usage_summary(inst),
             )
         )

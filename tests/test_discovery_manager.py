@@ -283,3 +283,36 @@ async def test_orphans_of_vanished_configurations_are_swept(tmp_path: Path) -> N
     assert manager.offline_instances() == frozenset()
     await manager.close()
     await store.close()
+
+
+async def test_nothing_is_taken_for_an_orphan_while_a_configuration_file_is_unreadable(
+    tmp_path: Path,
+) -> None:
+    """Issue 11 case 1 in local mode: a half-saved file at start. Its Configurations are
+    unknown, so their Instances must be left exactly as they are until it can be read."""
+    config = tmp_path / "cams.yaml"
+    config.write_text("apiVersion: akri.sh/v0\nkind: Configuration\nmetadata: {name: cam")
+    state = tmp_path / "state"
+    seed = LocalInstanceStore(state)
+    await seed.start()
+    unused = await seed.create(
+        Instance(name="cam-abcdef", configuration_name="cam", capacity=1, nodes=("node-a",))
+    )
+    await seed.close()
+    store = LocalInstanceStore(state, [config], poll_interval=0.05)
+    await store.start()
+    manager = DiscoveryManager(store, HandlerRegistry(), "node-a")
+    await manager.start()
+    try:
+        assert store.unreadable_sources()
+        assert manager.retirements == {}
+        assert store.get_cached(unused.key) == unused
+        # the file is fixed and does not define "cam": now it is an orphan, and it goes
+        config.write_text(
+            "apiVersion: akri.sh/v0\nkind: Configuration\nmetadata: {name: other}\n"
+            "spec: {discoveryHandler: {name: scripted}, capacity: 1}\n"
+        )
+        await until(lambda: store.get_cached(unused.key) is None, within=5)
+    finally:
+        await manager.close()
+        await store.close()

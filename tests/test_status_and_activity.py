@@ -42,9 +42,22 @@ def test_json_has_crd_shaped_objects() -> None:
 def test_table() -> None:
     lines = to_table([INST]).splitlines()
     assert lines[0].split()[:6] == ["NAME", "CONFIGURATION", "NODES", "SHARED", "CAPACITY", "USED"]
-    assert lines[1].split()[:6] == ["cfg-abcdef", "cfg", "n1,n2", "true", "2", "1"]
+    assert lines[1].split()[:7] == ["cfg-abcdef", "cfg", "n1,n2", "true", "2", "1", "ok"]
     assert "0=n1" in lines[1] and "1=-" in lines[1]
     assert "(no instances)" in to_table([])
+
+
+def test_table_shows_draining_nodes_and_namespaces() -> None:
+    draining = INST.evolve(namespace="cams", annotations={"akri.sh/draining": "n1"})
+    line = to_table([draining]).splitlines()[1]
+    assert line.startswith("cams/cfg-abcdef ")
+    assert "draining: 1 slot in use (n1)" in line
+    data = json.loads(to_json([draining]))
+    assert data[0]["metadata"] == {
+        "name": "cfg-abcdef",
+        "namespace": "cams",
+        "annotations": {"akri.sh/draining": "n1"},
+    }
 
 
 def test_activity_lines() -> None:

@@ -85,6 +85,7 @@ class DiscoveryManager:
         configurations = self.store.subscribe_configurations()
         instances = self.store.subscribe_instances()
         self.ownership.add_listener(self._owners_changed)
+        self.store.on_catalog_change(self._catalog_changed)
         self._notice_invalid()
         self._sweep_orphans()
         self._tasks = [
@@ -238,6 +239,10 @@ class DiscoveryManager:
             retirement = self.retirements.get(key)
             if retirement is not None:
                 retirement.wake()
+
+    def _catalog_changed(self) -> None:
+        if self._sweep_pending and self._tasks:
+            self._sweep_orphans()  # e.g. an unreadable Configuration file became readable
 
     def _owners_changed(self, names: set[str]) -> None:
         waiting = [c for c in self.refused.values() if c.name in names]

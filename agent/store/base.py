@@ -191,8 +191,8 @@ class InstanceStore(abc.ABC):
 
     def on_catalog_change(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (synchronously) whenever the catalog changes: a Configuration
-        appears, disappears or becomes (in)valid, or a Configuration gains its first or loses
-        its last Instance."""
+        appears, disappears or becomes (in)valid, a Configuration gains its first or loses
+        its last Instance, or the set of unreadable sources changes."""
         self._catalog_listeners.append(listener)
 
     def _catalog_changed(self) -> None:
