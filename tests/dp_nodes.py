@@ -96,6 +96,15 @@ class DpNode:
     def offline(self, value: bool = True) -> None:
         self.availability.write_text("OFFLINE" if value else "ONLINE")
 
+    async def restart_agent(self, settings: AgentSettings | None = None) -> None:
+        """kill the agent and start it again (kubelet, its pods and the files stay)."""
+        old = self.agent.settings if settings is None else settings
+        await self.agent.stop()
+        client = make_kube_client(old.kubeconfig)
+        store = KubernetesInstanceStore(client, KubernetesSettings(self.name, request_timeout=5))
+        self.agent = Agent(old, store, freeze_gc=False)
+        await self.agent.start()
+
     async def stop(self, *, keep_files: bool = False) -> None:
         """Stop the agent and the kubelet double (``keep_files`` for a restart)."""
         await self.agent.stop()

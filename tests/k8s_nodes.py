@@ -24,6 +24,21 @@ NO_GRACE = GraceSettings(local=0, shared=0)
 CRDS = [ROOT / "crds" / "akri-configuration-crd.yaml", ROOT / "crds" / "akri-instance-crd.yaml"]
 
 
+def akri_configuration_crd(directory: Path) -> Path:
+    """Our Configuration CRD without the capacity bounds Akri's own CRD does not have: a
+    cluster where Configurations this agent refuses (capacity 0, > 1000) can exist."""
+    import yaml
+
+    crd = yaml.safe_load(CRDS[0].read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    capacity = schema["properties"]["spec"]["properties"]["capacity"]
+    capacity.pop("minimum", None)
+    capacity.pop("maximum", None)
+    relaxed = directory / "akri-configuration-crd.yaml"
+    relaxed.write_text(yaml.safe_dump(crd))
+    return relaxed
+
+
 def debug_echo_configuration(
     name: str = "echo",
     descriptions: tuple[str, ...] = ("foo0", "foo1"),

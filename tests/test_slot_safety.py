@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from agent.ledger.decisions import held_count
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import DpNode, assert_never_over_capacity, start_dp_node
-from tests.k8s_nodes import CRDS, ROOT, debug_echo_configuration, eventually
+from tests.k8s_nodes import CRDS, akri_configuration_crd, debug_echo_configuration, eventually
 
 IL = "akri.sh/cam-8120fe"  # shared debugEcho device "foo0" of configuration "cam"
 INSTANCES = "instances.akri.sh"
@@ -38,14 +37,7 @@ async def api() -> AsyncIterator[ApiServerDouble]:
 async def akri_crd_api(tmp_path: Path) -> AsyncIterator[ApiServerDouble]:
     """A cluster with Akri's own Configuration CRD: it accepts values (here a capacity of 0
     or above 1000) that this agent refuses."""
-    crd = yaml.safe_load((ROOT / "crds" / "akri-configuration-crd.yaml").read_text())
-    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    capacity = schema["properties"]["spec"]["properties"]["capacity"]
-    capacity.pop("minimum", None)
-    capacity.pop("maximum", None)
-    relaxed = tmp_path / "akri-configuration-crd.yaml"
-    relaxed.write_text(yaml.safe_dump(crd))
-    async with ApiServerDouble(crds=[relaxed, CRDS[1]]) as server:
+    async with ApiServerDouble(crds=[akri_configuration_crd(tmp_path), CRDS[1]]) as server:
         yield server
 
 
