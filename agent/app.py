@@ -31,6 +31,7 @@ from discovery_handlers.registry import HandlerRegistry
 from discovery_handlers.udev import UdevHandler
 
 log = logging.getLogger("agent")
+STOP_DEADLINE = 1.5  # seconds for a clean stop after SIGTERM (the process exits within 2 s)
 
 
 def build_handlers(settings: AgentSettings) -> HandlerRegistry:
@@ -237,10 +238,20 @@ class Agent:
         await self.store.close()
         log.info("agent stopped")
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Start, wait for ``stop``, stop."""
-        await self.start()
+    async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:
+        """Start, wait for ``stop``, stop — within ``stop_within`` seconds: what is left
+        then is cancelled (every write is atomic, so nothing is left half-written)."""
+        starting = asyncio.ensure_future(self.start())
+        waiting = asyncio.ensure_future(stop.wait())
         try:
-            await stop.wait()
+            await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # start failures (corrupt state, API down) propagate
+                await waiting
         finally:
-            await self.stop()
+            for task in (starting, waiting):
+                task.cancel()
+            try:
+                await asyncio.wait_for(self.stop(), stop_within)
+            except TimeoutError:
+                log.warning("agent stop took longer than %.0fs: leaving the rest", stop_within)

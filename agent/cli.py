@@ -8,15 +8,18 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
 from agent.store.base import CorruptStateError, InstanceStore, StoreError
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT_STATE = 3
 EXIT_UNAVAILABLE = 4
+EXIT_UNUSABLE_PATH = 5
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,12 +43,30 @@ def _configure_logging(level: str) -> None:
     )
 
 
+def _check_state_dir(path: Path) -> str | None:
+    """Why ``path`` cannot hold the local state (None if it can): it is created if missing,
+    and a file is written and removed to prove it is writable."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"{path}: {error.strerror or error}"
+    return None
+
+
 async def _run_agent(settings: AgentSettings) -> int:
     from agent.app import Agent
     from agent.store.local import LocalInstanceStore
 
     store: InstanceStore
     if settings.local:
+        problem = _check_state_dir(settings.state_dir)
+        if problem is not None:
+            logging.getLogger("agent").error(
+                "cannot use the state directory (--state-dir) %s", problem
+            )
+            return EXIT_UNUSABLE_PATH
         store = LocalInstanceStore(
             settings.state_dir, settings.config, poll_interval=settings.poll_interval
         )
@@ -80,6 +101,10 @@ async def _run_agent(settings: AgentSettings) -> int:
     except StoreError as error:
         logging.getLogger("agent").error("cannot start: %s", error)
         return EXIT_UNAVAILABLE
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        logging.getLogger("agent").error("cannot start: %s%s", where, error.strerror or error)
+        return EXIT_UNUSABLE_PATH
     return 0
 
 
@@ -88,12 +113,23 @@ def _status(args: argparse.Namespace) -> int:
     from agent.store.local import read_state_dir
 
     state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
+    if not state_dir.is_dir():
+        what = "is not a directory" if state_dir.exists() else "does not exist"
+        print(f"akri status: state directory {state_dir} {what}", file=sys.stderr)
+        return EXIT_FAILURE
     try:
         instances = read_state_dir(state_dir)
     except CorruptStateError as error:
         print(f"akri status: {error}", file=sys.stderr)
         return EXIT_CORRUPT_STATE
-    print(to_json(instances) if args.output == "json" else to_table(instances))
+    try:
+        print(to_json(instances) if args.output == "json" else to_table(instances))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (``| head``): no traceback, and none at exit either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILURE
     return 0
 
 

@@ -42,10 +42,12 @@ from agent.model.configuration import (
 )
 from agent.model.keys import ObjectKey
 from agent.store.base import ConfigurationEvent, EventType, InvalidConfiguration
-from discovery_handlers.details import yaml_problem
+from discovery_handlers.details import YamlLimitError, safe_load_all_limited, yaml_problem
 
 log = logging.getLogger(__name__)
 FileKey = tuple[int, int, int]
+# like the API server, whose objects are limited to 1.5 MiB (etcd's request limit)
+MAX_FILE_BYTES = 3 * 1024 * 1024 // 2
 
 
 @dataclass
@@ -128,9 +130,21 @@ class ConfigurationFiles:
         """Re-read ``path`` into ``state``; on errors keep the previous good versions."""
         source = str(path)
         try:
-            documents = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+            with path.open("rb") as handle:
+                raw = handle.read(MAX_FILE_BYTES + 1)
+            if len(raw) > MAX_FILE_BYTES:
+                raise YamlLimitError(f"the file is larger than {MAX_FILE_BYTES} bytes")
+            documents = [
+                doc
+                for doc in safe_load_all_limited(raw.decode(), max_bytes=MAX_FILE_BYTES)
+                if doc is not None
+            ]
         except (OSError, UnicodeDecodeError) as error:
             state.unreadable = f"cannot read file: {error}"
+            self._error(source, None, state.unreadable)
+            return
+        except YamlLimitError as error:
+            state.unreadable = f"too large: {error}"
             self._error(source, None, state.unreadable)
             return
         except yaml.YAMLError as error:

@@ -41,7 +41,11 @@ async def freeze_when_settled(
     iterator = aiter(changes)
     while True:
         try:
-            await asyncio.wait_for(anext(iterator), quiet)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that
+            # arrives as the awaited event completes, and a stream of Instance events made
+            # the agent's stop wait for the stream to end
+            async with asyncio.timeout(quiet):
+                await anext(iterator)
         except TimeoutError:
             break
         except StopAsyncIteration:

@@ -23,6 +23,13 @@ class SettingsError(ValueError):
     """A flag or environment variable has an unusable value."""
 
 
+MIN_INTERVAL = 0.05  # seconds: a shorter poll or pass interval only burns CPU
+
+
+class ValueProblem(argparse.ArgumentTypeError, ValueError):
+    """A flag or variable value that is not allowed; the message says what is."""
+
+
 def parse_bool(text: str) -> bool:
     """Parse a boolean environment value."""
     value = text.strip().lower()
@@ -30,14 +37,32 @@ def parse_bool(text: str) -> bool:
         return True
     if value in FALSE:
         return False
-    raise ValueError(f"expected true/false, got {text!r}")
+    raise ValueProblem(f"must be true or false, got {text[:40]!r}")
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueProblem(f"must be a number of seconds, got {text[:40]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueProblem(f"must be a finite number of seconds, got {text[:40]!r}")
+    return value
 
 
 def parse_seconds(text: str) -> float:
     """Parse a non-negative number of seconds."""
-    value = float(text)
-    if value < 0 or value != value:
-        raise ValueError(f"expected a non-negative number of seconds, got {text!r}")
+    value = _number(text)
+    if value < 0:
+        raise ValueProblem(f"must be ≥ 0, got {text[:40]}")
+    return value
+
+
+def parse_interval(text: str) -> float:
+    """Parse an interval in seconds, at least :data:`MIN_INTERVAL`."""
+    value = _number(text)
+    if value < MIN_INTERVAL:
+        raise ValueProblem(f"must be ≥ {MIN_INTERVAL} seconds, got {text[:40]}")
     return value
 
 
@@ -163,7 +188,7 @@ AGENT_OPTIONS = (
     Option(
         "--reclaim-interval",
         "AKRI_RECLAIM_INTERVAL",
-        parse_seconds,
+        parse_interval,
         1.0,
         "seconds between pod-resources checks",
     ),
@@ -213,7 +238,7 @@ AGENT_OPTIONS = (
     Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
-        parse_seconds,
+        parse_interval,
         1.0,
         "local mode: how often Configuration files and the state dir are re-checked",
     ),
@@ -261,7 +286,9 @@ def resolve(
                     try:
                         value = option.parse(environ[name])
                     except (ValueError, TypeError) as error:
-                        raise SettingsError(f"environment variable {name}: {error}") from error
+                        raise SettingsError(
+                            f"environment variable {name} ({option.flag}): {error}"
+                        ) from error
                     break
         values[option.dest] = option.default if value is None else value
     return values

@@ -11,7 +11,7 @@ both look the same to the agent.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -62,8 +62,9 @@ class DiscoveryHandler(abc.ABC):
         """True if devices are visible from several nodes (IP cameras), False for local ones."""
 
     @abc.abstractmethod
-    def validate(self, discovery_details: str) -> None:
-        """Raise :class:`InvalidDiscoveryDetailsError` with a clear message if unusable."""
+    def validate(self, discovery_details: str) -> Sequence[str] | None:
+        """Raise :class:`InvalidDiscoveryDetailsError` with a clear message if unusable;
+        return warnings (e.g. unknown fields that are ignored, as Akri's handlers do)."""
 
     @abc.abstractmethod
     def discover(

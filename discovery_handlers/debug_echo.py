@@ -15,7 +15,7 @@ when availability changes. ``shared`` comes from the agent (Akri: env
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from discovery_handlers.base import (
@@ -24,9 +24,10 @@ from discovery_handlers.base import (
     DiscoveryProperties,
     InvalidDiscoveryDetailsError,
 )
-from discovery_handlers.details import load_details
+from discovery_handlers.details import brief, load_details, unknown_fields
 
 NAME = "debugEcho"
+FIELDS = ("descriptions",)
 DEFAULT_AVAILABILITY_FILE = Path("/tmp/debug-echo-availability.txt")
 PROPERTY = "DEBUG_ECHO_DESCRIPTION"
 OFFLINE = "OFFLINE"
@@ -35,11 +36,6 @@ OFFLINE = "OFFLINE"
 def parse_descriptions(details: str) -> list[str]:
     """The ``descriptions`` list; raises with a message naming the field."""
     parsed = load_details(details, NAME)
-    unknown = sorted(set(parsed) - {"descriptions"})
-    if unknown:
-        raise InvalidDiscoveryDetailsError(
-            f"{NAME}: unknown field(s) {unknown} in discoveryDetails"
-        )
     descriptions = parsed.get("descriptions")
     if descriptions is None:
         raise InvalidDiscoveryDetailsError(f"{NAME}: discoveryDetails.descriptions is required")
@@ -52,7 +48,7 @@ def parse_descriptions(details: str) -> list[str]:
         if not isinstance(item, str) or not item:
             raise InvalidDiscoveryDetailsError(
                 f"{NAME}: discoveryDetails.descriptions[{index}] must be a non-empty string, "
-                f"got {item!r}"
+                f"got {brief(item)}"
             )
     return list(dict.fromkeys(descriptions))
 
@@ -85,8 +81,9 @@ class DebugEchoHandler(DiscoveryHandler):
     def shared(self) -> bool:
         return self._shared
 
-    def validate(self, discovery_details: str) -> None:
+    def validate(self, discovery_details: str) -> Sequence[str]:
         parse_descriptions(discovery_details)
+        return unknown_fields(load_details(discovery_details, NAME), FIELDS, NAME)
 
     async def discover(
         self, discovery_details: str, discovery_properties: DiscoveryProperties

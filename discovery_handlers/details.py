@@ -1,12 +1,39 @@
-"""Helpers for parsing ``discoveryDetails`` YAML with messages that name the field."""
+"""Helpers for parsing ``discoveryDetails`` YAML with messages that name the field.
+
+YAML from users is bounded before it is turned into objects: a size limit, and a limit on the
+number of nodes once aliases are expanded. PyYAML shares aliased objects, so a few hundred
+bytes of nested anchors load quickly — but anything that walks or prints the result (a
+validation message, a device list) expands them: 504 bytes made an 80 MB error message and
+blocked the agent for seconds. Values quoted in messages go through :func:`brief`.
+"""
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
 
 from discovery_handlers.base import InvalidDiscoveryDetailsError
+
+MAX_DETAILS_BYTES = 256 * 1024
+MAX_EXPANDED_NODES = 100_000  # scalars, sequences and mappings after alias expansion
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel = 3
+_BRIEF.maxstring = 80
+_BRIEF.maxother = 80
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxset = _BRIEF.maxdict = 8
+
+
+def brief(value: Any) -> str:
+    """A short ``repr`` of ``value`` for messages (nested, long or aliased values cut)."""
+    return _BRIEF.repr(value)
+
+
+class YamlLimitError(ValueError):
+    """YAML text over the size or alias-expansion limits."""
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:
@@ -14,17 +41,71 @@ def yaml_problem(error: yaml.YAMLError) -> str:
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None) or str(error)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    return " ".join(f"{problem}{where}".split())
+    return " ".join(f"{problem}{where}".split())[:300]
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], limit: int) -> int:
+    """Nodes under ``node`` counting every alias as a copy (memoized per node; capped)."""
+    known = memo.get(id(node))
+    if known is not None:
+        return known
+    memo[id(node)] = limit + 1  # a cycle counts as too big
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            total += _expanded_size(item, memo, limit)
+            if total > limit:
+                break
+    elif isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            total += _expanded_size(key, memo, limit) + _expanded_size(value, memo, limit)
+            if total > limit:
+                break
+    memo[id(node)] = min(total, limit + 1)
+    return memo[id(node)]
+
+
+def safe_load_all_limited(
+    text: str, *, max_bytes: int = MAX_DETAILS_BYTES, max_nodes: int = MAX_EXPANDED_NODES
+) -> Iterator[Any]:
+    """``yaml.safe_load_all`` that raises :class:`YamlLimitError` for text over ``max_bytes``
+    or a document over ``max_nodes`` nodes once aliases are expanded (and ``yaml.YAMLError``
+    for bad YAML)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise YamlLimitError(f"{size} bytes is more than the limit of {max_bytes}")
+    loader = yaml.SafeLoader(text)
+    try:
+        while loader.check_node():
+            node = loader.get_node()
+            if node is None:
+                continue
+            if _expanded_size(node, {}, max_nodes) > max_nodes:
+                raise YamlLimitError(
+                    f"more than {max_nodes} values once its aliases (*) are expanded"
+                )
+            yield loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def load_details(text: str, handler: str) -> dict[str, Any]:
     """Parse ``discoveryDetails`` as a YAML mapping (empty text = empty mapping)."""
     try:
-        value = yaml.safe_load(text) if text.strip() else {}
+        documents = list(safe_load_all_limited(text)) if text.strip() else []
+    except YamlLimitError as error:
+        raise InvalidDiscoveryDetailsError(
+            f"{handler}: discoveryDetails is too large: {error}"
+        ) from error
     except yaml.YAMLError as error:
         raise InvalidDiscoveryDetailsError(
             f"{handler}: discoveryDetails is not valid YAML: {yaml_problem(error)}"
         ) from error
+    if len(documents) > 1:
+        raise InvalidDiscoveryDetailsError(
+            f"{handler}: discoveryDetails must be one YAML document, got {len(documents)}"
+        )
+    value = documents[0] if documents else None
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -32,3 +113,18 @@ def load_details(text: str, handler: str) -> dict[str, Any]:
             f"{handler}: discoveryDetails must be a YAML mapping, got {type(value).__name__}"
         )
     return value
+
+
+def unknown_fields(parsed: dict[str, Any], known: tuple[str, ...], handler: str) -> list[str]:
+    """Warnings for fields of ``parsed`` this handler does not know. Akri's handlers ignore
+    them, so ours do too (a Configuration written for Akri keeps working); the agent reports
+    the warnings (log line + Event)."""
+    unknown = sorted(
+        key if isinstance(key, str) else brief(key) for key in parsed if key not in known
+    )
+    if not unknown:
+        return []
+    return [
+        f"{handler}: ignoring unknown field(s) {', '.join(unknown)} in discoveryDetails "
+        f"(known: {', '.join(known)})"
+    ]

@@ -67,3 +67,32 @@ def test_every_setting_has_a_flag_and_env_var() -> None:
     options = {option.dest for option in AGENT_OPTIONS}
     assert fields == options
     assert all(option.env.startswith("AKRI_") for option in AGENT_OPTIONS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reclaim-grace", "-5"], "argument --reclaim-grace: must be ≥ 0, got -5"),
+        (["--poll-interval", "0"], "argument --poll-interval: must be ≥ 0.05 seconds, got 0"),
+        (["--reclaim-interval", "0.001"], "argument --reclaim-interval: must be ≥ 0.05"),
+        (["--shared-offline-grace", "soon"], "must be a number of seconds, got 'soon'"),
+        (["--local-offline-grace", "nan"], "must be a finite number of seconds"),
+    ],
+)
+def test_bad_flags_say_what_is_allowed(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: ``--poll-interval 0`` was accepted (100 % CPU), and errors named an internal
+    function (``invalid parse_seconds value``)."""
+    from agent.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["agent", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "parse_" not in err
+
+
+def test_bad_interval_in_the_environment_names_variable_and_flag() -> None:
+    with pytest.raises(SettingsError, match=r"AKRI_POLL_INTERVAL \(--poll-interval\): must be ≥"):
+        settings([], {"AKRI_POLL_INTERVAL": "0"})

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agent.discovery.ownership import Ownership
@@ -34,6 +34,7 @@ from agent.model.configuration import Configuration
 from agent.model.keys import ObjectKey
 from agent.store.base import ConfigurationEvent, EventType, InstanceEvent, InstanceStore
 from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
+from discovery_handlers.details import brief
 from discovery_handlers.registry import HandlerRegistry
 
 log = logging.getLogger("agent.discovery")
@@ -299,12 +300,17 @@ class DiscoveryManager:
             return
         self.refused.pop(key, None)
         self._noticed.pop(key, None)
-        problem = self._check(configuration)
+        problem, warnings = self._check(configuration)
         if problem is not None:
             reason, message = problem
             log.error("configuration %s: %s", key, message)
             await self.store.record_configuration_event(configuration, reason, message)
             return
+        for warning in warnings:
+            log.warning("configuration %s: %s", key, warning)
+            await self.store.record_configuration_event(
+                configuration, "UnknownDiscoveryDetailsFields", warning
+            )
         retirement = self.retirements.pop(key, None)
         if retirement is not None:
             await retirement.stop()
@@ -350,17 +356,21 @@ class DiscoveryManager:
         log.error("configuration %s: %s", key, message)
         await self.store.record_configuration_event(configuration, "NameConflict", message)
 
-    def _check(self, configuration: Configuration) -> tuple[str, str] | None:
+    def _check(self, configuration: Configuration) -> tuple[tuple[str, str] | None, Sequence[str]]:
+        """(reason and message why it cannot run, or None; warnings)."""
         name = configuration.discovery_handler.name
         handler = self.handlers.get(name)
         if handler is None:
             return (
                 "UnknownDiscoveryHandler",
-                f"spec.discoveryHandler.name: no discovery handler named {name!r} "
+                f"spec.discoveryHandler.name: no discovery handler named {brief(name)} "
                 f"(available: {', '.join(self.handlers.names()) or 'none'})",
-            )
+            ), ()
         try:
-            handler.validate(configuration.discovery_handler.discovery_details)
+            warnings = handler.validate(configuration.discovery_handler.discovery_details)
         except InvalidDiscoveryDetailsError as error:
-            return ("InvalidDiscoveryDetails", f"spec.discoveryHandler.discoveryDetails: {error}")
-        return None
+            return (
+                "InvalidDiscoveryDetails",
+                f"spec.discoveryHandler.discoveryDetails: {error}",
+            ), ()
+        return None, tuple(warnings or ())

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+from agent.discovery.limits import ReportRejectedError, check_report
 from agent.discovery.plan import (
     DesiredInstance,
     DiscoveryPlan,
@@ -202,6 +203,7 @@ class ConfigurationRunner:
                 properties = await self._resolve()
                 self._properties_digest = _digest(properties)
                 async for devices in self.handler.discover(details, properties):
+                    check_report(devices)
                     shown = [device.id[:80] for device in devices[:10]]
                     ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
                     log.info(
@@ -225,6 +227,18 @@ class ConfigurationRunner:
                 log.error("configuration %s: %s; retrying in %.0fs", key, error, backoff)
                 await self.store.record_configuration_event(
                     self.configuration, "DiscoveryPropertiesUnresolved", str(error)
+                )
+            except ReportRejectedError as error:
+                log.error(
+                    "configuration %s: handler %s reported %s; keeping its last accepted device "
+                    "list (retrying in %.0fs)",
+                    key,
+                    self.handler.name,
+                    error,
+                    backoff,
+                )
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryReportRejected", str(error)
                 )
             except InvalidDiscoveryDetailsError as error:
                 log.error(
@@ -261,7 +275,8 @@ class ConfigurationRunner:
         while True:
             timeout = None if deadline is None else max(0.0, deadline - self._clock())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # (wait_for may lose a cancellation)
+                    await self._wake.wait()
             self._wake.clear()
             if self._devices is None:
                 deadline = None
@@ -321,9 +336,13 @@ class ConfigurationRunner:
         for desired in plan.upserts:
             await self._upsert(desired)
             self.draining.pop(desired.name, None)
+            # a local-store write never yields: without this, thousands of creations would
+            # hold the loop (and a SIGTERM) for as long as they take
+            await asyncio.sleep(0)
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}
         for name in plan.leave:
             await self._leave(name)
+            await asyncio.sleep(0)
         offline = frozenset(plan.offline) | frozenset(self.draining)
         if offline != self.offline:
             self.offline = offline

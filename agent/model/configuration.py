@@ -11,6 +11,7 @@ from typing import Any
 
 from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
 from agent.model.naming import MAX_CAPACITY, is_dns_subdomain
+from discovery_handlers.details import brief
 
 API_VERSION = "akri.sh/v0"
 KIND = "Configuration"
@@ -24,7 +25,7 @@ class ConfigurationError(ValueError):
     def __init__(self, name: str, problems: list[str]) -> None:
         self.name = name
         self.problems = problems
-        super().__init__(f"invalid Configuration {name!r}: " + "; ".join(problems))
+        super().__init__(f"invalid Configuration {brief(name)}: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ def _string_map(value: Any, path: str, problems: _Problems) -> dict[str, str]:
     result: dict[str, str] = {}
     for key, item in mapping.items():
         if not isinstance(key, str):
-            problems.add(path, f"key {key!r} must be a string")
+            problems.add(path, f"key {brief(key)} must be a string")
         elif not isinstance(item, str):
             problems.add(f"{path}.{key}", f"must be a string, got {type(item).__name__}")
         else:
@@ -154,7 +155,7 @@ def _parse_property(value: Any, path: str, problems: _Problems) -> DiscoveryProp
         return None
     name = mapping.get("name")
     if not isinstance(name, str) or not PROPERTY_NAME_RE.match(name):
-        problems.add(f"{path}.name", f"must match {PROPERTY_NAME_RE.pattern}, got {name!r}")
+        problems.add(f"{path}.name", f"must match {PROPERTY_NAME_RE.pattern}, got {brief(name)}")
         return None
     literal = mapping.get("value")
     value_from = _expect_mapping(mapping.get("valueFrom"), f"{path}.valueFrom", problems)
@@ -187,13 +188,13 @@ def parse_configuration(obj: Any) -> Configuration:
         raise ConfigurationError("?", [f"<root>: must be an object, got {type(obj).__name__}"])
     metadata = _expect_mapping(obj.get("metadata"), "metadata", problems) or {}
     name = metadata.get("name")
-    display = name if isinstance(name, str) else "?"
+    display = name[:253] if isinstance(name, str) else "?"
     if obj.get("apiVersion") != API_VERSION:
-        problems.add("apiVersion", f"must be {API_VERSION!r}, got {obj.get('apiVersion')!r}")
+        problems.add("apiVersion", f"must be {API_VERSION!r}, got {brief(obj.get('apiVersion'))}")
     if obj.get("kind") != KIND:
-        problems.add("kind", f"must be {KIND!r}, got {obj.get('kind')!r}")
+        problems.add("kind", f"must be {KIND!r}, got {brief(obj.get('kind'))}")
     if not isinstance(name, str) or not is_dns_subdomain(name):
-        problems.add("metadata.name", f"must be a DNS-1123 subdomain, got {name!r}")
+        problems.add("metadata.name", f"must be a DNS-1123 subdomain, got {brief(name)}")
     namespace = metadata.get("namespace", DEFAULT_NAMESPACE)
     if not isinstance(namespace, str) or not namespace:
         problems.add("metadata.namespace", "must be a non-empty string")
@@ -242,7 +243,7 @@ def parse_configuration(obj: Any) -> Configuration:
 
     capacity = spec.get("capacity", 1)
     if isinstance(capacity, bool) or not isinstance(capacity, int):
-        problems.add("spec.capacity", f"must be an integer, got {capacity!r}")
+        problems.add("spec.capacity", f"must be an integer, got {brief(capacity)}")
         capacity = 1
     elif not 1 <= capacity <= MAX_CAPACITY:
         problems.add("spec.capacity", f"must be between 1 and {MAX_CAPACITY}, got {capacity}")

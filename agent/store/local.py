@@ -130,6 +130,9 @@ class LocalInstanceStore(InstanceStore):
         self._counter_path = state_dir / COUNTER_FILE
         self._lock_path = state_dir / LOCK_FILE
         self._cache = InstanceCache()
+        # highest resourceVersion seen in a file: a floor for the counter (kept up to date
+        # instead of scanning the cache on every write)
+        self._max_version = 0
         self._durable = durable
         self._poll_interval = poll_interval
         self._write_lock = asyncio.Lock()
@@ -296,7 +299,7 @@ class LocalInstanceStore(InstanceStore):
         if self._counter_path.exists():
             text = self._counter_path.read_text().strip()
             current = int(text) if text.isdigit() else 0
-        current = max(current, self._max_file_version()) + 1
+        current = max(current, self._max_version) + 1
         if self._counter_stat() != self._last_counter_stat:
             # another process wrote since we last looked: our own write below would hide
             # that from the poll, so remember to rescan
@@ -305,9 +308,6 @@ class LocalInstanceStore(InstanceStore):
         self._last_counter_stat = self._counter_stat()
         return str(current)
 
-    def _max_file_version(self) -> int:
-        versions = [int(i.resource_version or 0) for i in self._cache.all()]
-        return max(versions, default=0)
 
     def _counter_stat(self) -> tuple[int, int] | None:
         try:
@@ -329,6 +329,9 @@ class LocalInstanceStore(InstanceStore):
     def _rescan(self, *, publish: bool) -> None:
         self._last_counter_stat = self._counter_stat()
         on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
+        self._max_version = max(
+            [self._max_version, *(int(i.resource_version or 0) for i in on_disk.values())]
+        )
         if not publish:
             self._cache.replace_all(list(on_disk.values()))
             return
@@ -351,6 +354,7 @@ class LocalInstanceStore(InstanceStore):
         ):
             return  # an older read racing a newer write
         _, catalog = self._cache.put(instance)
+        self._max_version = max(self._max_version, int(instance.resource_version or 0))
         kind = EventType.ADDED if previous is None else EventType.MODIFIED
         self._publish_instance(InstanceEvent(kind, instance, previous))
         if catalog:

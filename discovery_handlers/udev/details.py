@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from discovery_handlers.base import InvalidDiscoveryDetailsError
-from discovery_handlers.details import load_details
+from discovery_handlers.details import brief, load_details, unknown_fields
 from discovery_handlers.udev.rules import Rule, RuleSyntaxError, parse_rule
 
 NAME = "udev"
@@ -32,11 +32,6 @@ class UdevDetails:
 def parse_details(text: str) -> UdevDetails:
     """Parse and validate ``discoveryDetails``; the message names the field, rule and token."""
     parsed = load_details(text, NAME)
-    unknown = sorted(str(key) for key in parsed if key not in FIELDS)
-    if unknown:
-        raise InvalidDiscoveryDetailsError(
-            f"{NAME}: unknown field(s) {unknown} in discoveryDetails (known: {', '.join(FIELDS)})"
-        )
     raw_rules = parsed.get("udevRules")
     if raw_rules is None:
         raise InvalidDiscoveryDetailsError(
@@ -58,18 +53,23 @@ def parse_details(text: str) -> UdevDetails:
             rules.append(parse_rule(item))
         except RuleSyntaxError as error:
             raise InvalidDiscoveryDetailsError(
-                f"{NAME}: discoveryDetails.udevRules[{index}] {item!r}: {error}"
+                f"{NAME}: discoveryDetails.udevRules[{index}] {brief(item)}: {error}"
             ) from error
     group_recursive = parsed.get("groupRecursive", False)
     if not isinstance(group_recursive, bool):
         raise InvalidDiscoveryDetailsError(
             f"{NAME}: discoveryDetails.groupRecursive must be true or false, "
-            f"got {group_recursive!r}"
+            f"got {brief(group_recursive)}"
         )
     permissions = parsed.get("permissions", DEFAULT_PERMISSIONS)
     if not isinstance(permissions, str) or permissions not in PERMISSIONS:
         raise InvalidDiscoveryDetailsError(
             f"{NAME}: discoveryDetails.permissions must be one of {', '.join(PERMISSIONS)}, "
-            f"got {permissions!r}"
+            f"got {brief(permissions)}"
         )
     return UdevDetails(rules=tuple(rules), group_recursive=group_recursive, permissions=permissions)
+
+
+def warnings(text: str) -> list[str]:
+    """Warnings about usable ``discoveryDetails`` (unknown fields are ignored, like Akri)."""
+    return unknown_fields(load_details(text, NAME), FIELDS, NAME)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 from discovery_handlers.base import Device, DiscoveryHandler, DiscoveryProperties
-from discovery_handlers.udev.details import NAME, UdevDetails, parse_details
+from discovery_handlers.udev.details import NAME, UdevDetails, parse_details, warnings
 from discovery_handlers.udev.devices import Found, build_devices
 
 log = logging.getLogger("discovery_handlers.udev")
@@ -50,8 +50,9 @@ class UdevHandler(DiscoveryHandler):
     def shared(self) -> bool:
         return False
 
-    def validate(self, discovery_details: str) -> None:
+    def validate(self, discovery_details: str) -> Sequence[str]:
         parse_details(discovery_details)
+        return warnings(discovery_details)
 
     def source(self) -> str:
         """The netlink source to use now."""

@@ -36,6 +36,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from discovery_handlers.details import brief
 from discovery_handlers.udev.glob import fnmatch, is_glob
 
 DEVICE_KEYS = ("DEVPATH", "KERNEL", "SUBSYSTEM", "DRIVER", "ENV", "ATTR", "TAG")
@@ -84,7 +85,7 @@ class RuleSyntaxError(ValueError):
         self.reason = reason
         self.column = column
         self.token = token
-        super().__init__(f"column {column}: {reason}: {token!r}")
+        super().__init__(f"column {column}: {reason}: {brief(token)}")
 
 
 class UdevDevice(Protocol):
@@ -409,7 +410,7 @@ def _check_key(key: str, name: str | None, token: str, column: int, name_column:
                 token=token,
             )
         raise RuleSyntaxError(
-            f"unknown key {key!r} (supported: "
+            f"unknown key {brief(key)} (supported: "
             f"{', '.join(_display_key(k) for k in SUPPORTED_KEYS)})",
             column=column,
             token=token,
