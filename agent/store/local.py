@@ -308,7 +308,6 @@ class LocalInstanceStore(InstanceStore):
         self._last_counter_stat = self._counter_stat()
         return str(current)
 
-
     def _counter_stat(self) -> tuple[int, int] | None:
         try:
             stat = self._counter_path.stat()
