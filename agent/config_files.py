@@ -91,6 +91,7 @@ class ConfigurationFiles:
         self._first_seen: dict[ObjectKey, str] = {}
         self._reported_errors: set[tuple[str, str]] = set()
         self._unreadable_before: list[str] = []
+        self._broken: set[ObjectKey] = set()  # reported invalid, not valid again yet
 
     def current(self) -> list[Configuration]:
         """The Configurations in force, sorted by key."""
@@ -162,6 +163,8 @@ class ConfigurationFiles:
             except ConfigurationError as error:
                 message = "; ".join(error.problems)
                 self._error(where, key, message)
+                if key is not None:
+                    self._broken.add(key)
                 if key is None:
                     state.unreadable = f"document {index + 1} has no readable name"
                 elif key in state.configurations:
@@ -175,6 +178,11 @@ class ConfigurationFiles:
                 )
                 continue
             configurations[configuration.key] = configuration
+            if configuration.key in self._broken:
+                self._broken.discard(configuration.key)
+                log.info(
+                    "configuration %s in %s is valid again: accepted", configuration.key, where
+                )
         state.configurations = configurations
         state.invalid = invalid
 

@@ -27,9 +27,10 @@ def to_json(instances: Sequence[Instance]) -> str:
 
 
 def state(instance: Instance) -> str:
-    """``ok``, or ``draining: N slots in use (node)`` for each node that stays in the
+    """``ok``, or ``offline (node)`` for each node in its offline grace (its slots are
+    Unhealthy there) and ``draining: N slots in use (node)`` for each node that stays in the
     Instance only until its slots are released."""
-    parts = []
+    parts = [f"offline ({node})" for node in instance.offline_nodes]
     for node in instance.draining_nodes:
         count = len(node_slots(instance, node))
         parts.append(f"draining: {count} slot{'s' if count != 1 else ''} in use ({node})")

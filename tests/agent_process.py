@@ -235,8 +235,11 @@ def run_status(
 
 
 def read_status(state_dir: Path) -> list[dict[str, Any]]:
-    """The parsed ``akri status -o json`` list; fails if the command fails."""
+    """The parsed ``akri status -o json`` list (empty while the agent has not created the
+    state directory yet); fails if the command fails."""
     result = run_status(state_dir)
+    if result.returncode == 1 and "does not exist" in result.stderr:
+        return []
     assert result.returncode == 0, (
         f"akri status exited {result.returncode}\nstdout:\n{result.stdout}\n"
         f"stderr:\n{result.stderr}"

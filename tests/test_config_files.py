@@ -213,3 +213,21 @@ def test_half_written_file_is_not_acted_on(
     assert events == []  # never saw a stable empty file: nothing deleted
     files.scan()
     assert [(e.type, e.name) for e in events] == [(EventType.MODIFIED, "one")]
+
+
+def test_a_fixed_configuration_says_it_is_accepted_again(
+    tmp_path: Path, events: list[ConfigurationEvent], caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "c.yaml"
+    write(path, GOOD.format(name="one", capacity=1))
+    files = ConfigurationFiles([path], events.append)
+    settle(files)
+    write(path, GOOD.format(name="one", capacity=-3))
+    settle(files)
+    with caplog.at_level(logging.INFO):
+        write(path, GOOD.format(name="one", capacity=4))
+        settle(files)
+    assert any(
+        "default/one" in r.getMessage() and "valid again" in r.getMessage() for r in caplog.records
+    )
+    assert [c.capacity for c in files.current()] == [4]

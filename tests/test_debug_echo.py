@@ -25,7 +25,6 @@ def test_parse_descriptions() -> None:
         ("{}", "descriptions is required"),
         ("", "descriptions is required"),
         ("- a", "must be a YAML mapping"),
-        ("descriptions: [a]\nextra: 1", "unknown field"),
         ("descriptions: [", "not valid YAML"),
     ],
 )
@@ -33,6 +32,15 @@ def test_bad_details_are_rejected_clearly(details: str, needle: str) -> None:
     with pytest.raises(InvalidDiscoveryDetailsError, match="debugEcho") as info:
         DebugEchoHandler().validate(details)
     assert needle in str(info.value)
+
+
+def test_unknown_fields_are_warnings_not_errors() -> None:
+    """Akri's handlers ignore unknown discoveryDetails fields; a typo must not stop an Akri
+    user's Configuration (the agent logs and records the warning)."""
+    warnings = DebugEchoHandler().validate("descriptions: [a]\nextra: 1")
+    assert warnings == [
+        "debugEcho: ignoring unknown field(s) extra in discoveryDetails (known: descriptions)"
+    ]
 
 
 async def test_devices_and_offline_toggle(tmp_path: Path) -> None:

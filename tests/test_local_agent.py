@@ -280,7 +280,23 @@ def test_offline_shared_with_grace_keeps_instances_for_the_grace(env: LocalEnv) 
     agent.wait_for_log(
         rf"instance default/{FOO0}: device not seen by {NODE}", since=since, timeout=2
     )
+    # akri status shows it (the slots are Unhealthy on this node meanwhile)
+
+    def offline_table() -> str | None:
+        output = run_status(env.state_dir, output="table").stdout
+        return output if f"offline ({NODE})" in output else None
+
+    table = poll_until(
+        offline_table, timeout=2, message="akri status never showed the device offline"
+    )
+    assert FOO0 in table
     set_online(env.avail)
+    env.wait_status(
+        lambda items: all(
+            "akri.sh/offline" not in i["metadata"].get("annotations", {}) for i in items.values()
+        ),
+        what="offline marks cleared",
+    )
     env.hold_names({FOO0, FOO1}, 2.5)
     assert {n: o["metadata"]["uid"] for n, o in instance_files(env.state_dir).items()} == uids
 
@@ -567,6 +583,9 @@ def test_corrupt_state_refuses_to_start(env: LocalEnv, target: str, content: str
 
 # -- 7. akri status output ---------------------------------------------------------------------
 def test_status_table_and_json(env: LocalEnv) -> None:
+    missing = run_status(env.state_dir, output="table")
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    env.state_dir.mkdir()
     empty = run_status(env.state_dir, output="table")
     assert empty.returncode == 0, empty.stderr
     assert "(no instances)" in empty.stdout

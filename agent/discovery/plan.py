@@ -27,6 +27,7 @@ from agent.model.instance import Instance
 from agent.model.naming import (
     CONFIGURATION_LABEL,
     DEVICE_DIGEST_ANNOTATION,
+    OFFLINE_ANNOTATION,
     candidate_names,
     cdi_name,
     device_fingerprint,
@@ -200,7 +201,8 @@ def join_instance(
     node: str,
     shared: bool,
 ) -> Instance | None:
-    """The Instance with this node in ``nodes`` (no longer draining: it sees the device) and
+    """The Instance with this node in ``nodes`` (no longer offline or draining: it sees the
+    device) and
     the Configuration's current settings, or None when nothing needs writing. A capacity
     change is only the ``capacity`` field here: the ledger resizes the slots."""
     changes: dict[str, object] = {}
@@ -217,8 +219,9 @@ def join_instance(
     if instance.cdi_name != expected_cdi:
         changes["cdi_name"] = expected_cdi
     annotations = dict(instance.annotations)
-    if node in instance.draining_nodes:
-        annotations = dict(with_draining(instance, node, False).annotations)
+    if node in instance.draining_nodes or node in instance.offline_nodes:
+        back = with_draining(instance, node, False).with_node_mark(OFFLINE_ANNOTATION, node, False)
+        annotations = dict(back.annotations)
     if annotations.get(DEVICE_DIGEST_ANNOTATION) != desired.fingerprint:
         annotations[DEVICE_DIGEST_ANNOTATION] = desired.fingerprint
     if annotations != dict(instance.annotations):

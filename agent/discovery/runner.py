@@ -40,6 +40,7 @@ from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.model.naming import OFFLINE_ANNOTATION
 from agent.store.base import (
     AlreadyExistsError,
     InstanceStore,
@@ -333,6 +334,8 @@ class ConfigurationRunner:
                 self.node,
                 self._grace_for(self.configuration, self.handler.shared),
             )
+        for name in sorted(newly_offline):
+            await self._mark_offline(name)
         for desired in plan.upserts:
             await self._upsert(desired)
             self.draining.pop(desired.name, None)
@@ -373,6 +376,19 @@ class ConfigurationRunner:
             except NotFoundError:
                 continue  # deleted meanwhile (another node left last): create it again
         raise StoreError(f"could not upsert instance {key}")
+
+    async def _mark_offline(self, name: str) -> None:
+        """Record in the Instance that this node does not see its device right now (so
+        ``akri status`` and ``kubectl get akrii -o yaml`` show it); cleared on rejoin."""
+        key = ObjectKey(self.configuration.namespace, name)
+
+        def mark(instance: Instance) -> Instance | None:
+            if self.node in instance.offline_nodes or self.node not in instance.nodes:
+                return None
+            return instance.with_node_mark(OFFLINE_ANNOTATION, self.node, True)
+
+        with contextlib.suppress(NotFoundError):
+            await self.ledger.update_instance(key, mark)
 
     async def _refresh(self, key: ObjectKey) -> None:
         with contextlib.suppress(NotFoundError):

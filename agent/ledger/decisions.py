@@ -44,7 +44,7 @@ from agent.model.device_usage import (
     parse_usage,
 )
 from agent.model.instance import Instance
-from agent.model.naming import DRAINING_ANNOTATION, parse_slot_id, slot_id
+from agent.model.naming import DRAINING_ANNOTATION, OFFLINE_ANNOTATION, parse_slot_id, slot_id
 
 
 @dataclass(frozen=True)
@@ -370,12 +370,7 @@ def node_slots(instance: Instance, node: str) -> tuple[str, ...]:
 
 def with_draining(instance: Instance, node: str, draining: bool) -> Instance:
     """``instance`` with ``node`` added to / removed from the draining annotation."""
-    nodes = set(instance.draining_nodes)
-    nodes = nodes | {node} if draining else nodes - {node}
-    annotations = {k: v for k, v in instance.annotations.items() if k != DRAINING_ANNOTATION}
-    if nodes:
-        annotations[DRAINING_ANNOTATION] = ",".join(sorted(nodes))
-    return instance.evolve(annotations=annotations)
+    return instance.with_node_mark(DRAINING_ANNOTATION, node, draining)
 
 
 def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
@@ -388,5 +383,9 @@ def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
             return Drain(held, None)
         return Drain(held, with_draining(instance, node, True))
     remaining = tuple(n for n in instance.nodes if n != node)
-    updated = with_draining(instance, node, False).evolve(nodes=remaining)
+    updated = (
+        with_draining(instance, node, False)
+        .with_node_mark(OFFLINE_ANNOTATION, node, False)
+        .evolve(nodes=remaining)
+    )
     return Leave(updated, delete=not remaining and held_count(instance) == 0)

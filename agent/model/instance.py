@@ -8,7 +8,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
-from agent.model.naming import DEVICE_DIGEST_ANNOTATION, DRAINING_ANNOTATION, slot_id
+from agent.model.naming import (
+    DEVICE_DIGEST_ANNOTATION,
+    DRAINING_ANNOTATION,
+    OFFLINE_ANNOTATION,
+    slot_id,
+)
 
 API_VERSION = "akri.sh/v0"
 KIND = "Instance"
@@ -57,8 +62,27 @@ class Instance:
     def draining_nodes(self) -> tuple[str, ...]:
         """Nodes that lost the device (or its Configuration) but still hold slots in use, so
         they stay in ``nodes`` until those slots are released (annotation, see slot-model)."""
-        text = self.annotations.get(DRAINING_ANNOTATION, "")
+        return self.marked_nodes(DRAINING_ANNOTATION)
+
+    @property
+    def offline_nodes(self) -> tuple[str, ...]:
+        """Nodes that do not see the device right now but keep the Instance for its offline
+        grace (their slots are Unhealthy there)."""
+        return self.marked_nodes(OFFLINE_ANNOTATION)
+
+    def marked_nodes(self, annotation: str) -> tuple[str, ...]:
+        """The node names in a comma-separated node-list annotation."""
+        text = self.annotations.get(annotation, "")
         return tuple(node for node in text.split(",") if node)
+
+    def with_node_mark(self, annotation: str, node: str, present: bool) -> Instance:
+        """A copy with ``node`` added to / removed from a node-list annotation."""
+        nodes = set(self.marked_nodes(annotation))
+        nodes = nodes | {node} if present else nodes - {node}
+        annotations = {k: v for k, v in self.annotations.items() if k != annotation}
+        if nodes:
+            annotations[annotation] = ",".join(sorted(nodes))
+        return self.evolve(annotations=annotations)
 
     @property
     def device_fingerprint(self) -> str | None:

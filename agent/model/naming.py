@@ -32,6 +32,7 @@ DNS_SUBDOMAIN_MAX = 253
 DIGEST_HEX_LENGTH = 6
 DEVICE_DIGEST_ANNOTATION = "akri.sh/device-digest"
 DRAINING_ANNOTATION = "akri.sh/draining"
+OFFLINE_ANNOTATION = "akri.sh/offline"
 CONFIGURATION_LABEL = "akri.sh/configuration"
 
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
