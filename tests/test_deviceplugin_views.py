@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agent.deviceplugin.container_env import container_edits, env_name
-from agent.deviceplugin.reclaimer import HeldSlot, held_by_plugins, stale_slots
+from agent.deviceplugin.reclaimer import HeldSlot, held_in, plan_reclaim
 from agent.deviceplugin.views import (
     InsufficientInstancesError,
     configuration_devices,
@@ -144,20 +144,20 @@ def test_env_names_are_sanitised_and_suffixed() -> None:
 
 def test_reclaim_decisions() -> None:
     a = inst("cams-aaaaaa", capacity=4, s0="n1", s1="C:cams-3:n1", s2="n2", s3="D:uid:n1")
-    held = held_by_plugins([a], "n1")
+    held = list(held_in(a, "n1"))
     assert held == [
         HeldSlot(a.key, "cams-aaaaaa-0", "n1", "akri.sh/cams-aaaaaa", "cams-aaaaaa-0"),
         HeldSlot(a.key, "cams-aaaaaa-1", "C:cams-3:n1", "akri.sh/cams", "cams-3"),
     ]
     since: dict[tuple[ObjectKey, str], float] = {}
     in_use = {"akri.sh/cams-aaaaaa": frozenset({"cams-aaaaaa-0"})}
-    assert stale_slots(held, in_use, since, now=0.0, grace=3.0) == []
-    assert stale_slots(held, in_use, since, now=2.0, grace=3.0) == []
-    due = stale_slots(held, in_use, since, now=3.0, grace=3.0)
+    assert plan_reclaim(held, in_use, since, now=0.0, grace=3.0).due == ()
+    assert plan_reclaim(held, in_use, since, now=2.0, grace=3.0).due == ()
+    due = plan_reclaim(held, in_use, since, now=3.0, grace=3.0).due
     assert [h.slot for h in due] == ["cams-aaaaaa-1"]
     # back in use resets the timer
     in_use2 = {**in_use, "akri.sh/cams": frozenset({"cams-3"})}
-    assert stale_slots(held, in_use2, since, now=10.0, grace=3.0) == []
+    assert plan_reclaim(held, in_use2, since, now=10.0, grace=3.0).due == ()
     assert since == {}
 
 

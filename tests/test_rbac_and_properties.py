@@ -170,26 +170,94 @@ async def test_resolution_rules_without_a_server() -> None:
         await resolve_properties(configuration.discovery_handler.discovery_properties, read)
 
 
+Grant = tuple[str, str, str, str | None]  # (group, resource, verb, namespace or None: all)
+
+
+def _documents(name: str) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all((ROOT / "deploy" / name).read_text()))
+
+
 def _rules() -> list[dict[str, Any]]:
-    documents = list(yaml.safe_load_all((ROOT / "deploy" / "rbac.yaml").read_text()))
-    role = next(d for d in documents if d["kind"] == "ClusterRole")
+    role = next(d for d in _documents("rbac.yaml") if d["kind"] == "ClusterRole")
     return list(role["rules"])
 
 
+def grants(extra_namespaces: tuple[str, ...] = ()) -> set[Grant]:
+    """What deploy/rbac.yaml (plus deploy/properties-reader.yaml applied in
+    ``extra_namespaces``) allows the agent's ServiceAccount."""
+    result: set[Grant] = set()
+
+    def add(rules: list[dict[str, Any]], namespace: str | None) -> None:
+        for rule in rules:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        result.add((group, resource, verb, namespace))
+
+    for document in _documents("rbac.yaml"):
+        if document["kind"] == "ClusterRole":
+            add(document["rules"], None)
+        elif document["kind"] == "Role":
+            add(document["rules"], document["metadata"]["namespace"])
+    reader = next(d for d in _documents("properties-reader.yaml") if d["kind"] == "Role")
+    for namespace in extra_namespaces:
+        add(reader["rules"], namespace)
+    return result
+
+
+def allowed(granted: set[Grant], group: str, resource: str, verb: str, ns: str | None) -> bool:
+    return (group, resource, verb, None) in granted or (
+        ns is not None and (group, resource, verb, ns) in granted
+    )
+
+
 def test_rbac_has_no_wildcards() -> None:
-    for rule in _rules():
-        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
-        assert "*" not in rule["apiGroups"]
+    for document in [*_documents("rbac.yaml"), *_documents("properties-reader.yaml")]:
+        for rule in document.get("rules") or []:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+            assert "*" not in rule["apiGroups"]
+
+
+def test_secrets_are_readable_only_where_granted() -> None:
+    """Before: every node's agent could read every Secret and ConfigMap of the cluster."""
+    granted = grants()
+    assert not allowed(granted, "", "secrets", "get", "default")
+    assert allowed(granted, "", "secrets", "watch", "akri")
+    assert allowed(grants(("cams",)), "", "configmaps", "list", "cams")
+    assert not allowed(granted, "resource.k8s.io", "resourceclaims", "list", None)
+    binding = next(d for d in _documents("properties-reader.yaml") if d["kind"] == "RoleBinding")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "akri-agent", "namespace": "akri"}
+    ]
+    assert "namespace" not in binding["metadata"]  # kubectl apply -n <namespace> places it
+
+
+async def test_an_unreadable_secret_names_the_missing_grant(tmp_path: Path) -> None:
+    async with ApiServerDouble(crds=CRDS) as api:
+        api.create(secret("creds", user="u"))
+        api.fail(403, resource="secrets", namespace="default", times=None)
+        api.create(recorder_configuration(PROPS[1:2]))
+        handler = RecordingHandler()
+        node = await start_node(api, "node-a", tmp_path, extra_handlers=(handler,))
+        try:
+            await eventually(
+                lambda: any(
+                    e["reason"] == "DiscoveryPropertiesUnresolved" for e in api.list("events")
+                ),
+                what="an Event about the Secret",
+            )
+            event = next(
+                e for e in api.list("events") if e["reason"] == "DiscoveryPropertiesUnresolved"
+            )
+            assert "forbidden" in event["message"]
+            assert "kubectl apply -n default -f deploy/properties-reader.yaml" in event["message"]
+            assert handler.seen == []
+        finally:
+            await node.stop()
 
 
 async def test_every_agent_request_is_allowed_by_rbac(tmp_path: Path) -> None:
-    allowed = {
-        (group, resource, verb)
-        for rule in _rules()
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    granted = grants(("default",))  # the test's Secret lives in "default"
     async with ApiServerDouble(crds=CRDS) as api:
         api.create(secret("creds", user="u"))
         api.create(recorder_configuration(PROPS[:2]))
@@ -211,11 +279,14 @@ async def test_every_agent_request_is_allowed_by_rbac(tmp_path: Path) -> None:
         finally:
             await node.stop()
         used = {
-            (r.info.group or "", r.info.resource, r.info.verb)
+            (r.info.group or "", r.info.resource, r.info.verb, r.info.namespace)
             for r in api.requests
             if r.info.resource
         }
     assert used, "no requests recorded"
-    assert used <= allowed, sorted(used - allowed)
-    assert ("akri.sh", "instances", "update") in used
-    assert ("akri.sh", "instances", "patch") not in used
+    denied = sorted(str(u) for u in used if not allowed(granted, *u))
+    assert denied == []
+    verbs = {(group, resource, verb) for group, resource, verb, _ in used}
+    assert ("akri.sh", "instances", "update") in verbs
+    assert ("akri.sh", "instances", "patch") not in verbs
+    assert ("", "secrets", "get") in verbs

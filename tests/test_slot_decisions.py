@@ -16,12 +16,12 @@ from agent.ledger.decisions import (
     decide_claim_any,
     decide_leave,
     decide_release,
-    decide_release_node,
     decide_release_values,
     decide_update,
     free_slots,
     held_count,
     initial_usage,
+    node_slots,
     resize_usage,
 )
 from agent.model.device_usage import parse_usage
@@ -117,11 +117,10 @@ def test_release_only_by_holder_and_free_is_noop() -> None:
     assert isinstance(noop, Released) and not noop.changed
 
 
-def test_release_node_frees_every_plugin_of_that_node_only() -> None:
+def test_node_slots_are_every_plugin_of_that_node_only() -> None:
     held = inst(capacity=4, s0="node-a", s1="C:cams-0:node-a", s2="D:u:node-a", s3="node-b")
-    released = decide_release_node(held, "node-a")
-    assert released.changed and len(released.slots) == 3
-    assert dict(released.device_usage)[f"{NAME}-3"] == "node-b"
+    assert node_slots(held, "node-a") == (f"{NAME}-0", f"{NAME}-1", f"{NAME}-2")
+    assert node_slots(held, "node-b") == (f"{NAME}-3",)
     assert decide_release_values(held, {"nope"}).changed is False
 
 

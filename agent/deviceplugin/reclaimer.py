@@ -121,11 +121,6 @@ def held_in(instance: Instance, node: str) -> tuple[HeldSlot, ...]:
     return tuple(result)
 
 
-def held_by_plugins(instances: Iterable[Instance], node: str) -> list[HeldSlot]:
-    """Every IL/CL slot ``node`` holds (DRA and other nodes' slots excluded)."""
-    return [slot for instance in instances for slot in held_in(instance, node)]
-
-
 class HeldIndex:
     """The slots ``node`` holds through plugins (``extract``: IL/CL by default), per
     Instance, kept up to date by :meth:`update` / :meth:`remove` (from Instance events) or
@@ -240,17 +235,6 @@ def plan_reclaim(
     for key in [k for k in unused_since if k not in current]:
         del unused_since[key]
     return ReclaimPlan(tuple(sorted(due, key=lambda s: s.key)), next_deadline)
-
-
-def stale_slots(
-    held: Iterable[HeldSlot],
-    in_use: InUse,
-    unused_since: dict[SlotKey, float],
-    now: float,
-    grace: float,
-) -> list[HeldSlot]:
-    """Slots unused for at least ``grace`` seconds; updates ``unused_since`` in place."""
-    return list(plan_reclaim(held, in_use, unused_since, now, grace).due)
 
 
 def by_instance(slots: Iterable[HeldSlot]) -> dict[ObjectKey, list[HeldSlot]]:

@@ -87,14 +87,6 @@ def instance_devices(instance: Instance, node: str, offline: bool) -> list[Devic
     return result
 
 
-def held_virtual_devices(instances: Sequence[Instance], node: str) -> list[VirtualDevice]:
-    """vdevs this node's CL plugin holds, with the slot holding each."""
-    held: list[VirtualDevice] = []
-    for instance in instances:
-        held.extend(replace(v, healthy=True) for v in _instance_part(instance, node).held)
-    return held
-
-
 @dataclass(frozen=True)
 class _InstancePart:
     """What one Instance contributes to the CL list: the vdevs this node holds in it (slot

@@ -56,6 +56,17 @@ def _generation(obj: Obj) -> int:
     return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
 
 
+def _selected_nodes(obj: Obj) -> set[str]:
+    """Node names a shared slice's nodeSelector lists (``metadata.name In [...]``)."""
+    selector = (obj.get("spec") or {}).get("nodeSelector") or {}
+    names: set[str] = set()
+    for term in selector.get("nodeSelectorTerms") or []:
+        for field in term.get("matchFields") or []:
+            if field.get("key") == "metadata.name" and field.get("operator") == "In":
+                names.update(str(v) for v in field.get("values") or [])
+    return names
+
+
 def _unchanged(existing: list[Obj], specs: list[dict[str, Any]]) -> bool:
     """Whether the pool's slices already hold exactly ``specs`` (in any order: slices get
     generated names, so their name order says nothing), all at one generation."""
@@ -193,8 +204,12 @@ class SlicePublisher:
             local_of_this_node = any(
                 (o.get("spec") or {}).get("nodeName") == self.node for o in objs
             )
-            shared_orphan = all(not (o.get("spec") or {}).get("nodeName") for o in objs) and (
-                name not in existing_instances
+            # an orphaned shared pool is removed by a node its nodeSelector lists (the only
+            # nodes deploy/resourceslice-policy.yaml lets write it)
+            shared_orphan = (
+                all(not (o.get("spec") or {}).get("nodeName") for o in objs)
+                and name not in existing_instances
+                and any(self.node in _selected_nodes(o) for o in objs)
             )
             if (local_of_this_node and name != self.node) or shared_orphan:
                 for obj in objs:

@@ -41,6 +41,7 @@ from agent.model.device_usage import (
     NodeUsage,
     SlotUsage,
     format_usage,
+    holder_node,
     parse_usage,
 )
 from agent.model.instance import Instance
@@ -169,7 +170,7 @@ def decide_claim(
     if not isinstance(current, Free):
         if (
             current_value in reclaimable
-            and owner.node == _node_of(current)
+            and owner.node == holder_node(current)
             # over capacity (draining after a decrease): let the stale slot go instead
             and held_count(instance) <= instance.capacity
         ):
@@ -189,12 +190,6 @@ def _not_on_node(instance: Instance, owner: Owner) -> Refused:
         f"node {owner.node} is not in the nodes of instance {instance.name} "
         f"({', '.join(instance.nodes) or 'none'}): it does not see the device",
     )
-
-
-def _node_of(usage: SlotUsage) -> str | None:
-    if isinstance(usage, NodeUsage | ConfigurationUsage | ClaimUsage):
-        return usage.node
-    return None
 
 
 def decide_claim_any(
@@ -280,14 +275,6 @@ def regranted(granted: Mapping[str, float], since: float | Mapping[str, float]) 
     return {slot for slot, when in granted.items() if when >= since}
 
 
-def decide_release_node(instance: Instance, node: str) -> Released:
-    """Free every slot held by ``node`` (any plugin): used when the node leaves the Instance."""
-    values = {
-        value for value in instance.device_usage.values() if _node_of(parse_usage(value)) == node
-    }
-    return decide_release_values(instance, values)
-
-
 def _release_keys(instance: Instance, slots: Collection[str]) -> dict[str, str]:
     """Write explicit ``""`` for freed slots within capacity; drop keys beyond capacity."""
     usage = dict(instance.device_usage)
@@ -361,7 +348,7 @@ def node_slots(instance: Instance, node: str) -> tuple[str, ...]:
             (
                 sid
                 for sid, value in instance.device_usage.items()
-                if value and _node_of(parse_usage(value)) == node
+                if value and holder_node(parse_usage(value)) == node
             ),
             key=lambda sid: (parse_slot_id(instance.name, sid) or 0, sid),
         )

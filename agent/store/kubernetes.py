@@ -361,6 +361,13 @@ class KubernetesInstanceStore(InstanceStore):
         except ApiError as error:
             if error.status == 404:
                 return None
+            if error.status == 403:
+                raise PropertyResolutionError(
+                    f"cannot read {kind} {namespace}/{name}: forbidden — the agent's "
+                    f"ServiceAccount needs get, list and watch on {plural} in namespace "
+                    f"{namespace}: kubectl apply -n {namespace} -f "
+                    "deploy/properties-reader.yaml"
+                ) from error
             what = f"HTTP {error.status}" if error.status else type(error).__name__
             raise PropertyResolutionError(
                 f"cannot read {kind} {namespace}/{name}: {what}"

@@ -32,7 +32,7 @@ Values are double-quoted; inside them ``\\\"`` is a quote and every other backsl
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -525,28 +525,3 @@ def parse_rule(text: str) -> Rule:
             'empty rule: it needs at least one KEY=="value"', column=1, token=text
         )
     return Rule(text=text, matches=tuple(matches))
-
-
-def parse_rules(texts: Sequence[str]) -> tuple[Rule, ...]:
-    """Parse several rules; errors are re-raised as :class:`RulesError` naming the index."""
-    rules = []
-    for index, text in enumerate(texts):
-        try:
-            rules.append(parse_rule(text))
-        except RuleSyntaxError as error:
-            raise RulesError(index, error) from error
-    return tuple(rules)
-
-
-class RulesError(ValueError):
-    """A rule in a list failed to parse; ``index`` is its position."""
-
-    def __init__(self, index: int, error: RuleSyntaxError) -> None:
-        self.index = index
-        self.error = error
-        super().__init__(f"udevRules[{index}]: {error}")
-
-
-def matches_any(rules: tuple[Rule, ...], device: UdevDevice) -> bool:
-    """True if ``device`` matches at least one of ``rules``."""
-    return any(rule.matches_device(device) for rule in rules)

@@ -32,11 +32,6 @@ class UdevUnavailableError(RuntimeError):
     """pyudev/libudev cannot be loaded or the uevent netlink socket cannot be opened."""
 
 
-def udevd_running(control: Path = UDEVD_CONTROL) -> bool:
-    """True if udevd runs here: libudev's own test (``/run/udev/control`` exists)."""
-    return control.exists()
-
-
 def _import_pyudev() -> Any:
     try:
         import pyudev  # type: ignore[import-untyped]
