@@ -58,6 +58,7 @@ def camera_record(index: int) -> str:
 async def measure(samples: int) -> dict[str, Any]:
     from agent.deviceplugin.manager import DevicePluginManager
     from agent.discovery.manager import DiscoveryManager, GraceSettings
+    from agent.discovery.ownership import Ownership, ServedInstances
     from agent.ledger.ledger import SlotLedger
     from agent.store.local import LocalInstanceStore
     from discovery_handlers.registry import HandlerRegistry
@@ -79,9 +80,13 @@ async def measure(samples: int) -> dict[str, Any]:
         await store.start()
         registry = HandlerRegistry()
         registry.register(UdevHandler())
-        discovery = DiscoveryManager(store, registry, "bench-node", GraceSettings(0, 0))
+        ledger = SlotLedger(store, "bench-node")
+        ownership = Ownership(store)
+        discovery = DiscoveryManager(
+            store, registry, "bench-node", GraceSettings(0, 0), ledger=ledger, ownership=ownership
+        )
         plugins = DevicePluginManager(
-            store, SlotLedger(store, "bench-node"), discovery, base / "dp", kubelet_poll=0.2
+            ServedInstances(store, ownership), ledger, discovery, base / "dp", kubelet_poll=0.2
         )
         await discovery.start()
         await plugins.start()

@@ -540,11 +540,11 @@ async def test_testbed_end_to_end_instance_follows_the_device(testbed: Any, tmp_
     )
 
     def instances() -> list[Instance]:
-        return store.list_cached("akri-udev-video")
+        return store.list_cached(configuration.key)
 
     try:
         await manager.handle_configuration_event(
-            ConfigurationEvent(EventType.ADDED, "akri-udev-video", configuration)
+            ConfigurationEvent(EventType.ADDED, configuration.key, configuration)
         )
         await asyncio.sleep(0.2)
         assert instances() == []
