@@ -109,6 +109,21 @@ class ConfigurationFiles:
             if state.unreadable is not None
         )
 
+    def settling(self) -> bool:
+        """Whether a changed file waits for a second look (call :meth:`scan` again soon)."""
+        return any(state.pending is not None for state in self._files.values())
+
+    def watched_directories(self) -> list[Path]:
+        """Directories whose entries can change what :meth:`scan` reads."""
+        return sorted({p if p.is_dir() else p.parent for p in self._paths})
+
+    def concerns(self, name: str) -> bool:
+        """Whether a directory entry called ``name`` can change what :meth:`scan` reads."""
+        files = {p.name for p in self._paths if not p.is_dir()}
+        return name in files or (
+            any(p.is_dir() for p in self._paths) and name.endswith((".yaml", ".yml"))
+        )
+
     def _expand(self) -> list[Path]:
         files: list[Path] = []
         for path in self._paths:

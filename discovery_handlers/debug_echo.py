@@ -7,14 +7,14 @@ discoveryDetails (Akri-compatible)::
 Each description is a device with id = the description and property
 ``DEBUG_ECHO_DESCRIPTION``. If the availability file (Akri: ``/tmp/debug-echo-availability.txt``)
 contains ``OFFLINE`` the device list is empty ("unplugged"); any other content, or no file,
-means online. The file is checked every ``poll_interval`` seconds and a new list is sent only
-when availability changes. ``shared`` comes from the agent (Akri: env
+means online. The file is re-read when inotify reports a change of it (or every
+``poll_interval`` seconds where inotify cannot be used), and a new list is sent only when
+availability changes. ``shared`` comes from the agent (Akri: env
 ``DEBUG_ECHO_INSTANCES_SHARED``), not from discoveryDetails.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -92,10 +92,22 @@ class DebugEchoHandler(DiscoveryHandler):
             Device(id=text, properties={PROPERTY: text})
             for text in parse_descriptions(discovery_details)
         ]
+        from agent.fswatch import DirectoryWatch  # the agent's, when run inside it
+
+        name = self.availability_file.name
+        watch = DirectoryWatch(
+            [self.availability_file.parent],
+            self.poll_interval,
+            interesting=lambda entry, _removed: entry == name,
+        )
         last: bool | None = None
-        while True:
-            offline = is_offline(self.availability_file)
-            if offline != last:
-                last = offline
-                yield [] if offline else list(devices)
-            await asyncio.sleep(self.poll_interval)
+        watch.arm()
+        try:
+            while True:
+                offline = is_offline(self.availability_file)
+                if offline != last:
+                    last = offline
+                    yield [] if offline else list(devices)
+                await watch.changed()
+        finally:
+            watch.close()

@@ -6,7 +6,9 @@
 * every Instance change notifies exactly the plugins whose lists may change (its IL plugin
   and its Configuration's CL plugin); an offline (grace) change notifies all;
 * kubelet restarts are detected by watching ``kubelet.sock`` (new inode) and our own sockets
-  (removed): every plugin then gets a new socket and re-registers, within ~``poll`` seconds.
+  (removed): every plugin then gets a new socket and re-registers. inotify says when a socket
+  in the directory is created or removed (no polling); where it cannot be used, the
+  directory is polled every ``kubelet_poll`` seconds.
 
 Costs, so that thousands of plugins stay cheap:
 
@@ -18,8 +20,9 @@ Costs, so that thousands of plugins stay cheap:
   plugin never delays a new one;
 * the configuration-level list re-computes at most every ``cl_update_interval`` seconds (see
   :class:`DevicePluginService`), and only re-parses the Instances that changed;
-* each poll costs two ``stat`` calls (``kubelet.sock`` and the directory); our own sockets
-  are only checked (one directory listing) when the directory changed;
+* each check costs two ``stat`` calls (``kubelet.sock`` and the directory); our own sockets
+  are only checked (one directory listing) when the directory changed; kubelet's own
+  checkpoint writes in the directory do not wake the manager (only ``*.sock`` names do);
 * after a kubelet restart the plugins restart concurrently (at most ``concurrency`` at a
   time), each as before: new server on a new socket, self-dial, Register (retried).
 """
@@ -40,6 +43,7 @@ from agent.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, Instan
 from agent.deviceplugin.service import DevicePluginService
 from agent.discovery.ownership import ServedInstances
 from agent.events import Subscription
+from agent.fswatch import DirectoryWatch
 from agent.ledger.ledger import SlotLedger
 from agent.store.base import InstanceEvent
 
@@ -49,6 +53,7 @@ CL_UPDATE_INTERVAL = 0.05
 # a directory mtime this close to now may not yet reflect a change made within the same
 # filesystem timestamp tick, so the directory is checked again on the next poll
 RECENT_MTIME_NS = 1_000_000_000
+SOCKET_SETTLE = 0.03  # seconds to let a burst of socket changes finish before acting
 
 
 class DevicePluginManager:
@@ -93,6 +98,7 @@ class DevicePluginManager:
         self._check_own_next = False
         self._directory_gone_logged = False
         self._restart_listeners: list[Callable[[], None]] = []
+        self.socket_watch: DirectoryWatch | None = None
 
     def endpoints(self) -> list[PluginEndpoint]:
         """Every running plugin endpoint."""
@@ -323,9 +329,24 @@ class DevicePluginManager:
         return (stat.st_ino, stat.st_mtime_ns)
 
     async def _watch_kubelet(self) -> None:
-        while True:
-            await asyncio.sleep(self.kubelet_poll)
-            await self.check_sockets()
+        watch = DirectoryWatch([self.directory], self.kubelet_poll, interesting=_socket_event)
+        self.socket_watch = watch
+        try:
+            watch.arm()
+            await self.check_sockets()  # what changed before the watch was armed
+            while True:
+                # a check after a failed restart must not wait for the next event
+                woken = await watch.changed(
+                    within=self.kubelet_poll if self._check_own_next else None
+                )
+                if woken:
+                    # kubelet's restart removes every socket, then creates kubelet.sock: let
+                    # the burst end, so the plugins restart once, for the new kubelet
+                    await asyncio.sleep(SOCKET_SETTLE)
+                    await watch.changed(within=0)
+                await self.check_sockets()
+        finally:
+            watch.close()
 
     async def check_sockets(self) -> None:
         """One poll: a re-created ``kubelet.sock`` (kubelet restarted) re-registers every
@@ -393,3 +414,11 @@ class DevicePluginManager:
                 log.exception("restarting %s failed", endpoint.resource_name)
                 return False
         return True
+
+
+def _socket_event(name: str, removed: bool) -> bool:
+    """What the socket watch wakes for: ``kubelet.sock`` created or removed, and any other
+    socket removed (ours created, or kubelet's checkpoint written, are no news)."""
+    if name == KUBELET_SOCKET:
+        return True
+    return removed and name.endswith(".sock")

@@ -8,8 +8,9 @@
   ``<plugin dir>/dra.sock``: every claim in a request gets an entry, with ``error`` set when
   preparing it failed (kubelet retries).
 * The DRA server starts before the registration socket appears; both sockets are removed on
-  stop. If the registration socket disappears (someone cleaned the directory) it is re-created
-  so kubelet's plugin watcher registers us again.
+  stop. If a socket disappears (someone cleaned the directory; inotify tells, or a poll every
+  ``poll`` seconds where it cannot) both are served again so kubelet's plugin watcher
+  registers us again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import grpc
 
 from agent.dra.state import ClaimRef, DraState, PrepareError
+from agent.fswatch import DirectoryWatch
 from agent.protos.dra.v1 import api_pb2 as v1
 from agent.protos.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.protos.dra.v1beta1 import api_pb2 as v1beta1
@@ -179,14 +181,23 @@ class DraDriver:
         )
 
     async def _keep_registration(self) -> None:
-        while True:
-            await asyncio.sleep(self._poll)
-            if self.registration_socket.exists() and self.dra_socket.exists():
-                continue
-            log.info("DRA sockets removed: serving them again so kubelet re-registers us")
-            self.re_registrations += 1
-            await self._stop_servers()
-            await self._serve()
+        names = {self.registration_socket.name, self.dra_socket.name}
+        watch = DirectoryWatch(
+            [self.registry_dir, self.plugin_dir],
+            self._poll,
+            interesting=lambda name, removed: removed and name in names,
+        )
+        try:
+            watch.arm()
+            while True:
+                if not (self.registration_socket.exists() and self.dra_socket.exists()):
+                    log.info("DRA sockets removed: serving them again so kubelet re-registers us")
+                    self.re_registrations += 1
+                    await self._stop_servers()
+                    await self._serve()
+                await watch.changed()
+        finally:
+            watch.close()
 
     async def _stop_servers(self) -> None:
         for server in (self._reg_server, self._dra_server):

@@ -32,7 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from agent.deviceplugin.reclaimer import HeldIndex, HeldSlot
+from agent.deviceplugin.reclaimer import HeldIndex, HeldSlot, held_in
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.slices import DRIVER, device_name
 from agent.dra.state import ClaimReader, DraState, driver_results
@@ -54,16 +54,19 @@ class ClaimSlotState(enum.Enum):
     UNTRACEABLE = "untraceable"
 
 
+def claim_slot(instance: Instance, slot: str, value: str, node: str) -> HeldSlot | None:
+    """``slot`` as a ``D:<uid>:<node>`` slot of ``node`` (``device_id`` = the claim uid)."""
+    if not value.startswith("D:"):
+        return None
+    usage = parse_usage(value)
+    if isinstance(usage, ClaimUsage) and usage.node == node:
+        return HeldSlot(instance.key, slot, value, DRIVER, usage.claim_uid)
+    return None
+
+
 def claim_slots_in(instance: Instance, node: str) -> tuple[HeldSlot, ...]:
-    """The ``D:<uid>:<node>`` slots of ``instance`` (``device_id`` = the claim uid)."""
-    result = []
-    for slot, value in sorted(instance.device_usage.items()):
-        if not value.startswith("D:"):
-            continue
-        usage = parse_usage(value)
-        if isinstance(usage, ClaimUsage) and usage.node == node:
-            result.append(HeldSlot(instance.key, slot, value, DRIVER, usage.claim_uid))
-    return tuple(result)
+    """The ``D:<uid>:<node>`` slots of ``instance``."""
+    return held_in(instance, node, claim_slot)
 
 
 def classify(
@@ -120,7 +123,7 @@ class DraReclaimer:
         self.grace = grace
         self._clock = clock
         self._sleep = sleep
-        self.index = HeldIndex(state.node, served, claim_slots_in)
+        self.index = HeldIndex(state.node, served, claim_slot)
         self._subscription: Subscription[InstanceEvent] | None = None
         self._stale_since: dict[tuple[ObjectKey, str], float] = {}
         self._reported: set[tuple[ObjectKey, str, str]] = set()

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agent.config_files import ConfigurationFiles
+from agent.fswatch import DirectoryWatch
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance, InstanceFormatError
 from agent.model.keys import DEFAULT_NAMESPACE, ObjectKey
@@ -107,10 +108,15 @@ def read_state_dir(state_dir: Path) -> list[Instance]:
     directory = state_dir / INSTANCES_DIR
     if not directory.is_dir():
         return []
-    return sorted(
-        (load_instance_file(path, namespace) for path, namespace in _instance_files(directory)),
-        key=lambda inst: inst.key,
-    )
+    instances = []
+    for path, namespace in _instance_files(directory):
+        try:
+            instances.append(load_instance_file(path, namespace))
+        except CorruptStateError:
+            if path.exists():
+                raise
+            # deleted by another process between the listing and the read: it is gone
+    return sorted(instances, key=lambda inst: inst.key)
 
 
 class LocalInstanceStore(InstanceStore):
@@ -174,17 +180,35 @@ class LocalInstanceStore(InstanceStore):
             raise CorruptStateError(str(self._counter_path), f"expected an integer, got {text!r}")
 
     async def _poll_loop(self) -> None:
-        """Pick up changes made by other processes and edits of Configuration files."""
-        while True:
-            await asyncio.sleep(self._poll_interval)
-            try:
-                self._config_files.scan()
-                if self._counter_changed():
-                    self._rescan(publish=True)
-            except CorruptStateError as error:
-                log.error("ignoring unreadable state written by another process: %s", error)
-            except Exception:  # a poll failure must not end the loop
-                log.exception("local store poll failed")
+        """Pick up changes made by other processes and edits of Configuration files: woken by
+        inotify (or every ``poll_interval`` where it cannot be used). A changed file is read
+        again one ``poll_interval`` later, and applied once both reads agree."""
+        watch = DirectoryWatch(
+            [*self._config_files.watched_directories(), self.state_dir],
+            self._poll_interval,
+            interesting=lambda name, _removed: (
+                name == COUNTER_FILE or self._config_files.concerns(name)
+            ),
+        )
+        try:
+            watch.arm()
+            self._poll_once()  # what changed before the watch was armed
+            while True:
+                settling = self._config_files.settling() or self._rescan_pending
+                await watch.changed(within=self._poll_interval if settling else None)
+                self._poll_once()
+        finally:
+            watch.close()
+
+    def _poll_once(self) -> None:
+        try:
+            self._config_files.scan()
+            if self._counter_changed():
+                self._rescan(publish=True)
+        except CorruptStateError as error:
+            log.error("ignoring unreadable state written by another process: %s", error)
+        except Exception:  # a poll failure must not end the loop
+            log.exception("local store poll failed")
 
     # -- reads -------------------------------------------------------------------------------
     def get_cached(self, key: ObjectKey) -> Instance | None:
@@ -284,10 +308,10 @@ class LocalInstanceStore(InstanceStore):
         return instance_path(self._instances_dir, key)
 
     @contextlib.contextmanager
-    def _flock(self) -> Iterator[None]:
+    def _flock(self, *, shared: bool = False) -> Iterator[None]:
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -326,8 +350,11 @@ class LocalInstanceStore(InstanceStore):
         return True
 
     def _rescan(self, *, publish: bool) -> None:
-        self._last_counter_stat = self._counter_stat()
-        on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
+        # under the lock (shared): a writer persists the counter before the object that uses
+        # it, so a rescan woken by the counter must wait until that object is written too
+        with self._flock(shared=True):
+            self._last_counter_stat = self._counter_stat()
+            on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
         self._max_version = max(
             [self._max_version, *(int(i.resource_version or 0) for i in on_disk.values())]
         )
