@@ -9,36 +9,44 @@ from typing import TYPE_CHECKING
 
 from agent.activity_log import log_instance_changes
 from agent.deviceplugin.kubelet_state import CHECKPOINT_FILE, KubeletState
-from agent.deviceplugin.manager import DevicePluginManager
-from agent.deviceplugin.reclaimer import SlotReclaimer
 from agent.discovery.manager import DiscoveryManager, GraceSettings
 from agent.discovery.ownership import Ownership, ServedInstances
 from agent.events import Subscription
 from agent.evidence import NodeEvidence
 from agent.gc_tuning import freeze_long_lived, freeze_when_settled
 from agent.ledger.ledger import SlotLedger
+from agent.loop_monitor import LoopMonitor
 from agent.store.base import InstanceEvent
 
 if TYPE_CHECKING:
+    from agent.deviceplugin.manager import DevicePluginManager
+    from agent.deviceplugin.reclaimer import SlotReclaimer
     from agent.dra.driver import DraDriver
     from agent.dra.publisher import SlicePublisher
     from agent.dra.reclaim import DraReclaimer
     from agent.dra.state import DraState
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
+from discovery_handlers.base import DiscoveryHandler
 from discovery_handlers.debug_echo import DebugEchoHandler
-from discovery_handlers.registry import HandlerRegistry
-from discovery_handlers.udev import UdevHandler
+from discovery_handlers.registry import HandlerRegistry, LazyHandler
 
 log = logging.getLogger("agent")
+FIRST_FREEZE_DELAY = 0.5  # seconds after start (the second freeze follows when settled)
 STOP_DEADLINE = 1.5  # seconds for a clean stop after SIGTERM (the process exits within 2 s)
 
 
 def build_handlers(settings: AgentSettings) -> HandlerRegistry:
     """The embedded handlers this agent runs."""
     registry = HandlerRegistry()
-    # only runs when a Configuration names "udev"
-    registry.register(UdevHandler(monitor_source=settings.udev_monitor_source))
+
+    def udev() -> DiscoveryHandler:
+        from discovery_handlers.udev import UdevHandler
+
+        return UdevHandler(monitor_source=settings.udev_monitor_source)
+
+    # loaded (and run) only when a Configuration names "udev"
+    registry.register(LazyHandler("udev", False, udev))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(
@@ -89,7 +97,13 @@ class Agent:
         self.publisher: SlicePublisher | None = None
         self._slice_events: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
+        self.loop_monitor = LoopMonitor()
+        self._loop_monitor_task: asyncio.Task[None] | None = None
         if settings.device_plugin_dir is not None and self.kubelet is not None:
+            # imported only when used: a local agent without device plugins needs no gRPC
+            from agent.deviceplugin.manager import DevicePluginManager
+            from agent.deviceplugin.reclaimer import SlotReclaimer
+
             plugins = DevicePluginManager(
                 self.served, self.ledger, self.discovery, settings.device_plugin_dir
             )
@@ -157,6 +171,7 @@ class Agent:
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
+        self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
         await self.store.start()
         self.ownership.refresh()
         if self.settings.dra:
@@ -181,7 +196,8 @@ class Agent:
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
         if self.freeze_gc:
-            freeze_long_lived()
+            # soon, not now: the 6 ms it takes would delay the first device lists
+            asyncio.get_running_loop().call_later(FIRST_FREEZE_DELAY, freeze_long_lived)
             changes = self.store.subscribe_instances()
             self._gc_freeze = asyncio.create_task(self._freeze_when_settled(changes), name="gc")
         log.info(
@@ -236,6 +252,11 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._activity
         await self.store.close()
+        if self._loop_monitor_task is not None:
+            self._loop_monitor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_monitor_task
+            self.loop_monitor.report()
         log.info("agent stopped")
 
     async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +45,8 @@ def _configure_logging(level: str) -> None:
 def _check_state_dir(path: Path) -> str | None:
     """Why ``path`` cannot hold the local state (None if it can): it is created if missing,
     and a file is written and removed to prove it is writable."""
+    import tempfile
+
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

@@ -12,6 +12,7 @@ import asyncio
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -98,6 +99,10 @@ class ProcessRegistry:
 
 
 PROCESSES = ProcessRegistry()
+# the agents' own measure of their event-loop lag (agent/loop_monitor.py), in ms, as each
+# agent reported it when it stopped cleanly
+LOOP_LAGS: list[float] = []
+_LAG_LINE = re.compile(rb"event loop lag: max ([0-9.]+) ms")
 atexit.register(PROCESSES.kill_all)
 
 
@@ -404,6 +409,10 @@ class AgentProcess:
         PROCESSES.discard(self.proc)
         with contextlib.suppress(OSError):
             self._log.close()
+        with contextlib.suppress(OSError):
+            found = _LAG_LINE.findall(self.log_path.read_bytes())
+            if found:
+                LOOP_LAGS.append(float(found[-1]))
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,8 +30,17 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``test
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.contention import ContentionPlan, run_contention
-from benchmarks.harness import PROCESSES, ROOT, AgentOptions, ApiServer, agent_flags, log
+from benchmarks.harness import (
+    LOOP_LAGS,
+    PROCESSES,
+    ROOT,
+    AgentOptions,
+    ApiServer,
+    agent_flags,
+    log,
+)
 from benchmarks.latency import LatencyBench, LatencyPlan
+from benchmarks.local_mode import LocalPlan, measure_idle, measure_large_instance, measure_startup
 from benchmarks.scale import ScalePlan, run_scale
 
 PLANS: dict[str, dict[str, Any]] = {
@@ -54,6 +63,7 @@ PLANS: dict[str, dict[str, Any]] = {
             measure_shutdown=False,
         ),
         "contention": ContentionPlan(),
+        "local": LocalPlan(startups=5, idle_seconds=20),
     },
     "full": {
         "latency": LatencyPlan(
@@ -66,10 +76,11 @@ PLANS: dict[str, dict[str, Any]] = {
         ),
         "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
         "contention": ContentionPlan(),
+        "local": LocalPlan(startups=10, idle_seconds=60),
     },
 }
 UDEV_SAMPLES = {"quick": 5, "full": 20}
-SECTIONS = ("latency", "scale", "contention", "udev")
+SECTIONS = ("latency", "scale", "contention", "udev", "local")
 LATENCY_KEYS = (
     "discovery_to_kubelet_ms",
     "discovery_online_flip_ms",
@@ -269,6 +280,27 @@ async def udev_section(results: dict[str, Any], samples: int) -> None:
         results["udev_hotplug_ms"] = udev
 
 
+async def local_section(results: dict[str, Any], plan: LocalPlan) -> None:
+    """Local-mode figures (benchmarks/local_mode.py), each with the agent's own loop lag."""
+    figures: dict[str, Any] = {}
+    await measure(figures, "startup", lambda: measure_startup(plan), 120)
+    await measure(figures, "idle", lambda: measure_idle(plan), plan.idle_seconds + 60)
+    await measure(figures, "large", lambda: measure_large_instance(plan), 300)
+    results.setdefault("load_average_before", {}).update(figures.pop("load_average_before", {}))
+    startup, idle, large = figures["startup"], figures["idle"], figures["large"]
+    results["startup_first_list_ms"] = startup.get("startup_first_list_ms", startup)
+    results["idle_cpu_percent_small"] = idle.get("idle_cpu_percent_small", idle)
+    results["allocate_large_instance_ms"] = {
+        "local": large.get("allocate_large_instance_ms", large)
+    }
+    results.setdefault("loop_lag_max_ms", {}).update(
+        {
+            "local_idle": idle.get("loop_lag_max_ms"),
+            "local_large_instance": large.get("loop_lag_max_ms"),
+        }
+    )
+
+
 def targets(results: dict[str, Any]) -> dict[str, bool | None]:
     """The project's targets, checked against the figures (None: not measured)."""
 
@@ -297,6 +329,17 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
         "idle_api_requests_zero": below(get("scale", "api_requests_idle"), 1),
         "zero_double_allocations": below(get("contention", "double_allocations"), 1),
         "zero_leaked_slots": below(get("contention", "final_leaked_slots"), 1),
+        "startup_first_list_below_150ms": below(get("startup_first_list_ms", "p50"), 150),
+        "idle_cpu_small_below_0_1_percent": below(get("idle_cpu_percent_small"), 0.1),
+        "allocate_large_instance_local_p99_below_20ms": below(
+            get("allocate_large_instance_ms", "local", "p99"), 20
+        ),
+        "allocate_large_instance_local_max_below_50ms": below(
+            get("allocate_large_instance_ms", "local", "max"), 50
+        ),
+        "loop_lag_below_10ms": None
+        if not results.get("loop_lag_max_ms")
+        else all(v is not None and v < 10 for v in results["loop_lag_max_ms"].values()),
     }
 
 
@@ -312,14 +355,28 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         "plans": {name: asdict(plan) for name, plan in plans.items() if name in args.only},
         "seed": args.seed,
     }
+    lags = results.setdefault("loop_lag_max_ms", {})
+
+    def record_lag(section: str, mark: int) -> None:
+        seen = LOOP_LAGS[mark:]
+        lags[section] = max(seen) if seen else None
+
     if "latency" in args.only:
+        mark = len(LOOP_LAGS)
         await latency_section(results, plans["latency"], options, rng)
+        record_lag("latency", mark)
     if "scale" in args.only:
+        mark = len(LOOP_LAGS)
         await scale_section(results, plans["scale"], options)
+        record_lag("scale", mark)
     if "contention" in args.only:
+        mark = len(LOOP_LAGS)
         await contention_section(results, plans["contention"], options, rng)
+        record_lag("contention", mark)
     if "udev" in args.only:
         await udev_section(results, UDEV_SAMPLES[mode])
+    if "local" in args.only:
+        await local_section(results, plans["local"])
 
 
 async def amain(args: argparse.Namespace, results: dict[str, Any]) -> None:

@@ -33,11 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-
-from agent.protos.podresources.v1 import api_pb2 as pr_pb2
-from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
-
 CHECKPOINT_FILE = "kubelet_internal_checkpoint"
 MAX_CHECKPOINT_BYTES = 16 * 1024 * 1024
 MAX_POD_RESOURCES_BYTES = 64 * 1024 * 1024
@@ -109,6 +104,11 @@ async def list_pod_resources(
 ) -> tuple[dict[str, frozenset[str]], frozenset[PodName]]:
     """kubelet's pod-resources ``List``: device ids per resource over all listed containers,
     and the pods listed."""
+    import grpc  # here: a local agent without device plugins never needs gRPC
+
+    from agent.protos.podresources.v1 import api_pb2 as pr_pb2
+    from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
+
     in_use: defaultdict[str, set[str]] = defaultdict(set)
     options = [("grpc.max_receive_message_length", MAX_POD_RESOURCES_BYTES)]
     async with grpc.aio.insecure_channel(f"unix://{socket}", options=options) as channel:
