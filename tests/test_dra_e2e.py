@@ -328,3 +328,25 @@ async def test_removed_registration_socket_is_served_again(
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+async def test_an_empty_pool_is_no_false_alarm(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found on a real cluster: every start logged "the API server changed or dropped fields
+    of ResourceSlice pool <node> ... sent [], stored null" (it stores [] as absent; the API
+    double now does too)."""
+    with caplog.at_level("ERROR"):
+        node, kubelet = await dra_node(api, "node-a", tmp_path)
+        try:
+            await eventually(lambda: "node-a" in published(api), what="the empty node pool")
+            stored = [o for o in api.list(SLICES) if o["spec"]["pool"]["name"] == "node-a"]
+            assert "devices" not in stored[0]["spec"]
+            assert node.publisher is not None
+            writes = node.publisher.writes
+            await node.publisher.sync()
+            assert node.publisher.writes == writes  # unchanged: not rewritten
+        finally:
+            await kubelet.stop()
+            await node.stop()
+    assert not [r for r in caplog.records if "dropped fields" in r.getMessage()]

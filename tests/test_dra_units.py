@@ -163,3 +163,16 @@ def test_checkpoint_round_trip_and_corruption(tmp_path: Path) -> None:
     broken = Checkpoint(path)
     broken.load()
     assert broken.claims == {}
+
+
+def test_an_empty_pool_stored_without_devices_is_unchanged() -> None:
+    """A real API server stores ``devices: []`` as absent: the publisher must neither
+    rewrite the slice on every sync nor report dropped fields (issue 12)."""
+    from agent.dra.slices import Pool, same_slice_content
+
+    wanted = Pool(name="node-a", node_name="node-a").slice_specs()[0]
+    assert wanted["devices"] == []
+    stored = {k: v for k, v in wanted.items() if k != "devices"}
+    stored["pool"] = {"name": "node-a", "generation": 1, "resourceSliceCount": 1}
+    assert same_slice_content(stored, wanted)
+    assert not same_slice_content({**stored, "devices": [{"name": "x"}]}, wanted)

@@ -322,8 +322,9 @@ class SlicePublisher:
 
     def _check_dropped(self, sent: dict[str, Any], stored: Obj) -> None:
         got = stored.get("spec") or {}
-        if json.dumps(got.get("devices"), sort_keys=True) == json.dumps(
-            sent.get("devices"), sort_keys=True
+        # a real API server stores an empty list as absent (omitempty): both mean "none"
+        if json.dumps(got.get("devices") or [], sort_keys=True) == json.dumps(
+            sent.get("devices") or [], sort_keys=True
         ):
             return
         key = str(sent.get("pool", {}).get("name"))

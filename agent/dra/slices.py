@@ -220,10 +220,13 @@ def desired_pools(
 
 def same_slice_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
     """Whether a stored slice ``spec`` has the ``wanted`` content (``pool`` aside). A plain
-    comparison: JSON from the API server compares equal to the dicts we build."""
-    return len(stored.keys() - {"pool"}) == len(wanted.keys() - {"pool"}) and all(
-        stored.get(key) == value for key, value in wanted.items() if key != "pool"
-    )
+    comparison — JSON from the API server compares equal to the dicts we build — except that
+    an empty list is stored as absent (``omitempty``), so absent and empty are the same."""
+
+    def present(spec: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in spec.items() if k != "pool" and v != []}
+
+    return present(stored) == present(wanted)
 
 
 def slot_for_device(

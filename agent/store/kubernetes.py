@@ -63,6 +63,9 @@ INSTANCES = "instances"
 CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
 EVENT_REPEAT_INTERVAL = 300.0
+CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
+MAX_START_BACKOFF = 10.0
+TRANSIENT = (0, 429, 500, 502, 503, 504)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class KubernetesSettings:
     namespace: str | None = None  # None: all namespaces
     kubeconfig: str | None = None
     request_timeout: float = 30.0
+    crd_deadline: float = CRD_DEADLINE
 
 
 def _status_of(error: BaseException) -> int | None:
@@ -142,11 +146,11 @@ class KubernetesInstanceStore(InstanceStore):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        try:
-            await self._config_informer.initial_list()
-            await self._instance_informer.initial_list()
-        except Exception as error:
-            raise _translate(error, "initial list of Configurations and Instances") from error
+        for informer, plural in (
+            (self._config_informer, CONFIGURATIONS),
+            (self._instance_informer, INSTANCES),
+        ):
+            await first_list(informer, plural, self.settings.crd_deadline)
         self._tasks = [
             asyncio.create_task(self._config_informer.run(), name="watch-configurations"),
             asyncio.create_task(self._instance_informer.run(), name="watch-instances"),
@@ -497,6 +501,60 @@ class KubernetesInstanceStore(InstanceStore):
             log.warning(
                 "could not record event %s on %s %s/%s: %s", reason, kind, namespace, name, error
             )
+
+
+def retry_after(error: ApiError) -> float | None:
+    """What a 429/503 says to wait: ``details.retryAfterSeconds`` of its Status body."""
+    try:
+        details = json.loads(error.body).get("details") or {}
+        seconds = details.get("retryAfterSeconds")
+    except (ValueError, AttributeError):
+        return None
+    return float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
+
+
+async def first_list(
+    informer: Informer,
+    plural: str,
+    crd_deadline: float,
+    *,
+    sleep: Callable[[float], Any] = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """The informer's first list, waiting out what heals by waiting: 429 (a real API server
+    answers it while the storage of just-applied CRDs initialises, with ``Retry-After``),
+    5xx and no answer at all are retried with capped backoff, honouring ``retryAfterSeconds``,
+    each wait logged; 404 (the CRDs are not installed yet) until ``crd_deadline``. 401/403
+    cannot heal: raised at once, naming the verb and resource."""
+    started = clock()
+    backoff = 0.5
+    what = f"{plural}.{GROUP}"
+    while True:
+        try:
+            await informer.initial_list()
+            return
+        except ApiError as error:
+            if error.status in (401, 403):
+                raise StoreError(
+                    f"HTTP {error.status}: the agent may not list {what} (verb list, "
+                    f"resource {plural}, group {GROUP}): check its ServiceAccount and "
+                    "deploy/rbac.yaml"
+                ) from error
+            if error.status == 404:
+                if clock() - started >= crd_deadline:
+                    raise StoreError(
+                        f"{what} is not served after {crd_deadline:.0f}s: are the CRDs "
+                        "installed? (kubectl apply -f crds/)"
+                    ) from error
+                reason = "not served yet (CRDs not installed?)"
+            elif error.status in TRANSIENT:
+                reason = str(error)[:200]
+            else:
+                raise _translate(error, f"initial list of {what}") from error
+            wait = retry_after(error) or backoff
+            backoff = min(backoff * 2, MAX_START_BACKOFF)
+            log.warning("listing %s at start: %s; retrying in %.1fs", what, reason, wait)
+            await sleep(wait)
 
 
 def delete_options(resource_version: str | None) -> dict[str, Any]:

@@ -710,6 +710,12 @@ class Store:
     ) -> None:
         """Validation and server-side defaulting of a write about to be committed."""
         name = str(_meta(new).get("name", ""))
+        if rt.group == "resource.k8s.io" and rt.plural == "resourceslices":
+            # like the real server (protobuf storage, `omitempty`): an empty devices list is
+            # stored as absent
+            spec = new.get("spec")
+            if isinstance(spec, dict) and spec.get("devices") == []:
+                del spec["devices"]
         if self.validate:
             causes = validate_metadata(new, dns_label_name=rt.gr == NAMESPACES_GR)
             schema = rt.schemas.get(version) if rt.custom else None
