@@ -16,7 +16,7 @@ import time
 
 log = logging.getLogger(__name__)
 
-INTERVAL = 0.25  # seconds: 4 wake-ups a second (about 0.01 % of a core)
+INTERVAL = 1.0  # seconds between samples (an idle agent wakes for little else)
 WARN_AFTER = 0.1  # seconds of lag worth a log line
 
 

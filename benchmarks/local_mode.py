@@ -3,8 +3,8 @@ registered with a kubelet double in this process.
 
 * ``startup_first_list_ms`` — process start (just before ``Popen``) → the kubelet double
   receives the first ListAndWatch message (3 debugEcho devices);
-* ``idle_cpu_percent_small`` — utime + stime of the agent over an idle window with those 3
-  devices (no Allocate, nothing held);
+* ``idle_cpu_percent_small`` — CPU time of all the agent's threads (schedstat, ns) over an
+  idle window with those 3 devices (no Allocate, nothing held);
 * ``allocate_large_instance_ms`` — 1,000 Allocates of different slots of one Instance of
   capacity 1000 (instance-level plugin), each the round trip seen by the kubelet double;
 * ``loop_lag_max_ms`` — the agent's own measure of how late its event loop ran a timer
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, cpu_seconds, log
+from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, cpu_ns, log
 from benchmarks.stats import summarize
 
 LAG_LINE = re.compile(r"event loop lag: max ([0-9.]+) ms")
@@ -166,15 +166,15 @@ async def measure_idle(plan: LocalPlan) -> dict[str, Any]:
         await agent.first_list_after_start()
         await asyncio.sleep(3)  # startup settles (the second gc freeze)
         assert agent.proc is not None
-        before = cpu_seconds(agent.proc.pid)
+        before = cpu_ns(agent.proc.pid)
         started = time.monotonic()
         await asyncio.sleep(plan.idle_seconds)
-        used = cpu_seconds(agent.proc.pid) - before
+        used = (cpu_ns(agent.proc.pid) - before) / 1e9
         elapsed = time.monotonic() - started
     finally:
         lag = await agent.stop()
     return {
-        "idle_cpu_percent_small": round(used / elapsed * 100, 3),
+        "idle_cpu_percent_small": round(used / elapsed * 100, 4),
         "idle_seconds": round(elapsed, 1),
         "loop_lag_max_ms": lag,
     }

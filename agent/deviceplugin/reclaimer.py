@@ -79,6 +79,7 @@ TICK_SLACK = 0.1  # fraction of the interval a pass may move to confirm a deadli
 DEFAULT_CONCURRENCY = 8  # Instances released at the same time
 RESTART_SETTLE = 10.0  # seconds without reclaim after kubelet restarted
 RENUDGE_INTERVAL = 10.0  # how often to ask kubelet to rewrite its checkpoint for the same slots
+NUDGE_RECHECK = 0.1  # seconds between asking kubelet to rewrite its checkpoint and looking
 SOCKET_POLL = 5.0  # where inotify cannot tell when the pod-resources socket appears
 
 
@@ -514,14 +515,20 @@ class SlotReclaimer:
             self._next_deadline = self._quiet_until
             return []
         await self._refresh_index()  # what was granted while kubelet answered
-        self._nudge_if_stale(view, snapshot)
+        nudged = self._nudge_if_stale(view, snapshot)
         plan = plan_reclaim(self.index, view.in_use, self._unused_since, snapshot, self.grace)
         self._next_deadline = plan.next_deadline
+        if nudged:
+            # kubelet rewrites its checkpoint as it receives the list: look again soon, not
+            # a whole interval later (a gone pod's slot would wait one pass more)
+            soon = self._clock() + NUDGE_RECHECK
+            if self._next_deadline is None or soon < self._next_deadline:
+                self._next_deadline = soon
         if not plan.due:
             return []
         return await self._release(plan.due)
 
-    def _nudge_if_stale(self, view: KubeletView, now: float) -> None:
+    def _nudge_if_stale(self, view: KubeletView, now: float) -> bool:
         """Held slots in kubelet's checkpoint but not in ``List``: ask kubelet to rewrite the
         checkpoint, so a pod that is gone drops out of it (a running init container stays).
         Asked when such a slot first appears, when a pod disappeared from ``List`` (this
@@ -544,6 +551,7 @@ class SlotReclaimer:
         if due:
             self.nudges += 1
             self._nudge()
+        return due
 
     async def _release(self, due: Sequence[HeldSlot]) -> list[HeldSlot]:
         """Release ``due``: one write per Instance, Instances concurrently (bounded)."""

@@ -339,8 +339,8 @@ class ConfigurationRunner:
         for desired in plan.upserts:
             await self._upsert(desired)
             self.draining.pop(desired.name, None)
-            # a local-store write never yields: without this, thousands of creations would
-            # hold the loop (and a SIGTERM) for as long as they take
+            # a write that needs no I/O (nothing changed) does not yield: without this,
+            # thousands of upserts could hold the loop (and a SIGTERM) for their whole run
             await asyncio.sleep(0)
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}
         for name in plan.leave:
