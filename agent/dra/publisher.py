@@ -136,13 +136,10 @@ class SlicePublisher:
 
     # -- informer plumbing ---------------------------------------------------------------
     async def _list(self) -> tuple[list[Obj], str]:
-        result = await self._client.get(
+        return await self._client.list_all(
             resource_path(GROUP, VERSION, PLURAL),
             params={"fieldSelector": f"spec.driver={DRIVER}"},
             request_timeout=30,
-        )
-        return list(result.get("items") or []), str(
-            (result.get("metadata") or {}).get("resourceVersion") or ""
         )
 
     def _watch(self, version: str) -> AsyncGenerator[tuple[str, Obj], None]:

@@ -26,6 +26,11 @@ JSON = dict[str, Any]
 Params = Mapping[str, str | int | bool | None]
 
 DEFAULT_TIMEOUT = 30.0
+LIST_PAGE_SIZE = 500  # like client-go's reflector
+LIST_RESTARTS = 5
+# no byte at all on a watch (events or bookmarks, which the server sends about every minute)
+# for this long: the connection is presumed dead (a half-open TCP connection never errors)
+WATCH_IDLE_TIMEOUT = 150.0
 USER_AGENT = "akri-py-agent"
 _TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, ValueError)
 _RETRY_ON_STALE = frozenset({"GET", "HEAD"})  # writes are never sent twice
@@ -133,15 +138,55 @@ class KubeClient:
             raise ApiError.from_response(response.status, response.reason, data)
         return _json_object(data, method, target)
 
+    async def list_all(
+        self,
+        path: str,
+        *,
+        params: Params | None = None,
+        page_size: int = LIST_PAGE_SIZE,
+        request_timeout: float | None = None,
+    ) -> tuple[list[JSON], str]:
+        """Every item of a collection, ``page_size`` at a time (``limit``/``continue``, so a
+        large collection never arrives as one huge answer), and the list's resourceVersion.
+        A continue token the server no longer honours (410 Expired: the snapshot was
+        compacted while paging) restarts the list from the beginning."""
+        for _ in range(LIST_RESTARTS):
+            items: list[JSON] = []
+            token: str | None = None
+            try:
+                while True:
+                    page = await self.get(
+                        path,
+                        params={**(params or {}), "limit": page_size, "continue": token},
+                        request_timeout=request_timeout,
+                    )
+                    items.extend(page.get("items") or [])
+                    meta = page.get("metadata") or {}
+                    token = meta.get("continue") or None
+                    if not token:
+                        return items, str(meta.get("resourceVersion") or "")
+            except ApiError as error:
+                if error.status == 410 and token:
+                    continue  # the snapshot expired while paging: start over
+                raise
+        raise TransportError(f"GET {path}: the list kept expiring while paging")
+
     # -- streams ---------------------------------------------------------------------------
     async def stream_lines(
-        self, path: str, *, params: Params | None = None, request_timeout: float | None = None
+        self,
+        path: str,
+        *,
+        params: Params | None = None,
+        request_timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """GET a streaming answer (a watch) and yield its lines as they arrive.
 
         The status and headers must arrive within the client's timeout; ``request_timeout``
-        bounds the whole stream. An error status raises :class:`ApiError` before any line.
-        Closing the generator early closes the connection."""
+        bounds the whole stream, ``idle_timeout`` the silence between two chunks (a dead
+        connection raises :class:`TransportError` instead of hanging). An error status raises
+        :class:`ApiError` before any line. Closing the generator early closes the
+        connection."""
         loop = asyncio.get_running_loop()
         target = self._target(path, params)
         deadline = loop.time() + (request_timeout or self.timeout)
@@ -162,10 +207,17 @@ class KubeClient:
             async with contextlib.aclosing(conn.iter_body()) as body:
                 pending = bytearray()
                 while True:
+                    now = loop.time()
+                    silent_until = now + idle_timeout if idle_timeout else deadline
                     try:
-                        async with asyncio.timeout_at(deadline):
+                        async with asyncio.timeout_at(min(deadline, silent_until)):
                             chunk = await anext(body, None)
                     except TimeoutError as error:
+                        if loop.time() < deadline:
+                            raise TransportError(
+                                f"GET {target}: no data for {idle_timeout:g}s "
+                                "(connection presumed dead)"
+                            ) from error
                         raise TransportError(
                             f"GET {target}: stream outlived its timeout"
                         ) from error
@@ -195,9 +247,12 @@ class KubeClient:
         *,
         timeout_seconds: int,
         field_selector: str | None = None,
+        idle_timeout: float = WATCH_IDLE_TIMEOUT,
     ) -> AsyncGenerator[bytes, None]:
         """A watch from ``resource_version`` with bookmarks, as lines of JSON events. The server
-        ends it after ``timeout_seconds``; the client gives up 30 s later."""
+        ends it after ``timeout_seconds``; the client gives up 30 s later, or after
+        ``idle_timeout`` seconds without a byte (the server sends a bookmark about every
+        minute, so more than twice that means the connection died)."""
         params = {
             "fieldSelector": field_selector,
             "watch": True,
@@ -205,7 +260,9 @@ class KubeClient:
             "timeoutSeconds": timeout_seconds,
             "allowWatchBookmarks": True,
         }
-        return self.stream_lines(path, params=params, request_timeout=timeout_seconds + 30)
+        return self.stream_lines(
+            path, params=params, request_timeout=timeout_seconds + 30, idle_timeout=idle_timeout
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     async def close(self) -> None:

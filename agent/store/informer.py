@@ -1,8 +1,13 @@
 """A minimal informer: list, then watch from the list's resourceVersion, forever.
 
 * resumes a dropped watch from the last resourceVersion it saw (events or bookmarks);
-* on ``410 Gone`` (history compacted) relists and reports the difference against its cache
-  as synthetic events, so consumers see each real change once and nothing twice;
+* on ``410 Gone`` (history compacted), or any other error event in the stream (e.g. "too
+  large resource version"), relists and reports the difference against its cache as
+  synthetic events, so consumers see each real change once and nothing twice;
+* resourceVersions are opaque: they are only compared for equality. The agent's own writes
+  are applied at once (:meth:`Informer.apply_local`); until the watch delivers that very
+  version, watch events for the object are older (watch order) and skipped, and a relist
+  requested before the write completed does not move the object back;
 * reconnects with capped, jittered exponential backoff while the API server is unreachable,
   keeping the cache (the agent keeps working on what it knew).
 
@@ -17,6 +22,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +34,15 @@ log = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 
+# an own write the watch has not confirmed after this long is forgotten: the watch had already
+# moved past it (a relist answered from a snapshot newer than our write, then someone else
+# wrote), and skipping the object's events any longer would freeze it in the cache
+LOCAL_CONFIRM_TIMEOUT = 30.0
+
+
 class WatchExpiredError(Exception):
-    """The watch's resourceVersion is too old (HTTP 410 Gone): relist."""
+    """The watch's resourceVersion is too old (HTTP 410 Gone), or the server sent another
+    error event that resuming from the same version would only repeat: relist."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,9 @@ class Informer:
         # DELETED events made up after a relist, which carry what the cache held
         self._keep = keep
         self.cache: dict[str, Obj] = {}
+        # our own writes not yet seen in the watch: key -> (resourceVersion or None for a
+        # delete, monotonic time the write completed)
+        self._local: dict[str, tuple[str | None, float]] = {}
         self.resource_version = ""
         self.relists = 0
         self.connected = asyncio.Event()
@@ -122,8 +138,21 @@ class Informer:
         await self._relist()
 
     async def _relist(self) -> None:
+        requested = time.monotonic()
         items, version = await self._list()
         listed = {key_of(item): without_managed_fields(item) for item in items}
+        for key, (local_version, written) in list(self._local.items()):
+            if key in listed and resource_version(listed[key]) == local_version:
+                del self._local[key]  # the list holds our write itself
+            elif written > requested:
+                # our write completed after the list was asked for: the list may predate it,
+                # keep what we wrote (the watch from this list delivers it, or newer)
+                if local_version is None:
+                    listed.pop(key, None)
+                elif key in self.cache:
+                    listed[key] = self.cache[key]
+            else:
+                del self._local[key]  # the list is at least as new as our write
         events = diff_snapshot(self.cache, listed)
         self.cache = {key: self._keep(obj) for key, obj in listed.items()}
         self.resource_version = version
@@ -133,6 +162,9 @@ class Informer:
 
     def apply_local(self, event: RawEvent) -> None:
         """Reflect our own successful write at once (write-through), ahead of the watch."""
+        key = key_of(event.obj)
+        version = None if event.type == "DELETED" else resource_version(event.obj)
+        self._local[key] = (version, time.monotonic())
         self._apply(event, emit=True)
 
     def _apply(self, event: RawEvent, *, emit: bool) -> None:
@@ -144,13 +176,31 @@ class Informer:
                 return
             del self.cache[key]
         else:
-            if known is not None and not _newer(event.obj, known):
+            if known is not None and resource_version(event.obj) == resource_version(known):
                 return  # already have this version (e.g. our own write echoed by the watch)
             self.cache[key] = self._keep(event.obj)
             if known is None and event.type == "MODIFIED":
                 event = RawEvent("ADDED", event.obj)
         if emit:
             self._on_event(event)
+
+    def _from_watch(self, event: RawEvent) -> None:
+        """A watch event: skipped while it is older than our own write of the object."""
+        key = key_of(event.obj)
+        pending = self._local.get(key)
+        if pending is not None and time.monotonic() - pending[1] > LOCAL_CONFIRM_TIMEOUT:
+            del self._local[key]
+            pending = None
+        if pending is not None:
+            local_version = pending[0]
+            if local_version is None:
+                if event.type == "DELETED":
+                    del self._local[key]  # our delete, seen by the watch
+                return  # older than our delete
+            if resource_version(event.obj) == local_version:
+                del self._local[key]  # our write, seen by the watch (already applied)
+            return  # either ours, or older than ours (watch events come in order)
+        self._apply(event, emit=True)
 
     async def run(self) -> None:
         """Watch forever (call :meth:`initial_list` first)."""
@@ -167,13 +217,13 @@ class Informer:
                         if kind == "BOOKMARK":
                             self.resource_version = version or self.resource_version
                             continue
-                        self._apply(RawEvent(kind, obj), emit=True)
+                        self._from_watch(RawEvent(kind, obj))
                         if version:
                             self.resource_version = version
             except asyncio.CancelledError:
                 raise
-            except WatchExpiredError:
-                log.info("%s watch expired (410 Gone): relisting", self.name)
+            except WatchExpiredError as error:
+                log.info("%s watch: %s; relisting", self.name, error)
                 self.resource_version = ""
                 continue
             except Exception as error:
@@ -190,13 +240,6 @@ class Informer:
                 backoff = min(backoff * 2, self._max_backoff)
 
 
-def _newer(candidate: Mapping[str, Any], known: Mapping[str, Any]) -> bool:
-    new, old = resource_version(candidate), resource_version(known)
-    if new.isdigit() and old.isdigit():
-        return int(new) > int(old)
-    return new != old
-
-
 def parse_watch_line(raw: bytes) -> tuple[str, Obj] | None:
     """One line of a watch response (a JSON event), None for a blank line.
     An ``ERROR`` event with code 410 raises :class:`WatchExpiredError`."""
@@ -207,10 +250,10 @@ def parse_watch_line(raw: bytes) -> tuple[str, Obj] | None:
     kind = str(event.get("type", ""))
     obj = event.get("object") or {}
     if kind == "ERROR":
+        # 410 Gone (history compacted) or anything else ("too large resource version", a
+        # timeout): resuming from the same version would fail the same way, so relist
         code = obj.get("code")
-        if code == 410:
-            raise WatchExpiredError(obj.get("message", "Gone"))
-        raise RuntimeError(f"watch error {code}: {obj.get('message')}")
+        raise WatchExpiredError(f"error event {code}: {str(obj.get('message'))[:200]}")
     return kind, obj
 
 

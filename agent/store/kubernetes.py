@@ -166,9 +166,7 @@ class KubernetesInstanceStore(InstanceStore):
 
         async def list_fn() -> tuple[list[Obj], str]:
             self.request_count += 1
-            result = await self._client.get(path, request_timeout=self.settings.request_timeout)
-            items = list(result.get("items") or [])
-            return items, str((result.get("metadata") or {}).get("resourceVersion") or "")
+            return await self._client.list_all(path, request_timeout=self.settings.request_timeout)
 
         return list_fn
 
@@ -403,7 +401,7 @@ class KubernetesInstanceStore(InstanceStore):
         async def list_fn() -> tuple[list[Obj], str]:
             self.request_count += 1
             try:
-                body = await self._client.get(
+                return await self._client.list_all(
                     path,
                     params={"fieldSelector": selector},
                     request_timeout=self.settings.request_timeout,
@@ -412,8 +410,6 @@ class KubernetesInstanceStore(InstanceStore):
                 if error.status == 0:
                     raise
                 raise StoreUnavailableError(f"list {ref.kind}: HTTP {error.status}") from error
-            items = list(body.get("items") or [])
-            return items, str((body.get("metadata") or {}).get("resourceVersion") or "")
 
         def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
             stream = self._client.watch(

@@ -654,6 +654,12 @@ class ApiServerDouble:
                 rv = int(state["rv"])
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 raise errors.bad_request("continue key is not valid") from exc
+            if rv < self.store.compacted_rv:
+                # like etcd: the snapshot the pages come from was compacted away
+                raise errors.gone(
+                    "The provided continue parameter is too old to display a consistent "
+                    "list result. You can start a new list without the continue parameter."
+                )
             meta["resourceVersion"] = str(rv)
             items = [
                 o
