@@ -469,7 +469,13 @@ async def test_exec_plugin_that_hangs_is_killed(tmp_path: Path) -> None:
         await credentials.get()
     # a cancelled request does not leave the plugin running either
     task = asyncio.ensure_future(ExecCredentials(spec, timeout=30).get())
-    await asyncio.sleep(0.5)
+    # cancel once the second run has started (it logs itself first): not after a fixed time,
+    # which a loaded machine outlasts before the plugin even starts
+    deadline = asyncio.get_running_loop().time() + 20
+    log = tmp_path / "runs.log"
+    while (log.read_text() if log.exists() else "").count("\n") < 2:  # whole lines only
+        assert asyncio.get_running_loop().time() < deadline, "the plugin never started"
+        await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -602,9 +608,14 @@ MALFORMED: list[tuple[str, Any, str]] = [
         r"user\.exec\.interactiveMode: Always needs a terminal",
     ),
     (
-        "proxy",
-        kubeconfig({"server": "https://h", "proxy-url": "http://proxy:3128"}),
-        r"cluster\.proxy-url: proxies are not supported",
+        "socks-proxy",
+        kubeconfig({"server": "https://h", "proxy-url": "socks5://proxy:1080"}),
+        r"cluster\.proxy-url: socks5:// proxies are not supported",
+    ),
+    (
+        "groups-without-user",
+        kubeconfig(user={"token": "t", "as-groups": ["admins"]}),
+        r"user: as-groups, as-uid and as-user-extra need a user to impersonate",
     ),
 ]
 

@@ -248,14 +248,25 @@ asyncio.run(main())
 """
 
 
+_unread: dict[int, bytes] = {}  # per handler process: bytes read past the last line
+
+
 def _read_json_line(process: subprocess.Popen[str], within: float = 10.0) -> Any:
+    """The handler's next device list. Reads the pipe's file descriptor directly: with a
+    buffered readline(), two lines arriving together leave the second in Python's buffer,
+    where select() cannot see it."""
     assert process.stdout is not None
-    ready, _, _ = select.select([process.stdout], [], [], within)
-    if not ready:
-        raise AssertionError("no device list from the handler in time")
-    line = process.stdout.readline()
-    if not line:
-        raise AssertionError(f"the handler exited: {process.wait()}")
+    fd = process.stdout.fileno()
+    buffer = _unread.get(process.pid, b"")
+    while b"\n" not in buffer:
+        ready, _, _ = select.select([fd], [], [], within)
+        if not ready:
+            raise AssertionError("no device list from the handler in time")
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            raise AssertionError(f"the handler exited: {process.wait()}")
+        buffer += chunk
+    line, _, _unread[process.pid] = buffer.partition(b"\n")
     return json.loads(line)
 
 

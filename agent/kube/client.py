@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import ssl
 import time
 from collections.abc import AsyncGenerator, Mapping
@@ -22,6 +23,8 @@ from agent.kube.http import Connection, ProtocolError, Response
 from agent.kube.kubeconfig import ClusterConfig, load_config
 from agent.kube.tls import make_ssl_context
 
+log = logging.getLogger(__name__)
+
 JSON = dict[str, Any]
 Params = Mapping[str, str | int | bool | None]
 
@@ -32,6 +35,8 @@ LIST_RESTARTS = 5
 # for this long: the connection is presumed dead (a half-open TCP connection never errors)
 WATCH_IDLE_TIMEOUT = 150.0
 USER_AGENT = "akri-py-agent"
+MAX_THROTTLE_RETRIES = 10  # client-go's default
+MAX_RETRY_AFTER = 10.0  # seconds: a longer Retry-After is shortened to this
 _TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, ValueError)
 _RETRY_ON_STALE = frozenset({"GET", "HEAD"})  # writes are never sent twice
 
@@ -86,6 +91,7 @@ class KubeClient:
         self._ssl_pair: tuple[bytes, bytes] | None = None
         self._closed = False
         self.connections_opened = 0
+        self.throttled = 0  # requests sent again after a 429 / Retry-After
 
     @property
     def namespace(self) -> str:
@@ -123,15 +129,33 @@ class KubeClient:
         limit = request_timeout or self.timeout
         target = self._target(path, params)
         payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        waits = 0
         try:
-            async with asyncio.timeout(limit), self._slots:
-                for attempt in (1, 2):
-                    auth = await self.config.credentials.get()
-                    conn, response = await self._exchange(method, target, payload, auth)
-                    data = await self._read_all(conn, method, target)
-                    if self._retry_unauthorized(response, attempt):
-                        continue
-                    break
+            async with asyncio.timeout(limit):
+                while True:
+                    async with self._slots:
+                        for attempt in (1, 2):
+                            auth = await self.config.credentials.get()
+                            conn, response = await self._exchange(method, target, payload, auth)
+                            data = await self._read_all(conn, method, target)
+                            if self._retry_unauthorized(response, attempt):
+                                continue
+                            break
+                    wait = retry_wait(method, response, data, waits, deadline - loop.time())
+                    if wait is None:
+                        break
+                    waits += 1
+                    self.throttled += 1
+                    log.info(
+                        "%s %s: HTTP %d, the server asks to wait %.1fs; retrying",
+                        method,
+                        target,
+                        response.status,
+                        wait,
+                    )
+                    await asyncio.sleep(wait)  # outside the connection slot
         except TimeoutError as error:
             raise TransportError(f"{method} {target}: no answer within {limit:g}s") from error
         if response.status >= 400:
@@ -290,18 +314,19 @@ class KubeClient:
     def _retry_unauthorized(self, response: Response, attempt: int) -> bool:
         return response.status == 401 and attempt == 1 and self.config.credentials.invalidate()
 
-    def _headers(self, auth: Auth, body: bytes | None) -> dict[str, str]:
+    def _headers(self, auth: Auth, body: bytes | None) -> list[tuple[str, str]]:
         config = self.config
         host = f"[{config.host}]" if ":" in config.host else config.host
-        headers = {
-            "Host": f"{host}:{config.port}",
-            "User-Agent": USER_AGENT,
-            "Accept": "application/json",
-        }
+        headers = [
+            ("Host", f"{host}:{config.port}"),
+            ("User-Agent", USER_AGENT),
+            ("Accept", "application/json"),
+        ]
         if body is not None:
-            headers["Content-Type"] = "application/json"
+            headers.append(("Content-Type", "application/json"))
         if auth.authorization:
-            headers["Authorization"] = auth.authorization
+            headers.append(("Authorization", auth.authorization))
+        headers.extend(config.impersonation)
         return headers
 
     async def _exchange(
@@ -350,7 +375,11 @@ class KubeClient:
             conn.close()
         try:
             conn = await Connection.open(
-                self.config.host, self.config.port, context, self.config.tls.server_name
+                self.config.host,
+                self.config.port,
+                context,
+                self.config.tls.server_name,
+                self.config.proxy,
             )
         except _TRANSPORT_ERRORS as error:
             raise _transport_error(method, target, error) from error
@@ -383,6 +412,30 @@ class KubeClient:
     def _discard(self, conn: Connection) -> None:
         self._busy.discard(conn)
         conn.close()
+
+
+def retry_wait(
+    method: str, response: Response, body: bytes, waits: int, remaining: float
+) -> float | None:
+    """How long to wait before sending the request again, or None to answer now.
+
+    As client-go: a 429 (the server's priority-and-fairness limits, or storage still
+    initialising) was not acted on, so any verb is sent again; a 5xx with ``Retry-After``
+    only for reads (a write may have been applied). The wait is the server's
+    ``Retry-After`` (or ``details.retryAfterSeconds``), 1 s when it names none, at most
+    :data:`MAX_RETRY_AFTER`; at most :data:`MAX_THROTTLE_RETRIES` times, and never past
+    the request's own deadline."""
+    status = response.status
+    header = response.headers.get("retry-after", "").strip()
+    if status != 429 and not (status >= 500 and header and method in _RETRY_ON_STALE):
+        return None
+    if waits >= MAX_THROTTLE_RETRIES:
+        return None
+    wait: float | None = float(header) if header.isdigit() else None
+    if wait is None:
+        wait = ApiError.from_response(status, response.reason, body).retry_after
+    wait = min(MAX_RETRY_AFTER, wait if wait is not None and wait > 0 else 1.0)
+    return wait if wait < remaining else None
 
 
 def _transport_error(method: str, target: str, error: BaseException) -> TransportError:

@@ -35,6 +35,17 @@ class ApiError(Exception):
             reason = str(parsed["reason"])
         return cls(status, reason, text)
 
+    @property
+    def retry_after(self) -> float | None:
+        """What the server asks to wait before trying again (``details.retryAfterSeconds``
+        of a 429/5xx Status body, the same figure as its ``Retry-After`` header)."""
+        try:
+            details = json.loads(self.body).get("details") or {}
+            seconds = details.get("retryAfterSeconds")
+        except (ValueError, AttributeError):
+            return None
+        return float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
+
     def _describe(self) -> str:
         message = self.body
         try:

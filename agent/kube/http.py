@@ -8,8 +8,10 @@ import contextlib
 import socket
 import ssl
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
+
+from agent.kube.proxy import Proxy, open_tunnel
 
 CHUNK = 65536
 MAX_HEAD = 64 * 1024
@@ -59,15 +61,29 @@ class Connection:
 
     @classmethod
     async def open(
-        cls, host: str, port: int, ssl_context: ssl.SSLContext | None, server_name: str | None
+        cls,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None,
+        server_name: str | None,
+        proxy: Proxy | None = None,
     ) -> Connection:
-        reader, writer = await asyncio.open_connection(
-            host,
-            port,
-            ssl=ssl_context,
-            server_hostname=(server_name or host) if ssl_context is not None else None,
-            limit=MAX_HEAD,
-        )
+        if proxy is None:
+            reader, writer = await asyncio.open_connection(
+                host,
+                port,
+                ssl=ssl_context,
+                server_hostname=(server_name or host) if ssl_context is not None else None,
+                limit=MAX_HEAD,
+            )
+        else:
+            reader, writer = await open_tunnel(proxy, host, port, limit=MAX_HEAD)
+            if ssl_context is not None:
+                try:
+                    await writer.start_tls(ssl_context, server_hostname=server_name or host)
+                except BaseException:
+                    writer.close()
+                    raise
         sock = writer.get_extra_info("socket")
         if sock is not None:
             enable_keepalive(sock)
@@ -83,10 +99,15 @@ class Connection:
         self._writer.close()
 
     async def send(
-        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None
+        self,
+        method: str,
+        target: str,
+        headers: Sequence[tuple[str, str]],
+        body: bytes | None,
     ) -> None:
+        """``headers`` as pairs: a name may repeat (``Impersonate-Group``)."""
         lines = [f"{method} {target} HTTP/1.1"]
-        lines.extend(f"{name}: {value}" for name, value in headers.items())
+        lines.extend(f"{name}: {value}" for name, value in headers)
         if body is not None or method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(body or b'')}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")

@@ -4,8 +4,11 @@ service account, else ``$KUBECONFIG`` / ``~/.kube/config`` (the order the agent 
 Supported kubeconfig fields: ``current-context``; ``clusters[].cluster``: ``server``,
 ``certificate-authority(-data)``, ``insecure-skip-tls-verify``, ``tls-server-name``;
 ``users[].user``: ``token``, ``tokenFile``, ``client-certificate(-data)``,
-``client-key(-data)``, ``username``/``password``, ``exec``. File names are relative to the
-kubeconfig's directory. Anything malformed raises :class:`ConfigError` naming file and field.
+``client-key(-data)``, ``username``/``password``, ``exec``, and impersonation: ``as``,
+``as-uid``, ``as-groups``, ``as-user-extra``. Proxies: ``proxy-url``, else ``HTTPS_PROXY`` /
+``NO_PROXY`` from the environment (also in a pod), see :mod:`agent.kube.proxy`. File names are
+relative to the kubeconfig's directory. Anything malformed or unsupported (``auth-provider``,
+a socks5 proxy) raises :class:`ConfigError` naming file and field: nothing is ignored.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from agent.kube.credentials import (
     Credentials,
@@ -28,6 +31,7 @@ from agent.kube.credentials import (
 )
 from agent.kube.errors import ConfigError
 from agent.kube.exec_credential import ExecCredentials, parse_exec_spec
+from agent.kube.proxy import Proxy, parse_proxy_url, proxy_from_environment
 from agent.kube.tls import TlsSettings, make_ssl_context
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -45,6 +49,9 @@ class ClusterConfig:
     credentials: Credentials = field(default_factory=Credentials)
     namespace: str = "default"
     source: str = ""  # where the settings came from (for messages)
+    proxy: Proxy | None = None
+    # Impersonate-* headers (kubeconfig as/as-groups/...): a name may repeat
+    impersonation: tuple[tuple[str, str], ...] = ()
 
     @property
     def server(self) -> str:
@@ -63,19 +70,23 @@ def load_config(
     ``~/.kube/config``."""
     env = os.environ if environ is None else environ
     if kubeconfig:
-        return load_kubeconfig([Path(kubeconfig)])
+        return load_kubeconfig([Path(kubeconfig)], environ=env)
     in_cluster = load_incluster(env, service_account_dir)
     if in_cluster is not None:
-        return in_cluster
+        # client-go's in-cluster transport honours the proxy environment too
+        return dataclasses.replace(
+            in_cluster,
+            proxy=proxy_from_environment(in_cluster.scheme, in_cluster.host, in_cluster.port, env),
+        )
     listed = [Path(p) for p in env.get("KUBECONFIG", "").split(os.pathsep) if p]
     if listed:
         existing = [p for p in listed if p.is_file()]
         if not existing:
             raise ConfigError(f"$KUBECONFIG: none of {', '.join(map(str, listed))} exists")
-        return load_kubeconfig(existing)
+        return load_kubeconfig(existing, environ=env)
     default = (home or Path.home()) / ".kube" / "config"
     if default.is_file():
-        return load_kubeconfig([default])
+        return load_kubeconfig([default], environ=env)
     raise ConfigError(
         "no Kubernetes configuration: not in a cluster (KUBERNETES_SERVICE_HOST/PORT unset "
         f"or no {service_account_dir / 'token'}), $KUBECONFIG unset, no {default}"
@@ -125,9 +136,15 @@ class _Entry:
         return self.path.parent
 
 
-def load_kubeconfig(paths: Sequence[Path], context: str | None = None) -> ClusterConfig:
+def load_kubeconfig(
+    paths: Sequence[Path],
+    context: str | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> ClusterConfig:
     """Merge kubeconfig files like kubectl (the first file defining a name wins) and resolve
-    ``context`` (default: ``current-context``)."""
+    ``context`` (default: ``current-context``). ``environ`` (default ``os.environ``) supplies
+    the proxy variables."""
     clusters: dict[str, _Entry] = {}
     users: dict[str, _Entry] = {}
     contexts: dict[str, _Entry] = {}
@@ -167,13 +184,15 @@ def load_kubeconfig(paths: Sequence[Path], context: str | None = None) -> Cluste
     if user_name and user is None:
         raise ConfigError(f"{ctx.path}: {ctx.where}.user: no user named {user_name!r}")
     return dataclasses.replace(
-        _cluster_config(cluster, user),
+        _cluster_config(cluster, user, os.environ if environ is None else environ),
         namespace=str(ctx.body.get("namespace") or "default"),
         source=f"kubeconfig {files}, context {name}",
     )
 
 
-def _cluster_config(cluster: _Entry, user: _Entry | None) -> ClusterConfig:
+def _cluster_config(
+    cluster: _Entry, user: _Entry | None, environ: Mapping[str, str]
+) -> ClusterConfig:
     at = f"{cluster.path}: {cluster.where}"
     c = cluster.body
     server = c.get("server")
@@ -188,8 +207,15 @@ def _cluster_config(cluster: _Entry, user: _Entry | None) -> ClusterConfig:
         port = url.port or (443 if url.scheme == "https" else 80)
     except ValueError as error:
         raise ConfigError(f"{at}.server: {error}: {server!r}") from error
-    if c.get("proxy-url"):
-        raise ConfigError(f"{at}.proxy-url: proxies are not supported")
+    proxy_url = c.get("proxy-url")
+    proxy: Proxy | None
+    if proxy_url:
+        proxy = parse_proxy_url(str(proxy_url), f"{at}.proxy-url")
+    else:
+        try:
+            proxy = proxy_from_environment(url.scheme, url.hostname, port, environ)
+        except ConfigError as error:
+            raise ConfigError(f"{error} (for {server})") from error
     ca = _data_or_file(c, "certificate-authority", cluster)
     insecure = bool(c.get("insecure-skip-tls-verify"))
     if insecure and ca is not None:
@@ -211,7 +237,46 @@ def _cluster_config(cluster: _Entry, user: _Entry | None) -> ClusterConfig:
         url.path.rstrip("/"),
         tls,
         credentials,
+        proxy=proxy,
+        impersonation=_impersonation(user) if user is not None else (),
     )
+
+
+def _impersonation(user: _Entry) -> tuple[tuple[str, str], ...]:
+    """The ``Impersonate-*`` headers for ``as``, ``as-uid``, ``as-groups``, ``as-user-extra``
+    (as kubectl sends them)."""
+    at = f"{user.path}: {user.where}"
+    u = user.body
+    name = u.get("as") or ""
+    uid = u.get("as-uid") or ""
+    groups = u.get("as-groups") or []
+    extra = u.get("as-user-extra") or {}
+    if not isinstance(name, str) or not isinstance(uid, str):
+        raise ConfigError(f"{at}.as/as-uid: must be strings")
+    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+        raise ConfigError(f"{at}.as-groups: must be a list of strings")
+    if not isinstance(extra, dict) or not all(
+        isinstance(k, str) and isinstance(v, list) and all(isinstance(i, str) for i in v)
+        for k, v in extra.items()
+    ):
+        raise ConfigError(f"{at}.as-user-extra: must map strings to lists of strings")
+    if (groups or extra or uid) and not name:
+        raise ConfigError(
+            f"{at}: as-groups, as-uid and as-user-extra need a user to impersonate (as)"
+        )
+    headers: list[tuple[str, str]] = []
+    if name:
+        headers.append(("Impersonate-User", name))
+    if uid:
+        headers.append(("Impersonate-Uid", uid))
+    headers.extend(("Impersonate-Group", group) for group in groups)
+    for key, values in extra.items():
+        header = "Impersonate-Extra-" + quote(key, safe="")
+        headers.extend((header, value) for value in values)
+    for header, value in headers:
+        if any(ord(char) < 32 or ord(char) == 127 for char in value):
+            raise ConfigError(f"{at}: {header}: control characters are not allowed")
+    return tuple(headers)
 
 
 def _user_credentials(

@@ -499,16 +499,6 @@ class KubernetesInstanceStore(InstanceStore):
             )
 
 
-def retry_after(error: ApiError) -> float | None:
-    """What a 429/503 says to wait: ``details.retryAfterSeconds`` of its Status body."""
-    try:
-        details = json.loads(error.body).get("details") or {}
-        seconds = details.get("retryAfterSeconds")
-    except (ValueError, AttributeError):
-        return None
-    return float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
-
-
 async def first_list(
     informer: Informer,
     plural: str,
@@ -547,7 +537,7 @@ async def first_list(
                 reason = str(error)[:200]
             else:
                 raise _translate(error, f"initial list of {what}") from error
-            wait = retry_after(error) or backoff
+            wait = error.retry_after or backoff
             backoff = min(backoff * 2, MAX_START_BACKOFF)
             log.warning("listing %s at start: %s; retrying in %.1fs", what, reason, wait)
             await sleep(wait)
