@@ -30,7 +30,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from agent.ledger.decisions import free_slots, held_count
-from agent.model.device_usage import ConfigurationUsage, Free, NodeUsage, parse_usage
+from agent.model.device_usage import ConfigurationUsage, NodeUsage, format_usage, parse_usage
 from agent.model.instance import Instance
 from agent.model.naming import configuration_resource_name
 
@@ -73,14 +73,18 @@ def instance_devices(instance: Instance, node: str, offline: bool) -> list[Devic
         return []
     unavailable = offline or instance.deletion_timestamp is not None
     room = held_count(instance) < instance.capacity
-    mine = NodeUsage(node)
+    usage = instance.device_usage
+    # compared as strings, not parsed (this runs for every slot on every Instance change):
+    # this node's IL value is the bare node name (format_usage(NodeUsage(node))), free is ""
+    mine = format_usage(NodeUsage(node))
+    free_healthy = room and not unavailable
     result = []
     for slot in instance.slot_ids():
-        usage = parse_usage(instance.device_usage.get(slot, ""))
-        if usage == mine:
+        value = usage.get(slot, "")
+        if value == mine:
             healthy = not unavailable
-        elif isinstance(usage, Free):
-            healthy = room and not unavailable
+        elif value == "":
+            healthy = free_healthy
         else:
             healthy = False
         result.append(DeviceView(slot, healthy))

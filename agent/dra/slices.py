@@ -33,7 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.model.device_usage import ClaimUsage, Free, parse_usage
+from agent.model.device_usage import ClaimUsage, parse_usage
 from agent.model.instance import Instance
 from agent.model.naming import is_dns_label
 
@@ -123,9 +123,11 @@ def published_slots(instance: Instance, offline: bool) -> list[tuple[int, str]]:
     if offline or instance.deletion_timestamp is not None:
         return []
     result = []
+    device_usage = instance.device_usage
     for index, slot in enumerate(instance.slot_ids()):
-        usage = parse_usage(instance.device_usage.get(slot, ""))
-        if isinstance(usage, Free | ClaimUsage):
+        value = device_usage.get(slot, "")
+        # free, or a DRA claim's; only "D:" values need parsing (this runs on every change)
+        if value == "" or (value.startswith("D:") and isinstance(parse_usage(value), ClaimUsage)):
             result.append((index, slot))
     return result
 

@@ -29,6 +29,7 @@ Rules (invariant 1 of DESIGN.md):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -114,19 +115,19 @@ def usage_map(instance: Instance) -> dict[str, SlotUsage]:
 
 
 def held_count(instance: Instance) -> int:
-    """Number of slots currently held (including unknown values and beyond-capacity slots)."""
-    return sum(1 for usage in usage_map(instance).values() if not isinstance(usage, Free))
+    """Number of slots currently held (including unknown values and beyond-capacity slots).
+    Only ``""`` is free (see :func:`parse_usage`), so this counts non-empty values, in C:
+    it runs on every Instance change, at every capacity."""
+    usage = instance.device_usage
+    return len(usage) - operator.countOf(usage.values(), "")
 
 
 def free_slots(instance: Instance) -> list[str]:
     """Free slot ids in index order, empty if the held count already reaches capacity."""
     if held_count(instance) >= instance.capacity:
         return []
-    return [
-        sid
-        for sid in instance.slot_ids()
-        if isinstance(parse_usage(instance.device_usage.get(sid, "")), Free)
-    ]
+    usage = instance.device_usage
+    return [sid for sid in instance.slot_ids() if not usage.get(sid)]  # "" or absent: free
 
 
 def slots_held_by(instance: Instance, owner: Owner) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
+import json
 import random
 import threading
 import uuid
@@ -45,6 +45,14 @@ from tests.apiserver.resources import (
 )
 from tests.apiserver.selectors import FieldSelector, LabelSelector
 from tests.apiserver.validation import prune_and_default, validate_metadata, validate_schema
+
+
+def json_copy(value: Any) -> Any:
+    """A deep copy of JSON data (what every stored object is), through the C JSON codec:
+    several times faster than ``copy.deepcopy`` on large objects such as an Instance with
+    1000 slots, so the double's own cost stays out of the agent's benchmark figures."""
+    return json.loads(json.dumps(value))
+
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # (namespace or "", name)
@@ -235,8 +243,8 @@ class Store:
             rv=int(obj["metadata"]["resourceVersion"]),
             type=type_,
             gr=rt.gr,
-            obj=copy.deepcopy(obj),
-            old=copy.deepcopy(old) if old is not None else None,
+            obj=json_copy(obj),
+            old=json_copy(old) if old is not None else None,
         )
         self._append_history(event)
         for watcher in list(self._watchers):
@@ -263,7 +271,7 @@ class Store:
         return f"{prefix}/{key[0]}/{key[1]}" if key[0] else f"{prefix}/{key[1]}"
 
     def _output(self, rt: ResourceType, version: str, obj: JSON) -> JSON:
-        out = copy.deepcopy(obj)
+        out = json_copy(obj)
         out["apiVersion"] = rt.api_version(version)
         out["kind"] = rt.kind
         # Keep apiVersion/kind first, like the real serializer.
@@ -335,7 +343,7 @@ class Store:
     ) -> JSON:
         if not isinstance(body, dict):
             raise errors.bad_request("the body of the request must be a JSON object")
-        obj = copy.deepcopy(body)
+        obj = json_copy(body)
         with self.lock:
             namespace = self._check_namespace(rt, namespace, obj)
             meta = _meta(obj)
@@ -402,7 +410,7 @@ class Store:
         body must be current; without one the update is unconditional."""
         if not isinstance(body, dict):
             raise errors.bad_request("the body of the request must be a JSON object")
-        candidate = copy.deepcopy(body)
+        candidate = json_copy(body)
         meta = _meta(candidate)
         if meta.get("name") and meta["name"] != name:
             raise errors.name_mismatch(meta["name"], name)
@@ -475,7 +483,7 @@ class Store:
                 if current is None:
                     if subresource:
                         raise errors.not_found(rt.gr, name)
-                    body = copy.deepcopy(patch)
+                    body = json_copy(patch)
                     _meta(body)["name"] = name
                     if _meta(body).get("resourceVersion"):
                         raise errors.stale(rt.gr, name)
@@ -540,16 +548,16 @@ class Store:
                 f"UID in precondition: {uid}, UID in object meta: {cur_meta['uid']}",
             )
         if subresource == "status":
-            new = copy.deepcopy(current)
+            new = json_copy(current)
             if "status" in candidate:
-                new["status"] = copy.deepcopy(candidate["status"])
+                new["status"] = json_copy(candidate["status"])
             else:
                 new.pop("status", None)
         else:
-            new = copy.deepcopy(candidate)
+            new = json_copy(candidate)
             if rt.has_status:
                 if "status" in current:
-                    new["status"] = copy.deepcopy(current["status"])
+                    new["status"] = json_copy(current["status"])
                 else:
                     new.pop("status", None)
         meta = _meta(new)
@@ -643,7 +651,7 @@ class Store:
             if meta.get("finalizers"):
                 if meta.get("deletionTimestamp"):
                     return self._output(rt, version, current)
-                new = copy.deepcopy(current)
+                new = json_copy(current)
                 new_meta = new["metadata"]
                 new_meta["deletionTimestamp"] = now_rfc3339()
                 new_meta["deletionGracePeriodSeconds"] = 0
@@ -660,7 +668,7 @@ class Store:
             # Like the CRD cleanup finalizer: the custom objects go first.
             self._drop_custom(resource_type_from_crd(self._bucket(rt)[key]).gr)
         current = self._bucket(rt).pop(key)
-        final = copy.deepcopy(current)
+        final = json_copy(current)
         final["metadata"]["resourceVersion"] = self._next_rv()
         self._emit("DELETED", rt, final, current)
         self._after_write(rt, current, None)
@@ -737,7 +745,7 @@ class Store:
                 raise errors.invalid(
                     rt.gr, rt.kind, str(_meta(new).get("name", "")), exc.causes
                 ) from exc
-            names = copy.deepcopy(new["spec"]["names"])
+            names = json_copy(new["spec"]["names"])
             names.setdefault("singular", served.singular)
             names.setdefault("listKind", served.list_kind)
             storage = next(v["name"] for v in new["spec"]["versions"] if v.get("storage"))
@@ -795,7 +803,7 @@ class Store:
             for key in sorted(bucket):
                 obj = bucket[key]
                 if _meta(obj).get("finalizers"):
-                    obj = copy.deepcopy(obj)
+                    obj = json_copy(obj)
                     del obj["metadata"]["finalizers"]
                     bucket[key] = obj
                 self._remove(registered, key)
@@ -824,7 +832,7 @@ class Store:
         with self.lock:
             key = self._key(rt, namespace or _meta(body).get("namespace"), name)
             if name and key in self._bucket(rt):
-                body = copy.deepcopy(body)
+                body = json_copy(body)
                 _meta(body).pop("resourceVersion", None)
                 return self.update(rt, rt.preferred_version, key[0] or None, name, body)
             return self.create(rt, rt.preferred_version, namespace, body)
