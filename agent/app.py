@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from agent.dra.publisher import SlicePublisher
     from agent.dra.reclaim import DraReclaimer
     from agent.dra.state import DraState
+    from agent.external.registration import RegistrationServer
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.base import DiscoveryHandler
@@ -99,6 +100,7 @@ class Agent:
         self._gc_freeze: asyncio.Task[None] | None = None
         self.loop_monitor = LoopMonitor()
         self._loop_monitor_task: asyncio.Task[None] | None = None
+        self.registration: RegistrationServer | None = None
         if settings.device_plugin_dir is not None and self.kubelet is not None:
             # imported only when used: a local agent without device plugins needs no gRPC
             from agent.deviceplugin.manager import DevicePluginManager
@@ -195,6 +197,9 @@ class Agent:
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
+        if self.settings.external_handlers:
+            # last: the embedded handlers and the plugins are not kept waiting for gRPC
+            await self._serve_registration()
         if self.freeze_gc:
             # soon, not now: the 6 ms it takes would delay the first device lists
             asyncio.get_running_loop().call_later(FIRST_FREEZE_DELAY, freeze_long_lived)
@@ -206,6 +211,26 @@ class Agent:
             ", ".join(self.handlers.names()) or "none",
             len(self.store.configurations()),
         )
+
+    async def _serve_registration(self) -> None:
+        from agent.external.endpoints import EndpointPolicy
+        from agent.external.registration import RegistrationServer, RegistrationService
+
+        settings = self.settings
+        policy = EndpointPolicy(
+            settings.discovery_handlers_dir,
+            tuple(settings.discovery_handler_networks),
+            settings.discovery_handler_sockets_anywhere,
+        )
+        service = RegistrationService(
+            policy,
+            self.handlers,
+            self.discovery.handler_registered,
+            self.discovery.handler_problem,
+        )
+        server = RegistrationServer(settings.discovery_handlers_dir, service)
+        if await server.start():
+            self.registration = server
 
     async def _freeze_when_settled(self, changes: Subscription[InstanceEvent]) -> None:
         try:
@@ -244,6 +269,8 @@ class Agent:
             self._reclaim_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reclaim_task
+        if self.registration is not None:
+            await self.registration.stop()
         if self.plugins is not None:
             await self.plugins.close()
         await self.discovery.close()

@@ -1,4 +1,4 @@
-"""The ``akri`` command: ``akri agent`` and ``akri status``."""
+"""The ``akri`` command: ``akri agent``, ``akri handler`` and ``akri status``."""
 
 from __future__ import annotations
 
@@ -20,12 +20,34 @@ EXIT_CORRUPT_STATE = 3
 EXIT_UNAVAILABLE = 4
 EXIT_UNUSABLE_PATH = 5
 
+# the agent flags that apply to ``akri handler``
+HANDLER_FLAGS = {
+    "--discovery-handlers-dir",
+    "--log-level",
+    "--debug-echo-shared",
+    "--debug-echo-availability-file",
+    "--udev-monitor-source",
+    "--poll-interval",
+}
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     agent = commands.add_parser("agent", help="run the node agent")
     add_options(agent, AGENT_OPTIONS)
+    handler = commands.add_parser(
+        "handler",
+        help="run one of the embedded discovery handlers as an external handler process",
+        description="Serve v0.DiscoveryHandler/Discover for NAME on <dir>/<NAME>.sock (or "
+        "POD_IP:PORT when POD_IP is set) and register with the agent's "
+        "<dir>/agent-registration.sock, again whenever the agent restarts.",
+    )
+    handler.add_argument("name", metavar="NAME", help="debugEcho, udev, ... (as in Configurations)")
+    handler.add_argument(
+        "--port", type=int, default=10000, help="port served when POD_IP is set (Akri: 10000)"
+    )
+    add_options(handler, tuple(o for o in AGENT_OPTIONS if o.flag in HANDLER_FLAGS))
     status = commands.add_parser("status", help="show Instances of a local state directory")
     status.add_argument(
         "--state-dir", type=Path, default=None, help="state directory [env AKRI_STATE_DIR]"
@@ -134,11 +156,48 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
+    from agent.app import build_handlers
+    from agent.external.serve import run_handler_process
+
+    handlers = build_handlers(settings)
+    handler = handlers.get(name)
+    if handler is None:
+        print(
+            f"akri handler: no handler named {name!r} (available: {', '.join(handlers.names())})",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await run_handler_process(handler, settings.discovery_handlers_dir, port, stop)
+    except OSError as error:
+        logging.getLogger("agent.handler").error("cannot serve: %s", error)
+        return EXIT_UNUSABLE_PATH
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``akri`` console script."""
     args = _parser().parse_args(argv)
     if args.command == "status":
         return _status(args)
+    if args.command == "handler":
+        try:
+            values = resolve(args, AGENT_OPTIONS, os.environ)
+            values.update(local=True, debug_echo=True)  # no cluster; every handler offered
+            settings = AgentSettings.from_values(values)
+        except SettingsError as error:
+            print(f"akri handler: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        if not 0 < args.port < 65536:
+            print(f"akri handler: --port must be 1 to 65535, got {args.port}", file=sys.stderr)
+            return EXIT_USAGE
+        _configure_logging(settings.log_level)
+        return asyncio.run(_run_handler(settings, args.name, args.port))
     try:
         settings = AgentSettings.from_values(resolve(args, AGENT_OPTIONS, os.environ))
     except SettingsError as error:

@@ -82,6 +82,15 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_")
 
 
+def _networks(text: str) -> tuple[Any, ...]:
+    from agent.external.endpoints import parse_networks
+
+    try:
+        return parse_networks(text)
+    except ValueError as error:
+        raise ValueProblem(str(error)) from None
+
+
 def _paths(text: str) -> list[Path]:
     return [Path(part) for part in text.split(os.pathsep) if part]
 
@@ -236,6 +245,37 @@ AGENT_OPTIONS = (
         "(default: udev if /run/udev/control exists, else kernel)",
     ),
     Option(
+        "--discovery-handlers-dir",
+        "AKRI_DISCOVERY_HANDLERS_DIR",
+        Path,
+        Path("/var/lib/akri"),
+        "directory of the external handlers' registration socket (agent-registration.sock) "
+        "and their sockets (Akri's $DISCOVERY_HANDLERS_DIRECTORY)",
+        fallbacks=("DISCOVERY_HANDLERS_DIRECTORY",),
+    ),
+    Option(
+        "--external-handlers",
+        "AKRI_EXTERNAL_HANDLERS",
+        parse_bool,
+        True,
+        "accept external discovery handlers on the registration socket",
+    ),
+    Option(
+        "--discovery-handler-networks",
+        "AKRI_DISCOVERY_HANDLER_NETWORKS",
+        _networks,
+        (),
+        "comma-separated CIDRs where network endpoints of external handlers may be, besides "
+        "this node's own addresses (e.g. the node's pod CIDR)",
+    ),
+    Option(
+        "--discovery-handler-sockets-anywhere",
+        "AKRI_DISCOVERY_HANDLER_SOCKETS_ANYWHERE",
+        parse_bool,
+        False,
+        "accept external handler sockets outside --discovery-handlers-dir",
+    ),
+    Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
         parse_interval,
@@ -320,6 +360,10 @@ class AgentSettings:
     cdi_dir: Path
     udev_monitor_source: str | None
     poll_interval: float
+    discovery_handlers_dir: Path = Path("/var/lib/akri")
+    external_handlers: bool = True
+    discovery_handler_networks: tuple[Any, ...] = ()
+    discovery_handler_sockets_anywhere: bool = False
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:

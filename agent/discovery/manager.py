@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agent.discovery.ownership import Ownership
 from agent.discovery.plan import grace_for
@@ -70,6 +71,8 @@ class DiscoveryManager:
         self.runners: dict[ObjectKey, ConfigurationRunner] = {}
         self.retirements: dict[ObjectKey, Retirement] = {}
         self.refused: dict[ObjectKey, Configuration] = {}  # waiting for their name
+        # waiting for an external handler of their discoveryHandler.name to register
+        self.waiting_for_handler: dict[ObjectKey, Configuration] = {}
         self._noticed: dict[ObjectKey, str] = {}  # last notice logged per Configuration
         self._sweep_pending = True
         self._unreadable_noticed: list[str] = []
@@ -260,7 +263,45 @@ class DiscoveryManager:
                         ConfigurationEvent(EventType.ADDED, current.key, current)
                     )
 
-        task = asyncio.get_running_loop().create_task(retry())
+        self._spawn(retry())
+
+    def handler_registered(self, name: str) -> None:
+        """An external handler registered under ``name``: start the Configurations waiting
+        for it, and move running ones to it if it replaces an embedded handler."""
+        handler = self.handlers.get(name)
+        if handler is None:
+            return
+        for runner in self.runners.values():
+            if (
+                runner.configuration.discovery_handler.name == name
+                and runner.handler is not handler
+            ):
+                runner.replace_handler(handler)
+        waiting = [c for c in self.waiting_for_handler.values() if c.discovery_handler.name == name]
+        if waiting:
+            self._spawn(self._start_waiting(waiting))
+
+    async def _start_waiting(self, waiting: list[Configuration]) -> None:
+        for configuration in waiting:
+            current = next(
+                (c for c in self.store.configurations() if c.key == configuration.key), None
+            )
+            if current is not None and configuration.key in self.waiting_for_handler:
+                await self.handle_configuration_event(
+                    ConfigurationEvent(EventType.ADDED, current.key, current)
+                )
+
+    def handler_problem(self, name: str, reason: str, message: str) -> None:
+        """Show a handler's problem (already logged) as an Event on every Configuration
+        that uses it."""
+        for runner in list(self.runners.values()):
+            if runner.configuration.discovery_handler.name == name:
+                self._spawn(
+                    self.store.record_configuration_event(runner.configuration, reason, message)
+                )
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._retries.add(task)
         task.add_done_callback(self._retries.discard)
 
@@ -280,6 +321,7 @@ class DiscoveryManager:
         assert key is not None
         if event.type is EventType.DELETED:
             self.refused.pop(key, None)
+            self.waiting_for_handler.pop(key, None)
             self._noticed.pop(key, None)
             runner = self.runners.pop(key, None)
             if runner is not None:
@@ -301,8 +343,12 @@ class DiscoveryManager:
         self.refused.pop(key, None)
         self._noticed.pop(key, None)
         problem, warnings = self._check(configuration)
+        self.waiting_for_handler.pop(key, None)
         if problem is not None:
             reason, message = problem
+            if reason == "UnknownDiscoveryHandler":
+                self.waiting_for_handler[key] = configuration
+                message += "; it starts when a handler of that name registers"
             log.error("configuration %s: %s", key, message)
             await self.store.record_configuration_event(configuration, reason, message)
             return

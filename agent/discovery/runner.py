@@ -153,6 +153,17 @@ class ConfigurationRunner:
             self._restart_handler()
         self.wake()
 
+    def replace_handler(self, handler: DiscoveryHandler) -> None:
+        """Discover with ``handler`` from now on (an external handler registered under the
+        name of the embedded one); the last device list stays until it reports."""
+        log.info(
+            "configuration %s: discovery moves to the newly registered %s handler",
+            self.configuration.key,
+            handler.name,
+        )
+        self.handler = handler
+        self._restart_handler()
+
     def _restart_handler(self) -> None:
         if self._handler_task is not None:
             self._handler_task.cancel()

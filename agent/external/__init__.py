@@ -1,0 +1,1 @@
+"""External discovery handlers over Akri's ``v0`` discovery protocol (both directions)."""
