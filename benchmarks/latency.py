@@ -426,7 +426,8 @@ class LatencyBench:
             "plugins": len(resources),
             "kubelet_socket_back_p50_ms": _p50(socket_back),
             "method": "kubelet.restart() called → the last of the node's plugins registered "
-            "again (the agent notices the new kubelet.sock by polling it every 0.2 s)",
+            "again (the agent notices the new kubelet.sock through inotify; polling every 0.2 s "
+            "only where inotify is unavailable)",
         }
 
     # ---------------------------------------------------------------- DRA prepare

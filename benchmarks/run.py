@@ -332,6 +332,8 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
         "dra_prepare_p99_below_50ms": below(get("dra_prepare_ms", "p99"), 50),
         "udev_hotplug_p99_below_50ms": below(get("udev_hotplug_ms", "p99"), 50),
         "reregistration_p99_below_1s": below(get("kubelet_restart_reregister_ms", "p99"), 1000),
+        # issue 17: re-registration stays < 100 ms p99 (the full run restarts with 67 plugins)
+        "reregistration_p99_below_100ms": below(get("kubelet_restart_reregister_ms", "p99"), 100),
         "reclaim_p99_below_5s": below(get("reclaim_ms", "p99"), 5000),
         "reclaim_never_frees_a_live_pods_slot": below(get("reclaim_ms", "premature_releases"), 1),
         "rss_below_100mb": below(get("scale", "rss_mb"), 100),
