@@ -214,6 +214,7 @@ class Agent:
 
     async def _serve_registration(self) -> None:
         from agent.external.endpoints import EndpointPolicy
+        from agent.external.handler import ExternalHandler, ProblemReporter
         from agent.external.registration import RegistrationServer, RegistrationService
 
         settings = self.settings
@@ -222,11 +223,17 @@ class Agent:
             tuple(settings.discovery_handler_networks),
             settings.discovery_handler_sockets_anywhere,
         )
+
+        def make_handler(name: str, shared: bool, report: ProblemReporter) -> ExternalHandler:
+            timeout = settings.discovery_handler_first_list_timeout
+            return ExternalHandler(name, shared, report, first_list_timeout=timeout)
+
         service = RegistrationService(
             policy,
             self.handlers,
             self.discovery.handler_registered,
             self.discovery.handler_problem,
+            make_handler,
         )
         server = RegistrationServer(settings.discovery_handlers_dir, service)
         if await server.start():

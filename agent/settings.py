@@ -276,6 +276,13 @@ AGENT_OPTIONS = (
         "accept external handler sockets outside --discovery-handlers-dir",
     ),
     Option(
+        "--discovery-handler-first-list-timeout",
+        "AKRI_DISCOVERY_HANDLER_FIRST_LIST_TIMEOUT",
+        parse_seconds,
+        30.0,
+        "seconds an external handler has to send its first device list before it is cut off",
+    ),
+    Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
         parse_interval,
@@ -364,6 +371,7 @@ class AgentSettings:
     external_handlers: bool = True
     discovery_handler_networks: tuple[Any, ...] = ()
     discovery_handler_sockets_anywhere: bool = False
+    discovery_handler_first_list_timeout: float = 30.0
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:

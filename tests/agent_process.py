@@ -56,14 +56,17 @@ class AgentProcess:
         env: Mapping[str, str] | None = None,
         label: str = "agent",
         cwd: Path | None = None,
+        command: str = "agent",
+        program: Sequence[str] | None = None,
     ) -> None:
+        """``akri <command> ARGS``, or ``program`` + ARGS (another process to observe)."""
         self.args = list(args)
         self.label = label
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._eof = False
         self.proc = subprocess.Popen(
-            akri_command("agent", *self.args),
+            [*program, *self.args] if program is not None else akri_command(command, *self.args),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

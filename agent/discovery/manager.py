@@ -347,9 +347,13 @@ class DiscoveryManager:
         if problem is not None:
             reason, message = problem
             if reason == "UnknownDiscoveryHandler":
+                # not an error yet: an external handler may register (it also does after
+                # every agent restart, a moment after the Configurations are read)
                 self.waiting_for_handler[key] = configuration
                 message += "; it starts when a handler of that name registers"
-            log.error("configuration %s: %s", key, message)
+                log.warning("configuration %s: %s", key, message)
+            else:
+                log.error("configuration %s: %s", key, message)
             await self.store.record_configuration_event(configuration, reason, message)
             return
         for warning in warnings:

@@ -1,0 +1,259 @@
+"""External discovery handlers (issue 16): a local agent and handler processes over real unix
+sockets, speaking Akri's ``v0`` protocol.
+
+The handlers are ``akri handler debugEcho`` (our embedded handler served externally) and
+``tests/proto_only_handler.py``, a handler written only from the .proto (stubs generated at
+test time, nothing imported from the agent), which can also misbehave on purpose.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.agent_process import AgentProcess, describe_all, instance_files, poll_until
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "debug-echo.yaml"  # the same file the embedded handler runs
+PROTO_ONLY = [sys.executable, str(Path(__file__).resolve().parent / "proto_only_handler.py")]
+OFFLINE = "akri.sh/offline"
+
+
+def configuration(name: str, handler: str, capacity: int = 1) -> str:
+    return (
+        "apiVersion: akri.sh/v0\nkind: Configuration\n"
+        f"metadata: {{name: {name}}}\n"
+        f"spec:\n  discoveryHandler:\n    name: {handler}\n    discoveryDetails: ''\n"
+        f"  capacity: {capacity}\n"
+    )
+
+
+class Setup:
+    def __init__(self, base: Path) -> None:
+        # short paths: a unix socket path must stay under 108 bytes
+        self.base = base
+        self.dir = base / "dh"
+        self.state = base / "state"
+        self.stubs = base / "stubs"
+        self.processes: list[AgentProcess] = []
+
+    def agent(self, *configs: Path, extra: Sequence[str] = ()) -> AgentProcess:
+        args = [
+            "--local",
+            "--no-debug-echo",
+            "--state-dir",
+            str(self.state),
+            "--node-name",
+            "n1",
+            "--discovery-handlers-dir",
+            str(self.dir),
+            "--poll-interval",
+            "0.2",
+            *extra,
+        ]
+        for config in configs:
+            args += ["--config", str(config)]
+        process = AgentProcess(args, label="agent")
+        self.processes.append(process)
+        return process
+
+    def echo_handler(self, *extra: str) -> AgentProcess:
+        process = AgentProcess(
+            [
+                "debugEcho",
+                "--discovery-handlers-dir",
+                str(self.dir),
+                "--debug-echo-availability-file",
+                str(self.base / "avail"),
+                *extra,
+            ],
+            command="handler",
+            label="akri handler debugEcho",
+        )
+        self.processes.append(process)
+        return process
+
+    def proto_only(
+        self, name: str, socket: str, devices: Sequence[str], mode: str = "normal", *extra: str
+    ) -> AgentProcess:
+        process = AgentProcess(
+            [
+                "--stubs",
+                str(self.stubs),
+                "--dir",
+                str(self.dir),
+                "--name",
+                name,
+                "--socket",
+                str(self.dir / socket),
+                "--devices",
+                ",".join(devices),
+                "--mode",
+                mode,
+                *extra,
+            ],
+            program=PROTO_ONLY,
+            label=f"proto-only {name} {mode}",
+        )
+        self.processes.append(process)
+        return process
+
+    def write(self, name: str, text: str) -> Path:
+        path = self.base / name
+        path.write_text(text)
+        return path
+
+    def instances(self, configuration_name: str | None = None) -> dict[str, dict[str, Any]]:
+        return {
+            name: item
+            for name, item in instance_files(self.state).items()
+            if configuration_name is None or item["spec"]["configurationName"] == configuration_name
+        }
+
+    def logs(self) -> str:
+        return describe_all(self.processes)
+
+
+@pytest.fixture
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    base = tmp_path_factory.mktemp("ext")
+    s = Setup(base)
+    yield s
+    for process in s.processes:
+        process.cleanup()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def ids(instances: dict[str, dict[str, Any]], key: str) -> set[str]:
+    return {i["spec"]["brokerProperties"].get(key, "") for i in instances.values()}
+
+
+def test_the_embedded_handlers_configuration_runs_on_an_external_handler(setup: Setup) -> None:
+    agent = setup.agent(EXAMPLE)
+    agent.wait_for_log("no discovery handler named 'debugEcho'.*starts when a handler")
+    assert setup.instances() == {}
+    handler = setup.echo_handler()
+    handler.wait_for_log("registered debugEcho with the agent")
+    found = poll_until(
+        lambda: ids(setup.instances(), "DEBUG_ECHO_DESCRIPTION") == {"foo0", "foo1"},
+        timeout=10,
+        message=setup.logs,
+    )
+    assert found
+    agent.wait_for_log(r"discovery handler debugEcho registered at .*debugEcho\.sock")
+
+
+def test_a_killed_handler_s_devices_go_after_the_grace_and_come_back_with_it(
+    setup: Setup,
+) -> None:
+    setup.agent(EXAMPLE, extra=["--shared-offline-grace", "2"])
+    handler = setup.echo_handler()
+    poll_until(lambda: len(setup.instances()) == 2, timeout=10, message=setup.logs)
+    handler.kill()
+    # first offline (in the grace: the Instances are still there) ...
+    poll_until(
+        lambda: (
+            all(OFFLINE in i["metadata"].get("annotations", {}) for i in setup.instances().values())
+            and len(setup.instances()) == 2
+        ),
+        timeout=10,
+        message=setup.logs,
+    )
+    # ... then gone
+    poll_until(lambda: setup.instances() == {}, timeout=15, message=setup.logs)
+    restarted = setup.echo_handler()
+    restarted.wait_for_log("registered debugEcho with the agent")
+    poll_until(lambda: len(setup.instances()) == 2, timeout=10, message=setup.logs)
+
+
+def test_the_handler_registers_again_when_the_agent_restarts(setup: Setup) -> None:
+    agent = setup.agent(EXAMPLE, extra=["--shared-offline-grace", "60"])
+    handler = setup.echo_handler()
+    poll_until(lambda: len(setup.instances()) == 2, timeout=10, message=setup.logs)
+    mark = handler.mark()
+    assert agent.stop() == 0
+    again = setup.agent(EXAMPLE, extra=["--shared-offline-grace", "60"])
+    handler.wait_for_log("registered debugEcho with the agent", since=mark, timeout=10)
+    again.wait_for_log("discovery handler debugEcho registered", timeout=10)
+    again.wait_for_log(r"debugEcho reports 2 device\(s\)", timeout=10)
+    assert len(setup.instances()) == 2
+
+
+def test_a_handler_written_from_the_proto_alone_registers_and_streams(setup: Setup) -> None:
+    config = setup.write("c.yaml", configuration("proto", "protoOnly"))
+    agent = setup.agent(config)
+    client = setup.proto_only("protoOnly", "p.sock", ["dev-a", "dev-b"])
+    client.wait_for_log("REGISTERED", timeout=60)  # the first run generates the stubs
+    client.wait_for_log("DISCOVER ''", timeout=10)
+    poll_until(
+        lambda: ids(setup.instances("proto"), "PROTO_ONLY_ID") == {"dev-a", "dev-b"},
+        timeout=10,
+        message=setup.logs,
+    )
+    assert not agent.errors(), setup.logs()
+
+
+def test_two_endpoints_under_one_name_are_merged(setup: Setup) -> None:
+    config = setup.write("c.yaml", configuration("merged", "protoOnly"))
+    setup.agent(config)
+    first = setup.proto_only("protoOnly", "a.sock", ["x", "y"])
+    second = setup.proto_only("protoOnly", "b.sock", ["y", "z"])
+    for client in (first, second):
+        client.wait_for_log("REGISTERED", timeout=60)
+    poll_until(
+        lambda: ids(setup.instances("merged"), "PROTO_ONLY_ID") == {"x", "y", "z"},
+        timeout=10,
+        message=setup.logs,
+    )
+    assert len(setup.instances("merged")) == 3  # y once
+    second.kill()
+    poll_until(
+        lambda: ids(setup.instances("merged"), "PROTO_ONLY_ID") == {"x", "y"},
+        timeout=10,
+        message=setup.logs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"),
+    [
+        ("duplicate", "appears twice in one list"),
+        ("flood", "device lists per second"),
+        ("silent", "sent no device list within 2s"),
+        ("huge", "over 4 MiB"),
+    ],
+)
+def test_a_misbehaving_handler_is_cut_off_and_the_others_go_on(
+    setup: Setup, mode: str, why: str
+) -> None:
+    good = setup.write("good.yaml", configuration("good", "goodHandler"))
+    bad = setup.write("bad.yaml", configuration("bad", "badHandler"))
+    agent = setup.agent(good, bad, extra=["--discovery-handler-first-list-timeout", "2"])
+    setup.proto_only("goodHandler", "g.sock", ["g1", "g2"]).wait_for_log("REGISTERED", timeout=60)
+    setup.proto_only("badHandler", "b.sock", ["b1"], mode).wait_for_log("REGISTERED", timeout=60)
+    agent.wait_for_log(f"discovery handler badHandler at .* cut off: .*{why}", timeout=15)
+    poll_until(lambda: len(setup.instances("good")) == 2, timeout=10, message=setup.logs)
+    # a flood's first lists were accepted (the burst); its devices leave with the cut-off
+    poll_until(lambda: setup.instances("bad") == {}, timeout=10, message=setup.logs)
+    assert agent.running
+    # the good handler's stream was not disturbed: still 2, and no cut-off of it
+    assert not agent.matching("goodHandler at .* cut off")
+
+
+def test_endpoints_outside_the_directory_are_refused(setup: Setup) -> None:
+    config = setup.write("c.yaml", configuration("outside", "protoOnly"))
+    agent = setup.agent(config)
+    agent.wait_for_log("registration served on")
+    elsewhere = setup.base / "elsewhere.sock"
+    client = setup.proto_only(
+        "protoOnly", "p.sock", ["a"], "normal", "--register-as", str(elsewhere)
+    )
+    client.wait_for_log("REFUSED PERMISSION_DENIED .*outside the handler directory", timeout=60)
+    assert client.wait_exit(10) == 3
+    agent.wait_for_log("registration refused: handler protoOnly: socket .* is outside")
+    assert setup.instances() == {}
