@@ -61,6 +61,7 @@ class LocalPlan:
     idle_seconds: float = 20.0
     allocations: int = 1000
     capacity: int = 1000
+    external: int = 100  # devices streamed by an external handler (benchmarks/external_handler.py)
 
 
 def configuration(name: str, descriptions: list[str], capacity: int) -> str:

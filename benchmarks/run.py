@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``test
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.contention import ContentionPlan, run_contention
+from benchmarks.external_handler import measure_external_handler
 from benchmarks.harness import (
     LOOP_LAGS,
     PROCESSES,
@@ -64,7 +65,7 @@ PLANS: dict[str, dict[str, Any]] = {
             measure_shutdown=False,
         ),
         "contention": ContentionPlan(),
-        "local": LocalPlan(startups=5, idle_seconds=20),
+        "local": LocalPlan(startups=5, idle_seconds=20, external=30),
     },
     "full": {
         "latency": LatencyPlan(
@@ -298,6 +299,11 @@ async def local_section(results: dict[str, Any], plan: LocalPlan) -> None:
         300,
     )
     cluster_large = figures["cluster_large"]
+    await measure(figures, "external", lambda: measure_external_handler(plan.external), 120)
+    external = figures["external"]
+    results["external_handler_to_instance_ms"] = external.get(
+        "external_handler_to_instance_ms", external
+    )
     results["allocate_large_instance_ms"] = {
         "local": large.get("allocate_large_instance_ms", large),
         "cluster": cluster_large.get("allocate_large_instance_ms", cluster_large),
@@ -355,6 +361,7 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
         "allocate_large_instance_cluster_max_below_50ms": below(
             get("allocate_large_instance_ms", "cluster", "max"), 50
         ),
+        "external_handler_p99_below_50ms": below(get("external_handler_to_instance_ms", "p99"), 50),
         "loop_lag_below_10ms": None
         if not results.get("loop_lag_max_ms")
         else all(v is not None and v < 10 for v in results["loop_lag_max_ms"].values()),

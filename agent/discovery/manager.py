@@ -347,13 +347,11 @@ class DiscoveryManager:
         if problem is not None:
             reason, message = problem
             if reason == "UnknownDiscoveryHandler":
-                # not an error yet: an external handler may register (it also does after
-                # every agent restart, a moment after the Configurations are read)
+                # an external handler may still register (it also does after every agent
+                # restart): this Configuration starts then
                 self.waiting_for_handler[key] = configuration
                 message += "; it starts when a handler of that name registers"
-                log.warning("configuration %s: %s", key, message)
-            else:
-                log.error("configuration %s: %s", key, message)
+            log.error("configuration %s: %s", key, message)
             await self.store.record_configuration_event(configuration, reason, message)
             return
         for warning in warnings:
