@@ -57,8 +57,7 @@ def _filter(parsed: dict[str, Any], field: str) -> FilterList | None:
         return None
     if not isinstance(raw, dict):
         raise _fail(
-            f"{field} must be a mapping {{action: Include|Exclude, items: [...]}}, "
-            f"got {brief(raw)}"
+            f"{field} must be a mapping {{action: Include|Exclude, items: [...]}}, got {brief(raw)}"
         )
     unknown = sorted(str(key) for key in raw if key not in ("action", "items"))
     if unknown:

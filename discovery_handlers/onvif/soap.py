@@ -26,8 +26,7 @@ PASSWORD_DIGEST = (
     "#PasswordDigest"
 )
 BASE64_BINARY = (
-    "http://docs.oasis-open.org/wss/2004/01/oasis-200401-wss-soap-message-security-1.0"
-    "#Base64Binary"
+    "http://docs.oasis-open.org/wss/2004/01/oasis-200401-wss-soap-message-security-1.0#Base64Binary"
 )
 MAX_RESPONSE_BYTES = 1024 * 1024
 CONTENT_TYPE = "application/soap+xml; charset=utf-8"
