@@ -48,6 +48,14 @@ def build_handlers(settings: AgentSettings) -> HandlerRegistry:
 
     # loaded (and run) only when a Configuration names "udev"
     registry.register(LazyHandler("udev", False, udev))
+
+    def onvif() -> DiscoveryHandler:
+        from discovery_handlers.onvif import OnvifHandler
+
+        return OnvifHandler()
+
+    # loaded only when a Configuration names "onvif" (then aiohttp/defusedxml are imported)
+    registry.register(LazyHandler("onvif", True, onvif))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(

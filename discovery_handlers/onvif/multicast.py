@@ -1,0 +1,229 @@
+"""WS-Discovery sockets on the event loop (asyncio datagram endpoints, no threads).
+
+- one *probe* socket per interface (IPv4, and IPv6 where it can be set up), bound to an
+  ephemeral port: Probes go out to ``239.255.255.250:3702`` / ``[ff02::c]:3702`` and the
+  unicast ProbeMatches come back to it;
+- one *listener* per address family bound to port 3702 (``SO_REUSEADDR``/``SO_REUSEPORT``, so
+  cameras or other discovery clients on the same host can share it) and joined to the group on
+  every interface: it hears Hello and Bye, so cameras appear and vanish between Probes.
+
+A listener that cannot bind or join is logged and skipped (Probes still work); IPv6 problems
+are logged at debug level only (many nodes have no IPv6 multicast route).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from discovery_handlers.onvif.wsdiscovery import (
+    MAX_MESSAGE_BYTES,
+    MULTICAST_IPV4,
+    MULTICAST_IPV6,
+    PORT,
+    Message,
+    parse_message,
+)
+
+log = logging.getLogger("discovery_handlers.onvif")
+
+OnMessage = Callable[[Message, Any], None]
+
+
+@dataclass(frozen=True)
+class Interface:
+    """Where to send/listen: an interface index (0 = the kernel's choice) and/or an IPv4
+    address."""
+
+    label: str
+    index: int
+    ipv4: str = "0.0.0.0"
+
+
+def resolve_interfaces(names: Sequence[str]) -> list[Interface]:
+    """Interfaces from names or IPv4 addresses; ``[]`` means the default interface.
+    Raises OSError for an unknown interface name."""
+    if not names:
+        return [Interface("default", 0)]
+    result = []
+    for name in names:
+        try:
+            address = ipaddress.IPv4Address(name)
+        except ValueError:
+            result.append(Interface(name, socket.if_nametoindex(name)))
+        else:
+            result.append(Interface(name, 0, str(address)))
+    return result
+
+
+def _mreqn(group: str, interface: Interface) -> bytes:
+    return struct.pack(
+        "4s4si", socket.inet_aton(group), socket.inet_aton(interface.ipv4), interface.index
+    )
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, on_message: OnMessage, label: str) -> None:
+        self.on_message = on_message
+        self.label = label
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        if len(data) > MAX_MESSAGE_BYTES:
+            return
+        message = parse_message(data)
+        if message is not None:
+            self.on_message(message, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        log.debug("onvif: WS-Discovery socket %s: %s", self.label, exc)
+
+
+class WsDiscoverySockets:
+    """Probe senders and Hello/Bye listeners for a set of interfaces."""
+
+    def __init__(
+        self,
+        interfaces: Sequence[str],
+        on_message: OnMessage,
+        *,
+        port: int = PORT,
+        ipv6: bool = True,
+    ) -> None:
+        self.interface_names = tuple(interfaces)
+        self.on_message = on_message
+        self.port = port
+        self.ipv6 = ipv6
+        self._probers: list[tuple[asyncio.DatagramTransport, Any, str]] = []
+        self._listeners: list[asyncio.DatagramTransport] = []
+        self._warned: set[str] = set()
+
+    async def start(self) -> None:
+        """Open the sockets (raises OSError if no Probe socket at all can be opened)."""
+        interfaces = resolve_interfaces(self.interface_names)
+        loop = asyncio.get_running_loop()
+        for interface in interfaces:
+            with contextlib.suppress(OSError):
+                await self._add_prober(loop, interface, socket.AF_INET)
+            if self.ipv6 and socket.has_ipv6:
+                try:
+                    await self._add_prober(loop, interface, socket.AF_INET6)
+                except OSError as error:
+                    log.debug("onvif: no IPv6 probe socket on %s: %s", interface.label, error)
+        if not self._probers:
+            # the IPv4 failure again, this time raised: the handler cannot work at all
+            await self._add_prober(loop, interfaces[0], socket.AF_INET)
+        try:
+            await self._add_listener(loop, interfaces, socket.AF_INET)
+        except OSError as error:
+            log.warning(
+                "onvif: cannot listen for Hello/Bye on port %d (%s); cameras are found by "
+                "Probes only",
+                self.port,
+                error,
+            )
+        if self.ipv6 and socket.has_ipv6:
+            try:
+                await self._add_listener(loop, interfaces, socket.AF_INET6)
+            except OSError as error:
+                log.debug("onvif: no IPv6 Hello/Bye listener: %s", error)
+
+    async def _add_prober(
+        self, loop: asyncio.AbstractEventLoop, interface: Interface, family: int
+    ) -> None:
+        sock = socket.socket(family, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        try:
+            sock.setblocking(False)
+            if family == socket.AF_INET:
+                sock.setsockopt(
+                    socket.IPPROTO_IP, socket.IP_MULTICAST_IF, _mreqn(MULTICAST_IPV4, interface)
+                )
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+                sock.bind(("0.0.0.0", 0))
+                destination: Any = (MULTICAST_IPV4, self.port)
+            else:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, interface.index)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_LOOP, 1)
+                sock.bind(("::", 0))
+                destination = (MULTICAST_IPV6, self.port, 0, interface.index)
+            label = f"{interface.label}/{'v4' if family == socket.AF_INET else 'v6'}"
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Protocol(self.on_message, label), sock=sock
+            )
+        except BaseException:
+            sock.close()
+            raise
+        self._probers.append((transport, destination, label))
+
+    async def _add_listener(
+        self, loop: asyncio.AbstractEventLoop, interfaces: Sequence[Interface], family: int
+    ) -> None:
+        sock = socket.socket(family, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if hasattr(socket, "SO_REUSEPORT"):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            joined = 0
+            if family == socket.AF_INET:
+                sock.bind(("0.0.0.0", self.port))
+                for interface in interfaces:
+                    try:
+                        sock.setsockopt(
+                            socket.IPPROTO_IP,
+                            socket.IP_ADD_MEMBERSHIP,
+                            _mreqn(MULTICAST_IPV4, interface),
+                        )
+                        joined += 1
+                    except OSError as error:
+                        if error.errno != errno.EADDRINUSE:  # already joined: fine
+                            raise
+            else:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(("::", self.port))
+                group = socket.inet_pton(socket.AF_INET6, MULTICAST_IPV6)
+                for interface in interfaces:
+                    sock.setsockopt(
+                        socket.IPPROTO_IPV6,
+                        socket.IPV6_JOIN_GROUP,
+                        group + struct.pack("@I", interface.index),
+                    )
+                    joined += 1
+            label = f"listener/{'v4' if family == socket.AF_INET else 'v6'}"
+            transport, _ = await loop.create_datagram_endpoint(
+                lambda: _Protocol(self.on_message, label), sock=sock
+            )
+        except BaseException:
+            sock.close()
+            raise
+        self._listeners.append(transport)
+
+    def probe(self, payload: bytes) -> int:
+        """Send ``payload`` (a Probe) from every probe socket; returns how many were sent."""
+        sent = 0
+        for transport, destination, label in self._probers:
+            try:
+                transport.sendto(payload, destination)
+                sent += 1
+            except OSError as error:
+                level = logging.DEBUG if label in self._warned or "v6" in label else logging.WARNING
+                self._warned.add(label)
+                log.log(level, "onvif: cannot send a Probe on %s: %s", label, error)
+        return sent
+
+    def close(self) -> None:
+        """Close every socket."""
+        for transport, _, _ in self._probers:
+            transport.close()
+        for transport in self._listeners:
+            transport.close()
+        self._probers.clear()
+        self._listeners.clear()
