@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agent.activity_log import log_instance_changes
 from agent.deviceplugin.kubelet_state import CHECKPOINT_FILE, KubeletState
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from agent.dra.reclaim import DraReclaimer
     from agent.dra.state import DraState
     from agent.external.registration import RegistrationServer
+    from agent.health import HealthServer
 from agent.settings import AgentSettings
 from agent.store.base import InstanceStore
 from discovery_handlers.base import DiscoveryHandler
@@ -109,6 +110,9 @@ class Agent:
         self.loop_monitor = LoopMonitor()
         self._loop_monitor_task: asyncio.Task[None] | None = None
         self.registration: RegistrationServer | None = None
+        self.health: HealthServer | None = None
+        self.started = False
+        self._metrics_registry: Any = None
         if settings.device_plugin_dir is not None and self.kubelet is not None:
             # imported only when used: a local agent without device plugins needs no gRPC
             from agent.deviceplugin.manager import DevicePluginManager
@@ -208,6 +212,9 @@ class Agent:
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
+        if self.settings.health_port:
+            await self._serve_health()
+        self.started = True
         if self.freeze_gc:
             # soon, not now: the 6 ms it takes would delay the first device lists
             asyncio.get_running_loop().call_later(FIRST_FREEZE_DELAY, freeze_long_lived)
@@ -219,6 +226,56 @@ class Agent:
             ", ".join(self.handlers.names()) or "none",
             len(self.store.configurations()),
         )
+
+    def readiness(self) -> list[str]:
+        """Why the agent is not ready (empty: ready): for ``/readyz``."""
+        problems = []
+        if not self.started:
+            problems.append("starting (store not synced yet)")
+        if self.plugins is not None:
+            waiting = [
+                e.resource_name for e in self.plugins.endpoints() if not e.registered.is_set()
+            ]
+            if waiting:
+                problems.append(
+                    f"{len(waiting)} device plugin(s) not registered with kubelet: "
+                    + ", ".join(sorted(waiting)[:5])
+                )
+        if self.dra is not None and not self.dra.registration.registered.is_set():
+            problems.append("DRA driver not registered with kubelet")
+        return problems
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text of this agent's metrics (``prometheus_client`` is imported
+        on the first scrape only)."""
+        from prometheus_client import generate_latest
+
+        from agent.metrics import registry_for
+
+        if self._metrics_registry is None:
+            self._metrics_registry = registry_for(self)
+        return bytes(generate_latest(self._metrics_registry))
+
+    async def _serve_health(self) -> None:
+        from agent.health import HealthServer
+
+        server = HealthServer(
+            self.settings.health_address,
+            self.settings.health_port or 0,
+            self.readiness,
+            self.metrics_text,
+        )
+        try:
+            await server.start()
+        except OSError as error:
+            log.warning(
+                "cannot serve health and metrics on %s:%d (%s): the agent runs without them",
+                self.settings.health_address,
+                self.settings.health_port,
+                error.strerror or error,
+            )
+            return
+        self.health = server
 
     async def _serve_registration(self) -> None:
         from agent.external.endpoints import EndpointPolicy
@@ -284,6 +341,8 @@ class Agent:
             self._reclaim_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reclaim_task
+        if self.health is not None:
+            await self.health.stop()
         if self.registration is not None:
             await self.registration.stop()
         if self.plugins is not None:

@@ -33,7 +33,9 @@ HANDLER_FLAGS = {
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"akri {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("version", help="print the version")
     agent = commands.add_parser("agent", help="run the node agent")
     add_options(agent, AGENT_OPTIONS)
     handler = commands.add_parser(
@@ -56,7 +58,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _configure_logging(level: str) -> None:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("akri-py-agent")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
+    if log_format == "json":
+        from agent.log_format import JsonFormatter
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter(node))
+        logging.basicConfig(level=getattr(logging, level), handlers=[handler])
+        return
     logging.basicConfig(
         level=getattr(logging, level),
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
@@ -183,6 +201,9 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``akri`` console script."""
     args = _parser().parse_args(argv)
+    if args.command == "version":
+        print(f"akri {_version()}")
+        return 0
     if args.command == "status":
         return _status(args)
     if args.command == "handler":
@@ -203,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as error:
         print(f"akri agent: {error}", file=sys.stderr)
         return EXIT_USAGE
-    _configure_logging(settings.log_level)
+    _configure_logging(settings.log_level, settings.log_format, settings.node_name)
     return asyncio.run(_run_agent(settings))
 
 

@@ -91,6 +91,16 @@ def _networks(text: str) -> tuple[Any, ...]:
         raise ValueProblem(str(error)) from None
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueProblem(f"must be a port number, got {text[:40]!r}") from None
+    if not 0 <= value < 65536:
+        raise ValueProblem(f"must be 0 (off) to 65535, got {value}")
+    return value
+
+
 def _paths(text: str) -> list[Path]:
     return [Path(part) for part in text.split(os.pathsep) if part]
 
@@ -283,6 +293,28 @@ AGENT_OPTIONS = (
         "seconds an external handler has to send its first device list before it is cut off",
     ),
     Option(
+        "--health-port",
+        "AKRI_HEALTH_PORT",
+        _port,
+        None,
+        "serve /healthz, /readyz and /metrics on this port (default: 8080 in cluster mode, "
+        "off in local mode; 0: off)",
+    ),
+    Option(
+        "--health-address",
+        "AKRI_HEALTH_ADDRESS",
+        str,
+        "0.0.0.0",
+        "address of the health and metrics port",
+    ),
+    Option(
+        "--log-format",
+        "AKRI_LOG_FORMAT",
+        str.lower,
+        "text",
+        "text, or json (one object per line, with configuration/instance/slot/node fields)",
+    ),
+    Option(
         "--poll-interval",
         "AKRI_POLL_INTERVAL",
         parse_interval,
@@ -372,6 +404,9 @@ class AgentSettings:
     discovery_handler_networks: tuple[Any, ...] = ()
     discovery_handler_sockets_anywhere: bool = False
     discovery_handler_first_list_timeout: float = 30.0
+    health_port: int | None = 0
+    health_address: str = "0.0.0.0"
+    log_format: str = "text"
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:
@@ -388,6 +423,10 @@ class AgentSettings:
             raise SettingsError("--dra needs the Kubernetes API (ResourceClaims): not in --local")
         if data["device_plugin_dir"] is None and not data["local"]:
             data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
+        if data["health_port"] is None:
+            data["health_port"] = 0 if data["local"] else 8080
+        if data["log_format"] not in ("text", "json"):
+            raise SettingsError(f"--log-format: expected text or json, got {data['log_format']!r}")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise SettingsError(f"--log-level: unknown level {data['log_level']!r}")
         return cls(**data)

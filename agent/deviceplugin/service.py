@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from agent import telemetry
 from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.logic = logic
+        # the Allocate histogram's label: instance- or configuration-level plugin
+        self.kind = (
+            "configuration" if type(logic).__name__.startswith("Configuration") else "instance"
+        )
         self.min_interval = min_interval
         self._clock = clock
         self._sleep = sleep
@@ -188,13 +193,16 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
 
     async def Allocate(self, request: Any, context: Any) -> Any:
         requests = [list(req.devices_ids) for req in request.container_requests]
+        started = time.perf_counter()
         try:
             responses = await self.logic.allocate(requests)
         except AllocationError as error:
+            telemetry.ALLOCATE.observe(self.kind, time.perf_counter() - started)
             log.warning("%s: Allocate %s refused: %s", self.logic.resource_name, requests, error)
             self.changed()
             await context.abort(error.code, str(error))
             raise  # unreachable: abort raises
+        telemetry.ALLOCATE.observe(self.kind, time.perf_counter() - started)
         self.allocations += 1
         self.changed()
         return api_pb2.AllocateResponse(container_responses=responses)

@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 
+from agent import telemetry
 from agent.discovery.limits import ReportRejectedError, check_report
 from agent.discovery.plan import (
     DesiredInstance,
@@ -108,6 +109,8 @@ class ConfigurationRunner:
         self.reconciled = asyncio.Event()
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
+        # for metrics and status: starting, ok, failed (last list kept), invalid
+        self.handler_state = "starting"
 
     @property
     def key(self) -> ObjectKey:
@@ -214,8 +217,18 @@ class ConfigurationRunner:
             try:
                 properties = await self._resolve()
                 self._properties_digest = _digest(properties)
+                first = True
                 async for devices in self.handler.discover(details, properties):
-                    check_report(devices)
+                    if first:
+                        first = False
+                        telemetry.DISCOVERY_RESPONSE_TIME.observe(str(key), self._clock() - started)
+                    try:
+                        check_report(devices)
+                    except ReportRejectedError:
+                        telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
+                        raise
+                    telemetry.DISCOVERY_RESULTS[(self.handler.name, "success")] += 1
+                    self.handler_state = "ok"
                     shown = [device.id[:80] for device in devices[:10]]
                     ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
                     log.info(
@@ -235,12 +248,14 @@ class ConfigurationRunner:
             except asyncio.CancelledError:
                 raise
             except PropertyResolutionError as error:
+                self.handler_state = "failed"
                 # keep the last device list: a briefly missing Secret must not drop devices
                 log.error("configuration %s: %s; retrying in %.0fs", key, error, backoff)
                 await self.store.record_configuration_event(
                     self.configuration, "DiscoveryPropertiesUnresolved", str(error)
                 )
             except ReportRejectedError as error:
+                self.handler_state = "failed"
                 log.error(
                     "configuration %s: handler %s reported %s; keeping its last accepted device "
                     "list (retrying in %.0fs)",
@@ -253,6 +268,7 @@ class ConfigurationRunner:
                     self.configuration, "DiscoveryReportRejected", str(error)
                 )
             except InvalidDiscoveryDetailsError as error:
+                self.handler_state = "invalid"
                 log.error(
                     "configuration %s: %s (keeping the last device list until it is edited)",
                     key,
@@ -263,6 +279,8 @@ class ConfigurationRunner:
                 )
                 return  # waits for an edited Configuration (update() restarts us)
             except Exception as error:
+                telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
+                self.handler_state = "failed"
                 log.error(
                     "configuration %s: handler %s failed: %s: %s (keeping its last device "
                     "list until it reports again; retrying in %.0fs)",

@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from agent import telemetry
 from agent.dra.state import ClaimRef, DraState, PrepareError
 from agent.fswatch import DirectoryWatch
 from agent.protos.dra.v1 import api_pb2 as v1
@@ -63,6 +65,14 @@ class _Registration(reg_grpc.RegistrationServicer):
 
 
 async def _prepare_all(state: DraState, claims: Any, pb: Any) -> Any:
+    started = time.perf_counter()
+    try:
+        return await _prepare_claims(state, claims, pb)
+    finally:
+        telemetry.NODE_PREPARE.observe(time.perf_counter() - started)
+
+
+async def _prepare_claims(state: DraState, claims: Any, pb: Any) -> Any:
     responses = {}
     for claim in claims:
         ref = ClaimRef(claim.namespace, claim.uid, claim.name)

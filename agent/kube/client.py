@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from agent import telemetry
 from agent.kube.credentials import Auth
 from agent.kube.errors import ApiError, TransportError
 from agent.kube.http import Connection, ProtocolError, Response
@@ -157,8 +158,10 @@ class KubeClient:
                     )
                     await asyncio.sleep(wait)  # outside the connection slot
         except TimeoutError as error:
+            telemetry.API_ERRORS["transport"] += 1
             raise TransportError(f"{method} {target}: no answer within {limit:g}s") from error
         if response.status >= 400:
+            telemetry.API_ERRORS[str(response.status)] += 1
             raise ApiError.from_response(response.status, response.reason, data)
         return _json_object(data, method, target)
 
