@@ -471,6 +471,12 @@ class Node:
             str(self.kubeconfig),
             "--device-plugin-dir",
             str(self.plugin_dir),
+            # each simulated node its own handler directory, and no health port (67 agents
+            # on one host would all ask for 8080)
+            "--discovery-handlers-dir",
+            str(self.plugin_dir.parent / "dh"),
+            "--health-port",
+            "0",
             "--pod-resources-socket",
             str(self.kubelet.pod_resources_socket),
             "--reclaim-interval",

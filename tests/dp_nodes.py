@@ -147,6 +147,7 @@ def node_settings(
         cdi_dir=base / "cdi",
         udev_monitor_source=None,
         poll_interval=0.05,
+        discovery_handlers_dir=base / "dh",
     )
 
 
