@@ -1,4 +1,4 @@
-"""deploy/resourceslice-policy.yaml: the ValidatingAdmissionPolicy's CEL, evaluated with
+"""deploy/base/resourceslice-policy.yaml: the ValidatingAdmissionPolicy's CEL, evaluated with
 cel-python the way the API server evaluates it (matchConditions, then the variables in order,
 then each validation) against the slices the agent's publisher really writes."""
 
@@ -14,7 +14,7 @@ from celpy.adapter import json_to_cel
 
 from agent.dra.slices import Pool
 
-POLICY = Path(__file__).resolve().parent.parent / "deploy" / "resourceslice-policy.yaml"
+POLICY = Path(__file__).resolve().parent.parent / "deploy" / "base" / "resourceslice-policy.yaml"
 AGENT = "system:serviceaccount:akri:akri-agent"
 ENV = celpy.Environment()
 

@@ -279,7 +279,9 @@ async def test_v1beta1_service_works_too(api: ApiServerDouble, tmp_path: Path) -
 async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_path: Path) -> None:
     import yaml
 
-    documents = yaml.safe_load_all((Path(__file__).parent.parent / "deploy/rbac.yaml").read_text())
+    documents = yaml.safe_load_all(
+        (Path(__file__).parent.parent / "deploy/base/rbac.yaml").read_text()
+    )
     role = next(d for d in documents if d["kind"] == "ClusterRole")
     allowed = {
         (group, resource, verb)

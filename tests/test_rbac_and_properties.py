@@ -178,12 +178,12 @@ def _documents(name: str) -> list[dict[str, Any]]:
 
 
 def _rules() -> list[dict[str, Any]]:
-    role = next(d for d in _documents("rbac.yaml") if d["kind"] == "ClusterRole")
+    role = next(d for d in _documents("base/rbac.yaml") if d["kind"] == "ClusterRole")
     return list(role["rules"])
 
 
 def grants(extra_namespaces: tuple[str, ...] = ()) -> set[Grant]:
-    """What deploy/rbac.yaml (plus deploy/properties-reader.yaml applied in
+    """What deploy/base/rbac.yaml (plus deploy/properties-reader.yaml applied in
     ``extra_namespaces``) allows the agent's ServiceAccount."""
     result: set[Grant] = set()
 
@@ -194,7 +194,7 @@ def grants(extra_namespaces: tuple[str, ...] = ()) -> set[Grant]:
                     for verb in rule["verbs"]:
                         result.add((group, resource, verb, namespace))
 
-    for document in _documents("rbac.yaml"):
+    for document in _documents("base/rbac.yaml"):
         if document["kind"] == "ClusterRole":
             add(document["rules"], None)
         elif document["kind"] == "Role":
@@ -212,7 +212,7 @@ def allowed(granted: set[Grant], group: str, resource: str, verb: str, ns: str |
 
 
 def test_rbac_has_no_wildcards() -> None:
-    for document in [*_documents("rbac.yaml"), *_documents("properties-reader.yaml")]:
+    for document in [*_documents("base/rbac.yaml"), *_documents("properties-reader.yaml")]:
         for rule in document.get("rules") or []:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"]
             assert "*" not in rule["apiGroups"]

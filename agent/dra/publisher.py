@@ -202,7 +202,7 @@ class SlicePublisher:
                 (o.get("spec") or {}).get("nodeName") == self.node for o in objs
             )
             # an orphaned shared pool is removed by a node its nodeSelector lists (the only
-            # nodes deploy/resourceslice-policy.yaml lets write it)
+            # nodes deploy/base/resourceslice-policy.yaml lets write it)
             shared_orphan = (
                 all(not (o.get("spec") or {}).get("nodeName") for o in objs)
                 and name not in existing_instances

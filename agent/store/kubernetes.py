@@ -524,7 +524,7 @@ async def first_list(
                 raise StoreError(
                     f"HTTP {error.status}: the agent may not list {what} (verb list, "
                     f"resource {plural}, group {GROUP}): check its ServiceAccount and "
-                    "deploy/rbac.yaml"
+                    "deploy/base/rbac.yaml"
                 ) from error
             if error.status == 404:
                 if clock() - started >= crd_deadline:
