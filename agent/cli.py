@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
 from agent.store.base import CorruptStateError, InstanceStore, StoreError
@@ -55,6 +56,17 @@ def _parser() -> argparse.ArgumentParser:
         "--state-dir", type=Path, default=None, help="state directory [env AKRI_STATE_DIR]"
     )
     status.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    status.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="read the cluster's Configurations and Instances with this kubeconfig",
+    )
+    status.add_argument(
+        "--cluster",
+        action="store_true",
+        help="read the cluster (kubeconfig from $KUBECONFIG, ~/.kube/config or in-cluster)",
+    )
+    status.add_argument("--namespace", "-n", default=None, help="cluster: only this namespace")
     return parser
 
 
@@ -149,8 +161,67 @@ async def _run_agent(settings: AgentSettings) -> int:
     return 0
 
 
+async def _cluster_objects(
+    kubeconfig: str | None, namespace: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from agent.kube import make_kube_client, resource_path
+
+    client = make_kube_client(kubeconfig)
+    try:
+        found = []
+        for plural in ("configurations", "instances"):
+            items, _version = await client.list_all(
+                resource_path("akri.sh", "v0", plural, namespace)
+            )
+            found.append(items)
+        return found[0], found[1]
+    finally:
+        await client.close()
+
+
+def _cluster_status(args: argparse.Namespace) -> int:
+    from agent.kube import ApiError, ConfigError, TransportError
+    from agent.model.instance import Instance
+    from agent.status import configurations_table, to_json, to_table
+
+    kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG")
+    try:
+        configurations, raw = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
+    except (ApiError, ConfigError, TransportError, OSError) as error:
+        print(f"akri status: cannot read the cluster: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    instances = []
+    for obj in raw:
+        try:
+            instances.append(Instance.from_dict(obj))
+        except (KeyError, TypeError, ValueError) as error:
+            name = (obj.get("metadata") or {}).get("name", "?")
+            print(f"akri status: skipping Instance {name}: {error}", file=sys.stderr)
+    instances.sort(key=lambda i: (i.namespace, i.name))
+    if args.output == "json":
+        text = to_json(instances)
+    else:
+        text = configurations_table(configurations, instances) + "\n\n" + to_table(instances)
+    return _print(text)
+
+
+def _print(text: str) -> int:
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (``| head``): no traceback, and none at exit either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILURE
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from agent.status import to_json, to_table
+
+    if args.kubeconfig or args.cluster:
+        return _cluster_status(args)
     from agent.store.local import read_state_dir
 
     state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
@@ -163,15 +234,7 @@ def _status(args: argparse.Namespace) -> int:
     except CorruptStateError as error:
         print(f"akri status: {error}", file=sys.stderr)
         return EXIT_CORRUPT_STATE
-    try:
-        print(to_json(instances) if args.output == "json" else to_table(instances))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # the reader went away (``| head``): no traceback, and none at exit either
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_FAILURE
-    return 0
+    return _print(to_json(instances) if args.output == "json" else to_table(instances))
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent.ledger.decisions import node_slots
@@ -85,3 +85,32 @@ def to_table(instances: Sequence[Instance]) -> str:
     if not instances:
         lines.append("(no instances)")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def configurations_table(
+    configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]
+) -> str:
+    """Configurations (raw API objects, valid or not) with their handler, capacity and
+    Instance count."""
+    rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED")]
+    for obj in configurations:
+        metadata = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        namespace, name = metadata.get("namespace", DEFAULT_NAMESPACE), metadata.get("name", "?")
+        mine = [i for i in instances if i.namespace == namespace and i.configuration_name == name]
+        used = sum(1 for i in mine for v in i.device_usage.values() if v)
+        slots = sum(i.capacity for i in mine)
+        rows.append(
+            (
+                name if namespace == DEFAULT_NAMESPACE else f"{namespace}/{name}",
+                str((spec.get("discoveryHandler") or {}).get("name", "?")),
+                str(spec.get("capacity", "?")),
+                str(len(mine)),
+                f"{used}/{slots}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
