@@ -57,6 +57,13 @@ def build_handlers(settings: AgentSettings) -> HandlerRegistry:
 
     # loaded only when a Configuration names "onvif" (then aiohttp/defusedxml are imported)
     registry.register(LazyHandler("onvif", True, onvif))
+
+    def mqtt() -> DiscoveryHandler:
+        from discovery_handlers.mqtt import MqttHandler
+
+        return MqttHandler()
+
+    registry.register(LazyHandler("mqtt", True, mqtt))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(
