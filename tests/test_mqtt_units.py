@@ -126,3 +126,21 @@ def test_the_table_handles_removal_clashes_caps_and_early_availability() -> None
     assert not table.apply("akri/b", json.dumps({"id": "b"}).encode())  # the same again
     assert table.apply("akri/b", b"")
     assert [d.id for d in table.devices()] == ["a"]
+
+
+def test_the_documented_schema_and_the_parser_agree() -> None:
+    from pathlib import Path
+
+    import jsonschema
+
+    schema = json.loads(
+        (Path(__file__).resolve().parent.parent / "docs/mqtt-announcement.schema.json").read_text()
+    )
+    good = {"id": "sensor-7", "properties": {"room": "lab", "n": 1}, "availabilityTopic": "s/7"}
+    jsonschema.validate(good, schema)
+    parse_akri("t", json.dumps(good).encode())
+    for bad in ({"id": ""}, {"id": "a\tb"}, {"properties": {}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+        with pytest.raises(RefusedMessage):
+            parse_akri("t", json.dumps(bad).encode())
