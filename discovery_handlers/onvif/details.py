@@ -22,7 +22,7 @@ from typing import Any
 
 from discovery_handlers.base import InvalidDiscoveryDetailsError
 from discovery_handlers.details import brief, load_details, unknown_fields
-from discovery_handlers.onvif.filters import Action, FilterList
+from discovery_handlers.filters import FilterList, parse_filter
 
 NAME = "onvif"
 FILTER_FIELDS = ("ipAddresses", "macAddresses", "scopes", "uuids")
@@ -52,34 +52,7 @@ def _fail(message: str) -> InvalidDiscoveryDetailsError:
 
 
 def _filter(parsed: dict[str, Any], field: str) -> FilterList | None:
-    raw = parsed.get(field)
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise _fail(
-            f"{field} must be a mapping {{action: Include|Exclude, items: [...]}}, got {brief(raw)}"
-        )
-    unknown = sorted(str(key) for key in raw if key not in ("action", "items"))
-    if unknown:
-        raise _fail(f"{field} has unknown field(s) {', '.join(unknown)} (known: action, items)")
-    action_text = raw.get("action", Action.INCLUDE.value)
-    try:
-        action = Action(action_text)
-    except ValueError:
-        raise _fail(
-            f"{field}.action must be Include or Exclude, got {brief(action_text)}"
-        ) from None
-    items = raw.get("items")
-    if items is None:
-        raise _fail(f"{field}.items is required (a list of strings)")
-    if not isinstance(items, list):
-        raise _fail(f"{field}.items must be a list of strings, got {type(items).__name__}")
-    if len(items) > MAX_FILTER_ITEMS:
-        raise _fail(f"{field}.items has {len(items)} entries, more than {MAX_FILTER_ITEMS}")
-    for index, item in enumerate(items):
-        if not isinstance(item, str):
-            raise _fail(f"{field}.items[{index}] must be a string, got {brief(item)}")
-    return FilterList(action=action, items=tuple(items))
+    return parse_filter(parsed.get(field), field, _fail, MAX_FILTER_ITEMS)
 
 
 def _seconds(parsed: dict[str, Any], field: str, default: float, minimum: float) -> float:
