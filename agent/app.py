@@ -64,6 +64,13 @@ def build_handlers(settings: AgentSettings) -> HandlerRegistry:
         return MqttHandler()
 
     registry.register(LazyHandler("mqtt", True, mqtt))
+
+    def mdns() -> DiscoveryHandler:
+        from discovery_handlers.mdns import MdnsHandler
+
+        return MdnsHandler()
+
+    registry.register(LazyHandler("mdns", True, mdns))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(
