@@ -44,6 +44,7 @@ class Broker:
     port: int
     users: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
+    tls: tuple[Path, Path, Path] | None = None  # CA, server certificate, server key
 
     def start(self) -> None:
         lines = [
@@ -52,6 +53,9 @@ class Broker:
             f"persistence_location {self.directory}/",
             f"allow_anonymous {'false' if self.users else 'true'}",
         ]
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            lines += [f"cafile {ca}", f"certfile {cert}", f"keyfile {key}"]
         if os.geteuid() == 0:
             # as root, mosquitto would switch to its own user, which cannot read this test's
             # password file or write its persistence file
@@ -102,17 +106,20 @@ def broker(tmp_path: Path) -> Iterator[Broker]:
 async def publish(
     broker: Broker, topic: str, payload: bytes | str, *, user: tuple[str, str] | None = None
 ) -> None:
+    import ssl
+
     import aiomqtt
 
     username, password = user if user else (None, None)
+    context = ssl.create_default_context(cafile=str(broker.tls[0])) if broker.tls else None
     async with aiomqtt.Client(
-        "127.0.0.1", broker.port, username=username, password=password
+        "127.0.0.1", broker.port, username=username, password=password, tls_context=context
     ) as client:
         await client.publish(topic, payload, qos=1, retain=True)
 
 
-def details(broker: Broker, topics: list[str], **extra: object) -> str:
-    text = {"broker": {"host": "127.0.0.1", "port": broker.port}, "topics": topics, **extra}
+def details(mqtt: Broker, topics: list[str], **extra: object) -> str:
+    text = {"broker": {"host": "127.0.0.1", "port": mqtt.port}, "topics": topics, **extra}
     return json.dumps(text)  # JSON is YAML
 
 
@@ -300,3 +307,88 @@ def test_an_agent_makes_instances_from_announcements(broker: Broker, tmp_path: P
         assert agent.stop() == 0
     finally:
         agent.cleanup()
+
+
+async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
+    from tests.test_kubeconfig import make_certs
+
+    certs = make_certs(tmp_path / "certs")
+    broker = Broker(tmp_path, free_port(), {}, tls=(certs.ca, certs.server_cert, certs.server_key))
+    broker.start()
+    try:
+        await publish(broker, "akri/devices/1", json.dumps({"id": "one"}))
+        handler = MqttHandler()
+        trusted = details(
+            broker,
+            ["akri/devices/#"],
+            broker={"host": "127.0.0.1", "port": broker.port, "tls": {"caFile": str(certs.ca)}},
+        )
+        follower = Follower(handler.discover(trusted, {}))
+        try:
+            await follower.until(lambda: follower.ids() == {"one"}, "the device over TLS")
+        finally:
+            await follower.close()
+        # a CA that did not sign the broker's certificate: refused, clearly
+        untrusted = details(
+            broker,
+            ["akri/devices/#"],
+            broker={
+                "host": "127.0.0.1",
+                "port": broker.port,
+                "tls": {"caFile": str(certs.other_ca)},
+            },
+        )
+        with pytest.raises(BrokerUnavailableError, match=r"127\.0\.0\.1"):
+            async for _ in handler.discover(untrusted, {}):
+                pass
+    finally:
+        broker.stop()
+
+
+async def test_a_wrong_password_gives_a_clear_error_and_an_event(tmp_path: Path) -> None:
+    from tests.apiserver import ApiServerDouble
+    from tests.dp_nodes import start_dp_node
+    from tests.k8s_nodes import CRDS, eventually
+
+    broker = Broker(tmp_path / "b", free_port(), {"akri": "right-password"})
+    broker.directory.mkdir()
+    broker.start()
+    secret = "wr0ng-pa55"
+    configuration = {
+        "apiVersion": "akri.sh/v0",
+        "kind": "Configuration",
+        "metadata": {"name": "sensors", "namespace": "default"},
+        "spec": {
+            "discoveryHandler": {
+                "name": "mqtt",
+                "discoveryDetails": details(broker, ["akri/devices/#"]),
+                "discoveryProperties": [
+                    {"name": "username", "value": "akri"},
+                    {"name": "password", "value": secret},
+                ],
+            },
+            "capacity": 1,
+        },
+    }
+    try:
+        async with ApiServerDouble(crds=CRDS) as api:
+            api.create(configuration)
+            node = await start_dp_node(api, "node-a", tmp_path)  # the agent's own handlers
+            try:
+
+                def failed() -> list[dict[str, object]]:
+                    return [
+                        e
+                        for e in api.list("events")
+                        if e["involvedObject"].get("name") == "sensors"
+                        and e["reason"] == "DiscoveryFailed"
+                    ]
+
+                await eventually(lambda: bool(failed()), what="a DiscoveryFailed Event", within=15)
+                message = str(failed()[0]["message"])
+                assert f"127.0.0.1:{broker.port}" in message and "BrokerUnavailableError" in message
+                assert secret not in message
+            finally:
+                await node.stop()
+    finally:
+        broker.stop()
