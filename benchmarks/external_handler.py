@@ -12,23 +12,15 @@ fsync), seen by polling the directory every millisecond.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from agent.protos.akri.discovery.v0 import discovery_pb2 as pb
 from agent.protos.akri.discovery.v0 import discovery_pb2_grpc
-from benchmarks.harness import PROCESSES, ROOT
-from benchmarks.local_mode import compiled_env
+from benchmarks.local_agent import LocalAgent
 from benchmarks.stats import summarize
 
 HANDLER = "benchExternal"
@@ -62,41 +54,9 @@ class _Handler(discovery_pb2_grpc.DiscoveryHandlerServicer):
             self.changed.clear()
 
 
-class _InstanceFiles:
-    """The BENCH_IDs of the Instance files in the state directory; each file is read once."""
-
-    def __init__(self, state: Path) -> None:
-        self.directory = state / "instances"
-        self.ids: dict[str, str] = {}  # file name -> BENCH_ID
-
-    def seen(self) -> set[str]:
-        if self.directory.is_dir():
-            for name in os.listdir(self.directory):
-                if name.endswith(".json") and name not in self.ids:
-                    try:
-                        item = json.loads((self.directory / name).read_text())
-                    except (OSError, ValueError):
-                        continue  # a partly visible write: read again next time
-                    self.ids[name] = item["spec"]["brokerProperties"].get("BENCH_ID", "")
-        return set(self.ids.values())
-
-
 async def measure_external_handler(samples: int) -> dict[str, Any]:
-    base = Path(tempfile.mkdtemp(prefix="ext-", dir="/tmp"))
-    handlers_dir, state = base / "dh", base / "state"
-    handlers_dir.mkdir()
-    config = base / "c.yaml"
-    config.write_text(CONFIGURATION)
-    log_file = (base / "agent.log").open("wb")
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before any timing
-        [
-            sys.executable, "-m", "agent.cli", "agent", "--local", "--no-debug-echo",
-            "--state-dir", str(state), "--config", str(config),
-            "--discovery-handlers-dir", str(handlers_dir), "--node-name", "bench",
-        ],
-        cwd=ROOT, env=compiled_env(), stdout=log_file, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    PROCESSES.add(proc)
+    agent = LocalAgent(CONFIGURATION, "ext-")
+    handlers_dir = agent.handlers_dir
     handler = _Handler()
     server = grpc.aio.server()
     discovery_pb2_grpc.add_DiscoveryHandlerServicer_to_server(handler, server)
@@ -119,7 +79,7 @@ async def measure_external_handler(samples: int) -> dict[str, Any]:
                 timeout=10,
             )
         await asyncio.wait_for(handler.connected.wait(), 30)
-        files = _InstanceFiles(state)
+        files = agent.files("BENCH_ID")
         for index in range(samples):
             device = f"dev-{index}"
             handler.ids.append(device)
@@ -134,15 +94,7 @@ async def measure_external_handler(samples: int) -> dict[str, Any]:
             await asyncio.sleep(0.02)
     finally:
         await server.stop(0)
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        PROCESSES.discard(proc)
-        log_file.close()
-        shutil.rmtree(base, ignore_errors=True)
+        agent.stop()
     return {
         "external_handler_to_instance_ms": {
             **summarize(results),

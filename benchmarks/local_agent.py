@@ -1,0 +1,76 @@
+"""A local-mode ``akri agent`` subprocess for handler benchmarks, and a cheap way to see which
+Instances it wrote (the state directory, each file read once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks.harness import PROCESSES, ROOT
+from benchmarks.local_mode import compiled_env
+
+
+class InstanceFiles:
+    """The values of one brokerProperty over the Instance files in the state directory."""
+
+    def __init__(self, state: Path, key: str) -> None:
+        self.directory = state / "instances"
+        self.key = key
+        self.values: dict[str, str] = {}  # file name -> the property
+
+    def seen(self) -> set[str]:
+        if self.directory.is_dir():
+            for name in os.listdir(self.directory):
+                if name.endswith(".json") and name not in self.values:
+                    try:
+                        item = json.loads((self.directory / name).read_text())
+                    except (OSError, ValueError):
+                        continue  # a partly visible write: read again next time
+                    self.values[name] = item["spec"]["brokerProperties"].get(self.key, "")
+        return set(self.values.values())
+
+
+class LocalAgent:
+    """``akri agent --local --no-debug-echo`` with one Configuration file."""
+
+    def __init__(self, configuration: str, prefix: str, extra: Sequence[str] = ()) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+        self.handlers_dir = self.base / "dh"
+        self.handlers_dir.mkdir()
+        self.state = self.base / "state"
+        config = self.base / "c.yaml"
+        config.write_text(configuration)
+        self._log = (self.base / "agent.log").open("wb")
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "agent.cli", "agent", "--local", "--no-debug-echo",
+                "--state-dir", str(self.state), "--config", str(config),
+                "--discovery-handlers-dir", str(self.handlers_dir), "--node-name", "bench",
+                *extra,
+            ],
+            cwd=ROOT, env=compiled_env(), stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        PROCESSES.add(self.proc)
+
+    def files(self, key: str) -> InstanceFiles:
+        return InstanceFiles(self.state, key)
+
+    def logs(self) -> str:
+        return (self.base / "agent.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        PROCESSES.discard(self.proc)
+        self._log.close()
+        shutil.rmtree(self.base, ignore_errors=True)
