@@ -62,6 +62,11 @@ class LocalPlan:
     allocations: int = 1000
     capacity: int = 1000
     external: int = 100  # devices streamed by an external handler (benchmarks/external_handler.py)
+    # benchmarks/network_handlers.py: announcements measured one at a time, and retained
+    # announcements already on the broker when the agent starts
+    mqtt_samples: int = 50
+    mqtt_retained: int = 1000
+    mdns_samples: int = 20
 
 
 def configuration(name: str, descriptions: list[str], capacity: int) -> str:

@@ -43,6 +43,7 @@ from benchmarks.harness import (
 from benchmarks.large_instance import measure_large_instance_cluster
 from benchmarks.latency import LatencyBench, LatencyPlan
 from benchmarks.local_mode import LocalPlan, measure_idle, measure_large_instance, measure_startup
+from benchmarks.network_handlers import measure_mdns, measure_mqtt
 from benchmarks.scale import ScalePlan, run_scale
 
 PLANS: dict[str, dict[str, Any]] = {
@@ -65,7 +66,14 @@ PLANS: dict[str, dict[str, Any]] = {
             measure_shutdown=False,
         ),
         "contention": ContentionPlan(),
-        "local": LocalPlan(startups=5, idle_seconds=20, external=30),
+        "local": LocalPlan(
+            startups=5,
+            idle_seconds=20,
+            external=30,
+            mqtt_samples=15,
+            mqtt_retained=200,
+            mdns_samples=8,
+        ),
     },
     "full": {
         "latency": LatencyPlan(
@@ -304,6 +312,12 @@ async def local_section(results: dict[str, Any], plan: LocalPlan) -> None:
     results["external_handler_to_instance_ms"] = external.get(
         "external_handler_to_instance_ms", external
     )
+    await measure(figures, "mqtt", lambda: measure_mqtt(plan.mqtt_samples, plan.mqtt_retained), 300)
+    await measure(figures, "mdns", lambda: measure_mdns(plan.mdns_samples), 120)
+    mqtt, mdns = figures["mqtt"], figures["mdns"]
+    for key in ("mqtt_announce_to_instance_ms", "mqtt_connect_retained_ms"):
+        results[key] = mqtt.get(key, mqtt)
+    results["mdns_announce_to_instance_ms"] = mdns.get("mdns_announce_to_instance_ms", mdns)
     results["allocate_large_instance_ms"] = {
         "local": large.get("allocate_large_instance_ms", large),
         "cluster": cluster_large.get("allocate_large_instance_ms", cluster_large),
@@ -362,6 +376,9 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
             get("allocate_large_instance_ms", "cluster", "max"), 50
         ),
         "external_handler_p99_below_50ms": below(get("external_handler_to_instance_ms", "p99"), 50),
+        # issue 14: an announcement becomes an Instance in well under a discovery cycle
+        "mqtt_announce_p99_below_100ms": below(get("mqtt_announce_to_instance_ms", "p99"), 100),
+        "mdns_announce_p99_below_100ms": below(get("mdns_announce_to_instance_ms", "p99"), 100),
         "loop_lag_below_10ms": None
         if not results.get("loop_lag_max_ms")
         else all(v is not None and v < 10 for v in results["loop_lag_max_ms"].values()),

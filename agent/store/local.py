@@ -144,6 +144,9 @@ class LocalInstanceStore(InstanceStore):
         self._write_lock = asyncio.Lock()
         self._last_counter_stat: tuple[int, int] | None = None
         self._rescan_pending = False
+        # the last resourceVersion this process wrote to the counter: the poll tells its own
+        # writes (done in a worker thread) from other processes' by the counter's value
+        self._last_issued: str | None = None
         self._config_files = ConfigurationFiles(
             list(config_paths), self._on_configuration, self._catalog_changed
         )
@@ -355,6 +358,9 @@ class LocalInstanceStore(InstanceStore):
             # another process wrote since we last looked: our own write below would hide
             # that from the poll, so remember to rescan
             self._rescan_pending = True
+        # set before the file becomes visible: a poll on the loop that sees the new counter
+        # while this thread has not yet recorded its stat must know it as ours
+        self._last_issued = str(current)
         atomic_write_bytes(self._counter_path, f"{current}\n".encode(), durable=self._durable)
         self._last_counter_stat = self._counter_stat()
         return str(current)
@@ -373,8 +379,19 @@ class LocalInstanceStore(InstanceStore):
         stat = self._counter_stat()
         if stat == self._last_counter_stat:
             return False
+        if self._last_issued is not None and self._read_counter() == self._last_issued:
+            # this process's own write, its stat not recorded yet (the writer thread holds
+            # the flock, so no other process wrote since): nothing to read back. Without
+            # this, a burst of writes rescanned the whole directory per write — O(n²)
+            return False
         self._last_counter_stat = stat
         return True
+
+    def _read_counter(self) -> str | None:
+        try:
+            return self._counter_path.read_text().strip()
+        except FileNotFoundError:
+            return None
 
     def _rescan(self, *, publish: bool) -> None:
         # under the lock (shared): a writer persists the counter before the object that uses
