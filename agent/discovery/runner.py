@@ -106,6 +106,10 @@ class ConfigurationRunner:
         self.offline: frozenset[str] = frozenset()  # names: in grace, or draining
         self.draining: dict[str, tuple[str, ...]] = {}  # name -> slots this node still holds
         self.devices_by_instance: dict[str, Device] = {}
+        # name -> (what the last upsert found nothing to change in, the inputs it was decided
+        # on): the same inputs again decide the same no-op, so a list that changed one device
+        # of thousands costs one write and not thousands of pure passes
+        self._settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
         self.reconciled = asyncio.Event()
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
@@ -365,12 +369,24 @@ class ConfigurationRunner:
             )
         for name in sorted(newly_offline):
             await self._mark_offline(name)
+        settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
         for desired in plan.upserts:
-            await self._upsert(desired)
             self.draining.pop(desired.name, None)
+            if self._is_settled(desired):
+                settled[desired.name] = self._settled[desired.name]
+                continue
+            stored = await self._upsert(desired)
+            if stored is not None:
+                settled[desired.name] = (
+                    stored,
+                    desired,
+                    self.configuration,
+                    self.handler.shared,
+                )
             # a write that needs no I/O (nothing changed) does not yield: without this,
             # thousands of upserts could hold the loop (and a SIGTERM) for their whole run
             await asyncio.sleep(0)
+        self._settled = settled
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}
         for name in plan.leave:
             await self._leave(name)
@@ -381,7 +397,24 @@ class ConfigurationRunner:
             self._on_offline_change()
         return plan.next_deadline
 
-    async def _upsert(self, desired: DesiredInstance) -> None:
+    def _is_settled(self, desired: DesiredInstance) -> bool:
+        """True when the cached Instance, the device and the Configuration are the very ones
+        the last upsert of ``desired.name`` found nothing to change in."""
+        last = self._settled.get(desired.name)
+        if last is None:
+            return False
+        instance, previous, configuration, shared = last
+        current = self.store.get_cached(ObjectKey(self.configuration.namespace, desired.name))
+        return (
+            current is instance
+            and configuration is self.configuration
+            and shared == self.handler.shared
+            and previous == desired
+        )
+
+    async def _upsert(self, desired: DesiredInstance) -> Instance | None:
+        """Create or join the Instance; returns it when this node's part is now as
+        ``desired`` and nothing was written (a no-op worth remembering), else None."""
         shared = self.handler.shared
         key = ObjectKey(self.configuration.namespace, desired.name)
         for _ in range(5):
@@ -390,18 +423,20 @@ class ConfigurationRunner:
                     await self.ledger.create_instance(
                         new_instance(self.configuration, desired, self.node, shared)
                     )
-                    return
+                    return None
                 except AlreadyExistsError:
                     await self._refresh(key)
                     continue
+            before = self.store.get_cached(key)
             try:
-                await self.ledger.update_instance(
+                stored = await self.ledger.update_instance(
                     key,
                     lambda inst: join_instance(
                         inst, self.configuration, desired, self.node, shared
                     ),
                 )
-                return
+                # the identical cached object: nothing was written (a write caches a new one)
+                return stored if stored is before else None
             except NotFoundError:
                 continue  # deleted meanwhile (another node left last): create it again
         raise StoreError(f"could not upsert instance {key}")

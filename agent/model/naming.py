@@ -14,11 +14,12 @@ Akri itself could use, and only deviate where Akri would produce an invalid Kube
 Collisions: the 24-bit digest collides (about 3 % at 1,000 devices). :func:`candidate_names`
 yields the Akri name first, then salted alternatives (digest over ``key + "#<i>"``); the
 discovery layer picks the first candidate not owned by a different device (see
-``agent/discovery/naming_plan.py`` and docs/slot-model.md).
+``agent/discovery/plan.py`` and docs/slot-model.md).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from collections.abc import Iterator
@@ -34,6 +35,8 @@ DEVICE_DIGEST_ANNOTATION = "akri.sh/device-digest"
 DRAINING_ANNOTATION = "akri.sh/draining"
 OFFLINE_ANNOTATION = "akri.sh/offline"
 CONFIGURATION_LABEL = "akri.sh/configuration"
+# pure functions asked again for every device on every list: remember a few thousand devices
+NAMING_CACHE_SIZE = 16384
 
 _DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _DNS_LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -55,11 +58,13 @@ def device_key(device_id: str, node_name: str, shared: bool) -> str:
     return device_id if shared else device_id + node_name
 
 
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
 def akri_digest(key: str) -> str:
     """Akri's 3-byte blake2b digest of ``key`` as 6 lowercase hex characters."""
     return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=3).hexdigest()
 
 
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
 def device_fingerprint(key: str) -> str:
     """A collision-resistant fingerprint of a device key, stored as an annotation on Instances
     so that two devices whose 24-bit digests collide are never merged."""
@@ -70,6 +75,7 @@ def _short_hash(text: str, length: int = 8) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:length]
 
 
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
 def sanitize_name(name: str) -> str:
     """Turn any string into a DNS-1123 subdomain deterministically.
 
@@ -97,6 +103,7 @@ def _fit(prefix: str, limit: int) -> str:
     return f"{head}-{_short_hash(prefix)}"
 
 
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
 def instance_name(configuration_name: str, digest: str) -> str:
     """``<configuration>-<digest>``, shortened deterministically when too long."""
     prefix = _fit(sanitize_name(configuration_name), MAX_INSTANCE_NAME_LENGTH - 1 - len(digest))
@@ -118,6 +125,7 @@ def digest_of_instance(instance: str) -> str:
     return instance.rsplit("-", 1)[-1]
 
 
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
 def cdi_name(configuration_name: str, digest: str) -> str:
     """Akri's CDI fully-qualified name ``akri.sh/<configuration>=<digest>``."""
     return f"akri.sh/{sanitize_name(configuration_name)}={digest}"
