@@ -39,6 +39,10 @@ if _inotify_module is not None:
         | Mask.DELETE_SELF
         | Mask.MOVE_SELF
     )
+    # plain ints: enum.Flag arithmetic per event cost ~0.2 ms a plugin when a kubelet restart
+    # re-creates hundreds of sockets
+    _GONE = int(Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED)
+    _REMOVED = int(Mask.DELETE | Mask.MOVED_FROM)
 
 
 class DirectoryWatch:
@@ -113,11 +117,12 @@ class DirectoryWatch:
     def _note(self, event: Any) -> bool:
         """Record ``event``; whether it is one the caller cares about."""
         self.events += 1
-        if event.mask & (Mask.DELETE_SELF | Mask.MOVE_SELF | Mask.IGNORED):
+        mask = int(event.mask)
+        if mask & _GONE:
             self._forget_gone(event)
             return True
         name = event.name
-        removed = bool(event.mask & (Mask.DELETE | Mask.MOVED_FROM))
+        removed = bool(mask & _REMOVED)
         return name is None or self.interesting(str(name), removed)
 
     def _fallback_limit(self, within: float | None) -> float:

@@ -22,6 +22,7 @@ import pytest
 
 from agent.deviceplugin.endpoint import PluginEndpoint
 from agent.deviceplugin.manager import DevicePluginManager
+from agent.deviceplugin.registration import KubeletRegistrar
 from agent.deviceplugin.service import DevicePluginService
 from agent.deviceplugin.views import DeviceView
 from agent.discovery.ownership import Ownership, ServedInstances
@@ -355,6 +356,74 @@ async def test_a_stream_ended_on_stop_finishes_with_ok_for_a_plain_client(base: 
         await endpoint.stop()
 
 
+async def test_endpoints_share_one_registration_channel_that_recovers_from_failures(
+    base: Path, kubelet: KubeletDouble
+) -> None:
+    """Every plugin registers over one kubelet channel; a refused Register is retried on a
+    fresh channel, and so is one sent while kubelet was down (never stuck on the dead one)."""
+    registrar = KubeletRegistrar(base / "dp")
+    kubelet.register_error = "injected refusal"
+    first = PluginEndpoint(DevicePluginService(Logic()), base / "dp", registrar=registrar)
+    await first.start()
+    try:
+        await kubelet.wait_for(lambda: len(kubelet.register_attempts) >= 2, 10)
+        assert not first.registered.is_set()
+        kubelet.register_error = None
+        await asyncio.wait_for(first.registered.wait(), 10)
+        channel = registrar.channel
+        assert channel is not None
+        await kubelet.stop()  # kubelet down: the next Register fails
+        logic = Logic()
+        logic.resource_name = "akri.sh/other"
+        second = PluginEndpoint(DevicePluginService(logic), base / "dp", registrar=registrar)
+        await second.start()
+        try:
+            await asyncio.sleep(0.3)
+            assert not second.registered.is_set()
+            # the failed calls dropped the dead kubelet's channel: no retry waits on it
+            assert registrar.channel is not channel
+            await kubelet.start()  # wipes the directory, like kubelet: both serve anew
+            await second.restart()
+            await first.restart()
+            await asyncio.wait_for(second.registered.wait(), 10)
+            await asyncio.wait_for(first.registered.wait(), 10)
+            assert {r.resource_name for r in kubelet.registrations} >= {
+                "akri.sh/fake",
+                "akri.sh/other",
+            }
+        finally:
+            await second.stop()
+    finally:
+        await first.stop()
+        await registrar.close()
+
+
+async def test_a_register_call_cancelled_under_the_endpoint_is_retried(
+    base: Path, kubelet: KubeletDouble, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc.aio raises CancelledError in the caller when the call's channel is closed: that is
+    a failed attempt, not the endpoint being stopped — it must not end the registering."""
+    registrar = KubeletRegistrar(base / "dp")
+    real_register = registrar.register
+    cancelled = [1]
+
+    async def register(request: api_pb2.RegisterRequest, *, rpc_timeout: float) -> None:
+        if cancelled:
+            cancelled.pop()
+            raise asyncio.CancelledError()
+        await real_register(request, rpc_timeout=rpc_timeout)
+
+    monkeypatch.setattr(registrar, "register", register)
+    endpoint = PluginEndpoint(DevicePluginService(Logic()), base / "dp", registrar=registrar)
+    await endpoint.start()
+    try:
+        await asyncio.wait_for(endpoint.registered.wait(), 10)
+        assert not cancelled and endpoint.registrations == 1
+    finally:
+        await endpoint.stop()
+        await registrar.close()
+
+
 # --------------------------------------------------------------------------- coalescing
 
 
@@ -579,16 +648,16 @@ async def test_a_failed_restart_is_retried_on_the_next_poll(
     manager = await make_manager()
     await registered(kubelet, [il(0), CL])
     endpoint = manager.instance_plugins[instance(0).name]
-    original = PluginEndpoint._self_dial
+    original = PluginEndpoint._confirm_serving
     failures = [1]
 
-    async def flaky_dial(this: PluginEndpoint) -> None:
+    def flaky_confirmation(this: PluginEndpoint) -> None:
         if failures:
             failures.pop()
             raise ConnectionError("injected")
-        await original(this)
+        original(this)
 
-    monkeypatch.setattr(PluginEndpoint, "_self_dial", flaky_dial)
+    monkeypatch.setattr(PluginEndpoint, "_confirm_serving", flaky_confirmation)
     assert endpoint.socket_path is not None
     endpoint.socket_path.unlink()
     directory = kubelet.device_plugin_dir

@@ -38,8 +38,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
-from agent.deviceplugin.endpoint import KUBELET_SOCKET, PluginEndpoint
+from agent.deviceplugin.endpoint import PluginEndpoint
 from agent.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
+from agent.deviceplugin.registration import KUBELET_SOCKET, KubeletRegistrar
 from agent.deviceplugin.service import DevicePluginService
 from agent.discovery.ownership import ServedInstances
 from agent.events import Subscription
@@ -98,6 +99,9 @@ class DevicePluginManager:
         self._check_own_next = False
         self._directory_gone_logged = False
         self._restart_listeners: list[Callable[[], None]] = []
+        self._registrar = KubeletRegistrar(directory)  # one kubelet channel for every plugin
+        # queued for a restart (waiting for a start slot): their socket is missing on purpose
+        self._restart_queued: set[PluginEndpoint] = set()
         self.socket_watch: DirectoryWatch | None = None
 
     def endpoints(self) -> list[PluginEndpoint]:
@@ -133,6 +137,7 @@ class DevicePluginManager:
             *self._stopping.values(),
             return_exceptions=True,
         )
+        await self._registrar.close()
 
     def on_kubelet_restart(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` when kubelet restarted (its ``kubelet.sock`` was re-created)."""
@@ -252,7 +257,11 @@ class DevicePluginManager:
 
     def _endpoint(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
         interval = self.cl_update_interval if isinstance(logic, ConfigurationPlugin) else 0.0
-        return PluginEndpoint(DevicePluginService(logic, min_interval=interval), self.directory)
+        return PluginEndpoint(
+            DevicePluginService(logic, min_interval=interval),
+            self.directory,
+            registrar=self._registrar,
+        )
 
     async def _start_all(
         self, starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]]
@@ -321,6 +330,10 @@ class DevicePluginManager:
             return None
         return (stat.st_ino, stat.st_ctime_ns)
 
+    def _kubelet_recreated(self) -> bool:
+        current = self._kubelet_socket_id()
+        return current is not None and current != self._kubelet_id
+
     def _directory_state(self) -> tuple[int, int] | None:
         try:
             stat = os.stat(self.directory)
@@ -341,8 +354,13 @@ class DevicePluginManager:
                 )
                 if woken:
                     # kubelet's restart removes every socket, then creates kubelet.sock: let
-                    # the burst end, so the plugins restart once, for the new kubelet
-                    await asyncio.sleep(SOCKET_SETTLE)
+                    # the burst end, so the plugins restart once, for the new kubelet — and
+                    # not a moment longer once the new kubelet.sock is there
+                    deadline = time.monotonic() + SOCKET_SETTLE
+                    while not self._kubelet_recreated():
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or not await watch.changed(within=remaining):
+                            break
                     await watch.changed(within=0)
                 await self.check_sockets()
         finally:
@@ -359,6 +377,7 @@ class DevicePluginManager:
         removed = self._removed_sockets() if changed and not recreated else []
         if recreated:
             self.kubelet_restarts += 1
+            self._registrar.reset()
             for listener in self._restart_listeners:
                 listener()
             targets = self.endpoints()
@@ -399,20 +418,28 @@ class DevicePluginManager:
             present = set(os.listdir(self.directory))
         except FileNotFoundError:
             return []  # the next poll sees the directory gone (or re-created: a change)
-        return [e for e in self.endpoints() if e.socket_missing(present)]
+        return [
+            e
+            for e in self.endpoints()
+            if e not in self._restart_queued and e.socket_missing(present)
+        ]
 
     async def _restart_all(self, targets: Iterable[PluginEndpoint]) -> bool:
         """Restart concurrently (at most ``concurrency`` at a time); True if all succeeded."""
-        results = await asyncio.gather(*(self._restart(e) for e in targets))
+        queued = [e for e in targets if e not in self._restart_queued]
+        self._restart_queued.update(queued)
+        results = await asyncio.gather(*(self._restart(e) for e in queued))
         return all(results)
 
     async def _restart(self, endpoint: PluginEndpoint) -> bool:
-        async with self._limited():
-            try:
+        try:
+            async with self._limited():
                 await endpoint.restart()
-            except Exception:
-                log.exception("restarting %s failed", endpoint.resource_name)
-                return False
+        except Exception:
+            log.exception("restarting %s failed", endpoint.resource_name)
+            return False
+        finally:
+            self._restart_queued.discard(endpoint)
         return True
 
 
