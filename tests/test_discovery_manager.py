@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.discovery import runner as runner_module
 from agent.discovery.manager import DiscoveryManager, GraceSettings
 from agent.model.configuration import Configuration, parse_configuration
 from agent.model.instance import Instance
@@ -140,6 +141,39 @@ async def test_devices_become_instances_and_edits_converge(setup) -> None:  # ty
     )
     await until(lambda: instances(store) == [])
     assert ObjectKey("default", "cfg") not in manager.runners
+
+
+async def test_one_changed_device_among_many_is_the_only_one_re_examined(
+    setup,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list that changed one device of many re-examines that one Instance: the others'
+    inputs (cached object, device, Configuration) are those of their last no-op."""
+    store, handler, manager = setup
+    joins: list[str] = []
+    real_join = runner_module.join_instance
+
+    def counting_join(instance: Instance, *args: object, **kwargs: object) -> Instance | None:
+        joins.append(instance.name)
+        return real_join(instance, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "join_instance", counting_join)
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
+    devices = [Device(f"d{i}", {"P": "1"}) for i in range(20)]
+    await handler.queue.put(devices)
+    await until(lambda: len(instances(store)) == 20)
+    await handler.queue.put(list(devices))  # the same list: every Instance is a no-op once
+    await until(lambda: len(joins) >= 20)
+    await asyncio.sleep(0.1)
+    joins.clear()
+    changed = [*devices[:-1], Device("d19", {"P": "2"})]
+    await handler.queue.put(changed)
+    await until(lambda: any(i.broker_properties.get("P") == "2" for i in instances(store)))
+    await asyncio.sleep(0.1)
+    # its write, then (woken by that write) the no-op that settles it: never the other 19
+    assert len(set(joins)) == 1 and len(joins) <= 2, joins
 
 
 async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: ignore[no-untyped-def]
