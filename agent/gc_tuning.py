@@ -25,6 +25,9 @@ from collections.abc import AsyncIterator
 log = logging.getLogger(__name__)
 
 SETTLE_SECONDS = 2.0  # the Instance set counts as settled after this long without a change
+# while startup goes on, freeze this often too: otherwise the automatic full collections of
+# a long startup walk everything built so far (88 ms pauses at 1,000 Instances)
+FREEZE_EVERY_SECONDS = 1.0
 
 
 def freeze_long_lived() -> None:
@@ -33,9 +36,12 @@ def freeze_long_lived() -> None:
     started = time.monotonic()
     gc.collect(1)
     gc.freeze()
-    log.debug(
-        "gc: froze %d objects in %.0f ms", gc.get_freeze_count(), (time.monotonic() - started) * 1e3
-    )
+    if log.isEnabledFor(logging.DEBUG):  # get_freeze_count() walks every frozen object
+        log.debug(
+            "gc: froze %d objects in %.0f ms",
+            gc.get_freeze_count(),
+            (time.monotonic() - started) * 1e3,
+        )
 
 
 async def freeze_when_settled(
@@ -43,9 +49,14 @@ async def freeze_when_settled(
 ) -> None:
     """Freeze once more when ``changes`` (the store's Instance events) have been quiet for
     ``quiet`` seconds: by then startup's Instances, plugins and slices exist. Run as a task;
-    it returns after that one freeze (later changes are few and collected as usual)."""
+    it returns after that one freeze (later changes are few and collected as usual). While
+    the changes go on, what they built is frozen every ``FREEZE_EVERY_SECONDS`` as well."""
     iterator = aiter(changes)
+    last_freeze = time.monotonic()
     while True:
+        if time.monotonic() - last_freeze >= FREEZE_EVERY_SECONDS:
+            freeze_long_lived()
+            last_freeze = time.monotonic()
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that
             # arrives as the awaited event completes, and a stream of Instance events made
