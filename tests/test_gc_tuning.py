@@ -73,6 +73,26 @@ async def test_freezes_once_the_changes_have_been_quiet() -> None:
     assert gc.get_freeze_count() > 0
 
 
+async def test_a_long_burst_is_frozen_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A startup that keeps changing for longer than FREEZE_EVERY_SECONDS is frozen along the
+    way, before it settles (so automatic full collections never walk all it built)."""
+    monkeypatch.setattr("agent.gc_tuning.FREEZE_EVERY_SECONDS", 0.1)
+    changes: asyncio.Queue[int] = asyncio.Queue()
+
+    async def stream() -> AsyncIterator[int]:
+        while True:
+            yield await changes.get()
+
+    task = asyncio.create_task(freeze_when_settled(stream(), quiet=5))
+    for i in range(6):
+        changes.put_nowait(i)
+        await asyncio.sleep(0.05)
+    assert not task.done() and gc.get_freeze_count() > 0
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_no_freeze_when_the_changes_end() -> None:
     async def ended() -> AsyncIterator[int]:
         yield 1
