@@ -175,6 +175,24 @@ async def test_a_silent_camera_is_gone_after_the_next_probe() -> None:
             await collector.close()
 
 
+async def test_a_silent_camera_is_gone_when_the_probe_interval_equals_the_window() -> None:
+    """The round that ends and the next Probe fall due together: the ending round is judged
+    first (a new round first would push its end on, and the camera would never go)."""
+    camera = FakeCamera(uuid=new_uuid())
+    async with cameras(camera):
+        await camera.start()
+        text = details(camera.uuid, interval=1).replace(
+            "discoveryTimeoutSeconds: 0.5", "discoveryTimeoutSeconds: 1"
+        )
+        collector = Collector(OnvifHandler(), text)
+        try:
+            await collector.wait_for(lambda d: uuids_of(d) == {camera.uuid})
+            camera.answer_probes = False
+            await collector.wait_for(lambda d: d == [])
+        finally:
+            await collector.close()
+
+
 async def test_credentials_wrong_ones_are_not_offered_and_discovery_goes_on() -> None:
     locked = FakeCamera(uuid=new_uuid(), username="admin", password="right")
     other = FakeCamera(uuid=new_uuid(), http_host="127.0.0.2", username="op", password="pw")

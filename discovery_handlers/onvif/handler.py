@@ -321,20 +321,23 @@ class _Session:
             while True:
                 self.wake.clear()
                 now = loop.time()
-                if now >= next_probe:
-                    self.round += 1
-                    self.round_start = now
-                    sockets.probe(build_probe(new_message_id()))
-                    round_end = now + window
-                    next_probe = now + interval
                 while self.pending:
                     self._apply(self.pending.popleft(), loop.time())
+                # the round that ends now is judged before the next one starts: with the probe
+                # interval equal to the window both fall due together, and a new round first
+                # would move round_end on, so a silent camera would never be found gone
                 if round_end is not None and now >= round_end:
                     for uuid in [u for u, c in self.cameras.items() if c.heard < self.round_start]:
                         log.info("onvif: %s did not answer the Probe; gone", uuid)
                         del self.cameras[uuid]
                     round_end = None
                     first_round_done = True
+                if now >= next_probe:
+                    self.round += 1
+                    self.round_start = now
+                    sockets.probe(build_probe(new_message_id()))
+                    round_end = now + window
+                    next_probe = now + interval
                 self._collect()
                 self._start_queries(querier)
                 devices = self.devices()

@@ -1,0 +1,197 @@
+"""The onvif handler and fake cameras in another network namespace, joined to this one by a
+veth pair: WS-Discovery multicast crosses a real (virtual) link instead of loopback, and
+SOAP goes over it to the cameras' own addresses. The cameras are separate processes
+(``ip netns exec … python -m tests.fake_onvif``). Needs root and ``ip``; skipped with the
+reason otherwise (CI runs as root)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid as uuid_module
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from discovery_handlers.onvif import OnvifHandler
+from tests.test_onvif_discovery import Collector, uuids_of
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBNET = "10.231.77"
+HOST_ADDRESS = f"{SUBNET}.1"
+CAMERA_ADDRESSES = (f"{SUBNET}.2", f"{SUBNET}.3")
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and a veth pair)"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+
+
+def _ip(*args: str, namespace: str | None = None) -> None:
+    command = (
+        ["ip", *args] if namespace is None else ["ip", "netns", "exec", namespace, "ip", *args]
+    )
+    subprocess.run(command, check=True, capture_output=True, text=True)
+
+
+@dataclass
+class Link:
+    namespace: str
+    host_interface: str
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    """Namespace ``akri-onvif-<pid>`` with the cameras' addresses on its end of a veth pair;
+    this namespace's end has ``HOST_ADDRESS``."""
+    tag = f"{os.getpid() % 100000}"
+    namespace, host, camera = f"akri-onvif-{tag}", f"aoh{tag}", f"aoc{tag}"
+    created = subprocess.run(["ip", "netns", "add", namespace], capture_output=True, text=True)
+    if created.returncode != 0:
+        pytest.skip(f"cannot create a network namespace: {created.stderr.strip()}")
+    try:
+        _ip("link", "add", host, "type", "veth", "peer", "name", camera, "netns", namespace)
+        _ip("addr", "add", f"{HOST_ADDRESS}/24", "dev", host)
+        _ip("link", "set", host, "up")
+        for address in CAMERA_ADDRESSES:
+            _ip("addr", "add", f"{address}/24", "dev", camera, namespace=namespace)
+        _ip("link", "set", camera, "up", namespace=namespace)
+        _ip("link", "set", "lo", "up", namespace=namespace)
+        yield Link(namespace, host)
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+        subprocess.run(["ip", "link", "del", host], capture_output=True, check=False)
+
+
+@dataclass
+class CameraProcess:
+    uuid: str
+    address: str
+    process: asyncio.subprocess.Process
+
+    async def stop(self, *, bye: bool) -> None:
+        """SIGINT: the camera multicasts Bye and exits; SIGKILL: it just vanishes."""
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGINT if bye else signal.SIGKILL)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.process.wait(), 10)
+        if self.process.returncode is None:
+            self.process.kill()
+            await self.process.wait()
+
+
+@contextlib.asynccontextmanager
+async def cameras(link: Link) -> AsyncIterator[list[CameraProcess]]:
+    started: list[CameraProcess] = []
+    try:
+        yield started
+    finally:
+        for camera in started:
+            await camera.stop(bye=False)
+
+
+async def start_camera(
+    link: Link, address: str, mac: str, into: list[CameraProcess], uuid: str | None = None
+) -> str:
+    """A fake camera on ``address`` inside the namespace (Hello sent as it starts)."""
+    uuid = uuid or str(uuid_module.uuid4())
+    process = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", link.namespace,
+        sys.executable, "-m", "tests.fake_onvif", "--uuid", uuid, "--interface", address,
+        "--http-host", address, "--http-port", "8080", "--mac", mac,
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    into.append(CameraProcess(uuid, address, process))
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 20)
+    assert line.startswith(b"fake camera"), line
+    return uuid
+
+
+def details(link: Link, *uuids: str, extra: str = "", interval: float = 3600) -> str:
+    items = ", ".join(f'"{u}"' for u in uuids)
+    return (
+        f"interfaces: [{link.host_interface}]\n"
+        "discoveryTimeoutSeconds: 1\n"
+        f"probeIntervalSeconds: {interval}\n"
+        f"uuids: {{action: Include, items: [{items}]}}\n" + extra
+    )
+
+
+async def test_probe_hello_and_bye_across_a_veth_link(link: Link) -> None:
+    async with cameras(link) as started:
+        first = await start_camera(link, CAMERA_ADDRESSES[0], "02:00:00:00:01:01", started)
+        second_uuid = str(uuid_module.uuid4())
+        collector = Collector(OnvifHandler(), details(link, first, second_uuid))
+        try:
+            # the Probe goes out of the host's veth end and the answer comes back over it
+            (device,) = await collector.wait_for(lambda d: uuids_of(d) == {first})
+            assert device.properties["ONVIF_DEVICE_IP_ADDRESS"] == CAMERA_ADDRESSES[0]
+            assert device.properties["ONVIF_DEVICE_SERVICE_URL"] == (
+                f"http://{CAMERA_ADDRESSES[0]}:8080/onvif/device_service"
+            )
+            # the next Probe is an hour away: only the second camera's Hello can bring it
+            second = await start_camera(
+                link, CAMERA_ADDRESSES[1], "02:00:00:00:01:02", started, uuid=second_uuid
+            )
+            devices = await collector.wait_for(lambda d: uuids_of(d) == {first, second})
+            by_uuid = {d.properties["ONVIF_DEVICE_UUID"]: d for d in devices}
+            assert by_uuid[second].properties["ONVIF_DEVICE_IP_ADDRESS"] == CAMERA_ADDRESSES[1]
+            await started[-1].stop(bye=True)  # Bye crosses the link: gone at once
+            await collector.wait_for(lambda d: uuids_of(d) == {first})
+        finally:
+            await collector.close()
+
+
+async def test_ip_address_filters_across_a_veth_link(link: Link) -> None:
+    async with cameras(link) as started:
+        first = await start_camera(link, CAMERA_ADDRESSES[0], "02:00:00:00:02:01", started)
+        second = await start_camera(link, CAMERA_ADDRESSES[1], "02:00:00:00:02:02", started)
+        include = Collector(
+            OnvifHandler(),
+            details(
+                link, first, second, extra=f"ipAddresses: {{items: [{CAMERA_ADDRESSES[1]}]}}\n"
+            ),
+        )
+        exclude = Collector(
+            OnvifHandler(),
+            details(
+                link,
+                first,
+                second,
+                extra=f"ipAddresses: {{action: Exclude, items: [{CAMERA_ADDRESSES[1]}]}}\n",
+            ),
+        )
+        try:
+            assert uuids_of(await include.wait_for(lambda d: bool(d))) == {second}
+            assert uuids_of(await exclude.wait_for(lambda d: bool(d))) == {first}
+        finally:
+            await include.close()
+            await exclude.close()
+
+
+async def test_a_camera_that_vanishes_is_gone_after_the_next_probe(link: Link) -> None:
+    """Killed (no Bye): the next Probe goes unanswered. The probe interval equals the window
+    here, the case that once kept a silent camera forever."""
+    async with cameras(link) as started:
+        first = await start_camera(link, CAMERA_ADDRESSES[0], "02:00:00:00:03:01", started)
+        collector = Collector(OnvifHandler(), details(link, first, interval=1))
+        try:
+            await collector.wait_for(lambda d: uuids_of(d) == {first})
+            await started[0].stop(bye=False)  # no Bye: only the next Probe can tell
+            await collector.wait_for(lambda d: not d)
+        finally:
+            await collector.close()
