@@ -67,6 +67,9 @@ class LocalPlan:
     mqtt_samples: int = 50
     mqtt_retained: int = 1000
     mdns_samples: int = 20
+    # benchmarks/onvif_discovery.py: Hellos measured one at a time; cameras in one probe cycle
+    onvif_hello: int = 20
+    onvif_cameras: int = 50
 
 
 def configuration(name: str, descriptions: list[str], capacity: int) -> str:
