@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from discovery_handlers.onvif import OnvifHandler
+from tests.fake_onvif import FakeCamera
 from tests.test_onvif_discovery import Collector, uuids_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,3 +196,25 @@ async def test_a_camera_that_vanishes_is_gone_after_the_next_probe(link: Link) -
             await collector.wait_for(lambda d: not d)
         finally:
             await collector.close()
+
+
+async def test_a_hello_on_another_interface_is_not_heard(link: Link) -> None:
+    """The handler listens on the veth end only: a camera's Hello on loopback (its SOAP
+    reachable, its uuid allowed) must not reach it — Linux would deliver it by default
+    (IP_MULTICAST_ALL)."""
+    elsewhere = FakeCamera(uuid=str(uuid_module.uuid4()))
+    elsewhere.answer_probes = False
+    async with cameras(link) as started:
+        here = await start_camera(link, CAMERA_ADDRESSES[0], "02:00:00:00:04:01", started)
+        collector = Collector(OnvifHandler(), details(link, here, elsewhere.uuid))
+        try:
+            await collector.wait_for(lambda d: uuids_of(d) == {here})
+            await elsewhere.start(hello=True)
+            for _ in range(5):  # repeated Hellos over a second and a half
+                await asyncio.sleep(0.3)
+                elsewhere.announce()
+            await asyncio.sleep(0.5)
+            assert all(elsewhere.uuid not in uuids_of(devices) for devices in collector.lists)
+        finally:
+            await collector.close()
+            await elsewhere.stop(bye=False)

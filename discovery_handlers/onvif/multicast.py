@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import socket
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,24 @@ def resolve_interfaces(names: Sequence[str]) -> list[Interface]:
         else:
             result.append(Interface(name, 0, str(address)))
     return result
+
+
+# Linux delivers a group's datagrams arriving on *any* interface to every socket bound to the
+# port, if any socket on the host joined that group on some interface (IP_MULTICAST_ALL,
+# default 1): a listener for eth0 would hear Hellos from lo or a container bridge. Off, it
+# hears only the groups and interfaces it joined itself. (Values from linux/in.h, in6.h.)
+_IP_MULTICAST_ALL = getattr(socket, "IP_MULTICAST_ALL", 49)
+_IPV6_MULTICAST_ALL = getattr(socket, "IPV6_MULTICAST_ALL", 29)
+
+
+def _only_own_groups(sock: socket.socket, family: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):  # a kernel without it: as before (filters still apply)
+        if family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_IP, _IP_MULTICAST_ALL, 0)
+        else:
+            sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_MULTICAST_ALL, 0)
 
 
 def _mreqn(group: str, interface: Interface) -> bytes:
@@ -173,6 +192,7 @@ class WsDiscoverySockets:
             if hasattr(socket, "SO_REUSEPORT"):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             joined = 0
+            _only_own_groups(sock, family)
             if family == socket.AF_INET:
                 sock.bind(("0.0.0.0", self.port))
                 for interface in interfaces:
