@@ -288,6 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"akri agent: {error}", file=sys.stderr)
         return EXIT_USAGE
     _configure_logging(settings.log_level, settings.log_format, settings.node_name)
+    from agent.app import import_what_settings_need
+
+    import_what_settings_need(settings)
     return asyncio.run(_run_agent(settings))
 
 
