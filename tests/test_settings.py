@@ -96,3 +96,44 @@ def test_bad_flags_say_what_is_allowed(
 def test_bad_interval_in_the_environment_names_variable_and_flag() -> None:
     with pytest.raises(SettingsError, match=r"AKRI_POLL_INTERVAL \(--poll-interval\): must be ≥"):
         settings([], {"AKRI_POLL_INTERVAL": "0"})
+
+
+_IMPORTS_SCRIPT = """
+import argparse, json, sys
+from agent.settings import AGENT_OPTIONS, AgentSettings, add_options, resolve
+from agent.app import import_what_settings_need
+parser = argparse.ArgumentParser()
+add_options(parser, AGENT_OPTIONS)
+settings = AgentSettings.from_values(resolve(parser.parse_args(sys.argv[1:]), AGENT_OPTIONS, {}))
+import_what_settings_need(settings)
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "agent"))))
+"""
+
+
+def _imported_by(argv: list[str]) -> set[str]:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTS_SCRIPT, *argv],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    return set(json.loads(done.stdout))
+
+
+def test_what_a_mode_needs_is_imported_before_the_loop_and_nothing_more() -> None:
+    """Imported before ``asyncio.run`` (an import on the running loop held it ~140 ms); a
+    local debugEcho agent without device plugins still loads no gRPC, DRA or Kubernetes
+    client."""
+    plain = _imported_by(["--local", "--debug-echo"])
+    assert "agent.store.local" in plain
+    assert not any(m == "grpc" or m.startswith(("agent.dra", "agent.kube")) for m in plain)
+    with_plugins = _imported_by(["--local", "--device-plugin-dir", "/tmp/unused-dp"])
+    assert {"grpc", "agent.deviceplugin.manager"} <= with_plugins
+    assert not any(m.startswith("agent.dra") for m in with_plugins)
+    cluster = _imported_by(["--dra"])
+    assert {"agent.kube", "agent.store.kubernetes", "agent.dra.driver"} <= cluster
