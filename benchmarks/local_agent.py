@@ -3,12 +3,14 @@ Instances it wrote (the state directory, each file read once)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -74,3 +76,17 @@ class LocalAgent:
         PROCESSES.discard(self.proc)
         self._log.close()
         shutil.rmtree(self.base, ignore_errors=True)
+
+
+async def wait_for_instances(
+    files: InstanceFiles, wanted: set[str], within: float, agent: LocalAgent
+) -> float:
+    """Poll (every 1 ms) until every value in ``wanted`` has an Instance file; returns when
+    (``time.monotonic()``). Raises with the agent's log tail after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not wanted <= files.seen():
+        if time.monotonic() > deadline:
+            missing = len(wanted - files.seen())
+            raise RuntimeError(f"{missing} Instances missing after {within}s\n{agent.logs()}")
+        await asyncio.sleep(0.001)
+    return time.monotonic()

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.local_agent import InstanceFiles, LocalAgent
+from benchmarks.local_agent import LocalAgent, wait_for_instances
 from benchmarks.stats import summarize
 
 
@@ -31,15 +31,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-async def _until(files: InstanceFiles, wanted: set[str], within: float, agent: LocalAgent) -> None:
-    deadline = time.monotonic() + within
-    while not wanted <= files.seen():
-        if time.monotonic() > deadline:
-            missing = len(wanted - files.seen())
-            raise RuntimeError(f"{missing} Instances missing after {within}s\n{agent.logs()}")
-        await asyncio.sleep(0.001)
 
 
 def _mqtt_configuration(port: int) -> str:
@@ -74,7 +65,7 @@ async def measure_mqtt(samples: int, retained: int) -> dict[str, Any]:
             agent = LocalAgent(_mqtt_configuration(port), "mqb-", ["--shared-offline-grace", "0"])
             try:
                 files = agent.files("MQTT_BENCH_ID")
-                await _until(files, {f"r{i}" for i in range(retained)}, 120, agent)
+                await wait_for_instances(files, {f"r{i}" for i in range(retained)}, 120, agent)
                 results["mqtt_connect_retained_ms"] = {
                     "ms": round((time.monotonic() - started) * 1000, 1),
                     "announcements": retained,
@@ -87,7 +78,7 @@ async def measure_mqtt(samples: int, retained: int) -> dict[str, Any]:
                     body = json.dumps({"id": device, "properties": {"bench_id": device}})
                     sent = time.monotonic()
                     await client.publish(f"bench/s/{index}", body, qos=1, retain=True)
-                    await _until(files, {device}, 10, agent)
+                    await wait_for_instances(files, {device}, 10, agent)
                     latencies.append((time.monotonic() - sent) * 1000)
                     await asyncio.sleep(0.02)
                 results["mqtt_announce_to_instance_ms"] = {
@@ -135,7 +126,7 @@ async def measure_mdns(samples: int) -> dict[str, Any]:
             # register's probing (RFC 6762 §8.1: three probes 250 ms apart) is the
             # publisher's, not the agent's: skip it, announce at once
             await publisher.async_register_service(info, cooperating_responders=True)
-            await _until(files, {device}, 10, agent)
+            await wait_for_instances(files, {device}, 10, agent)
             latencies.append((time.monotonic() - sent) * 1000)
     finally:
         agent.stop()

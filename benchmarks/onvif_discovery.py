@@ -20,7 +20,7 @@ import time
 import uuid as uuid_module
 from typing import Any
 
-from benchmarks.local_agent import InstanceFiles, LocalAgent
+from benchmarks.local_agent import LocalAgent, wait_for_instances
 from benchmarks.stats import summarize
 from tests.fake_onvif import FakeCamera
 
@@ -68,16 +68,6 @@ async def _watch_probes() -> tuple[asyncio.DatagramTransport, ProbeWatch]:
     return transport, watch
 
 
-async def _until(files: InstanceFiles, wanted: set[str], within: float, agent: LocalAgent) -> float:
-    deadline = time.monotonic() + within
-    while not wanted <= files.seen():
-        if time.monotonic() > deadline:
-            missing = len(wanted - files.seen())
-            raise RuntimeError(f"{missing} Instances missing after {within}s\n{agent.logs()}")
-        await asyncio.sleep(0.001)
-    return time.monotonic()
-
-
 async def measure_hello(samples: int) -> dict[str, Any]:
     cameras = [FakeCamera(uuid=str(uuid_module.uuid4())) for _ in range(samples)]
     for camera in cameras:
@@ -93,7 +83,7 @@ async def measure_hello(samples: int) -> dict[str, Any]:
         for camera in cameras:
             sent = time.monotonic()
             await camera.start(hello=True)
-            done = await _until(files, {camera.uuid}, 10, agent)
+            done = await wait_for_instances(files, {camera.uuid}, 10, agent)
             latencies.append((done - sent) * 1000)
     finally:
         agent.stop()
@@ -121,7 +111,7 @@ async def measure_probe_cycle(count: int) -> dict[str, Any]:
     agent = LocalAgent(configuration, "onvif-probe-")
     try:
         files = agent.files("ONVIF_DEVICE_UUID")
-        done = await _until(files, {c.uuid for c in cameras}, 30, agent)
+        done = await wait_for_instances(files, {c.uuid for c in cameras}, 30, agent)
     finally:
         agent.stop()
         transport.close()
