@@ -193,6 +193,57 @@ async def test_a_silent_camera_is_gone_when_the_probe_interval_equals_the_window
             await collector.close()
 
 
+async def test_hostile_datagrams_and_soap_replies_leave_the_handler_running() -> None:
+    """Entity bombs, garbage and oversized datagrams on the WS-Discovery group, and a
+    "camera" whose SOAP answers are entity bombs: nothing offered for them, no crash, and a
+    real camera's Hello still works afterwards."""
+    from aiohttp import web
+
+    from tests.test_onvif_units import BILLION_LAUGHS, EXTERNAL_ENTITY
+
+    bombs_served: list[float] = []
+
+    async def bomb(_request: web.Request) -> web.Response:
+        bombs_served.append(asyncio.get_running_loop().time())
+        return web.Response(body=BILLION_LAUGHS, content_type="application/soap+xml")
+
+    app = web.Application()
+    app.router.add_post("/onvif/device_service", bomb)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    hostile = FakeCamera(
+        uuid=new_uuid(), xaddr_override=f"http://127.0.0.1:{port}/onvif/device_service"
+    )
+    real = FakeCamera(uuid=new_uuid(), http_host="127.0.0.2")
+    real.answer_probes = False  # only its Hello, after the attacks, can bring it
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sender.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+    async with cameras(hostile, real):
+        collector = Collector(OnvifHandler(), details(hostile.uuid, real.uuid, interval=1))
+        try:
+            await asyncio.sleep(0.3)
+            for data in (BILLION_LAUGHS, EXTERNAL_ENTITY, b"\xff\x00garbage", b"<a>" * 40000):
+                with contextlib.suppress(OSError):  # the oversized one may be refused
+                    sender.sendto(data, ("239.255.255.250", 3702))
+            await hostile.start()  # Hello and ProbeMatches pointing at the bomb
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DEADLINE
+            while not bombs_served:  # the handler asked, and got an entity bomb back
+                assert loop.time() < deadline, "the hostile camera was never queried"
+                await asyncio.sleep(0.05)
+            await real.start()
+            devices = await collector.wait_for(lambda d: real.uuid in uuids_of(d))
+            assert hostile.uuid not in uuids_of(devices)
+            assert all(hostile.uuid not in uuids_of(listed) for listed in collector.lists)
+        finally:
+            sender.close()
+            await collector.close()
+            await runner.cleanup()
+
+
 async def test_credentials_wrong_ones_are_not_offered_and_discovery_goes_on() -> None:
     locked = FakeCamera(uuid=new_uuid(), username="admin", password="right")
     other = FakeCamera(uuid=new_uuid(), http_host="127.0.0.2", username="op", password="pw")
