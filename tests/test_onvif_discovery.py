@@ -457,3 +457,99 @@ async def test_agent_instance_for_a_camera(tmp_path: Path) -> None:
         await camera.stop(bye=False)
         await manager.close()
         await store.close()
+
+
+class EventRecordingStore(LocalInstanceStore):
+    """The local store, keeping the Configuration Events the agent records."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, str, str]] = []  # (configuration, reason, message)
+        self.event_added = asyncio.Event()
+
+    async def record_raw_configuration_event(
+        self, raw: Any, reason: str, message: str, *, warning: bool = True
+    ) -> None:
+        self.events.append((raw["metadata"]["name"], reason, message))
+        self.event_added.set()
+
+
+async def test_cameras_not_offered_give_an_event_without_credentials(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the DiscoveryManager: a camera that rejects the credentials and one whose SOAP
+    endpoint does not answer each give a log line and an Event on the Configuration, once
+    (not every Probe round), and neither the username nor the password appear anywhere."""
+    caplog.set_level("DEBUG")
+    password = "S3cret-pa55word"
+    username = "camera-operator"
+    locked = FakeCamera(uuid=new_uuid(), username=username, password="the-right-one")
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    dead = FakeCamera(
+        uuid=new_uuid(),
+        http_host="127.0.0.2",
+        xaddr_override=f"http://127.0.0.1:{dead_port}/onvif/device_service",
+    )
+    store = EventRecordingStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    registry = HandlerRegistry()
+    registry.register(OnvifHandler())
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=0))
+    await manager.start()
+    configuration = parse_configuration(
+        {
+            "apiVersion": "akri.sh/v0",
+            "kind": "Configuration",
+            "metadata": {"name": "locked-cams"},
+            "spec": {
+                "discoveryHandler": {
+                    "name": "onvif",
+                    "discoveryDetails": details(locked.uuid, dead.uuid, interval=0.5),
+                    "discoveryProperties": [
+                        {"name": "username_default", "value": username},
+                        {"name": "password_default", "value": password},
+                    ],
+                },
+                "capacity": 1,
+            },
+        }
+    )
+
+    def reasons() -> list[str]:
+        return [reason for name, reason, _ in store.events if name == "locked-cams"]
+
+    try:
+        async with cameras(locked, dead):
+            await locked.start()
+            await dead.start()
+            await manager.handle_configuration_event(
+                ConfigurationEvent(EventType.ADDED, configuration.key, configuration)
+            )
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + DEADLINE
+            wanted = {"OnvifCredentialsRejected", "OnvifCameraNotAnswering"}
+            while not wanted <= set(reasons()):
+                assert loop.time() < deadline, f"no such Events; recorded: {store.events}"
+                store.event_added.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(store.event_added.wait(), 0.5)
+            # more Probe rounds ask both cameras again: no new Event for the same problem
+            calls = locked.calls.count("GetDeviceInformation")
+            while locked.calls.count("GetDeviceInformation") < calls + 2:
+                assert loop.time() < deadline, "the locked camera was not asked again"
+                await asyncio.sleep(0.05)
+            assert sorted(reasons()) == sorted(wanted)
+            assert store.list_cached(configuration.key) == []
+        messages = {reason: message for _, reason, message in store.events}
+        assert locked.uuid in messages["OnvifCredentialsRejected"]
+        assert dead.uuid in messages["OnvifCameraNotAnswering"]
+        for _, _, message in store.events:
+            assert password not in message and username not in message
+        logged = "\n".join(record.getMessage() for record in caplog.records)
+        assert f"not offering camera {locked.uuid}" in logged
+        assert password not in logged and username not in logged
+    finally:
+        await manager.close()
+        await store.close()

@@ -48,7 +48,12 @@ from agent.store.base import (
     NotFoundError,
     StoreError,
 )
-from discovery_handlers.base import Device, DiscoveryHandler, InvalidDiscoveryDetailsError
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    InvalidDiscoveryDetailsError,
+    report_problems_to,
+)
 
 log = logging.getLogger("agent.discovery")
 
@@ -215,6 +220,13 @@ class ConfigurationRunner:
     async def _run_handler(self) -> None:
         backoff = 1.0
         key = self.configuration.key
+        # an embedded handler's problems with single devices (discovery_handlers.base.
+        # ProblemReporter) become Events on this Configuration (this task's context only)
+        report_problems_to(
+            lambda reason, message: self.store.record_configuration_event(
+                self.configuration, reason, message
+            )
+        )
         while True:
             details = self.configuration.discovery_handler.discovery_details
             started = self._clock()

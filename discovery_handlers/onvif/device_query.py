@@ -46,6 +46,7 @@ class QueryResult:
 
     offered: bool
     problem: str = ""
+    reason: str = ""  # the Event reason when not offered (CamelCase)
     ip: str | None = None
     mac: str | None = None
     scopes: tuple[str, ...] | None = None
@@ -129,13 +130,19 @@ class DeviceQuerier:
                 await self.call(url, "GetDeviceInformation", credential)
             )
         except CallFailed as error:
-            return QueryResult(offered=False, problem=f"no answer: {error}")
+            return QueryResult(
+                offered=False, problem=f"no answer: {error}", reason="OnvifCameraNotAnswering"
+            )
         except soap.SoapError as error:
-            return QueryResult(offered=False, problem=f"bad answer: {error}")
+            return QueryResult(
+                offered=False, problem=f"bad answer: {error}", reason="OnvifCameraBadAnswer"
+            )
         except Refused as refused:
             if refused.fault.not_authorized and credential is not None:
                 return QueryResult(
-                    offered=False, problem=f"credentials rejected ({refused.fault.reason})"
+                    offered=False,
+                    problem=f"credentials rejected ({refused.fault.reason})",
+                    reason="OnvifCredentialsRejected",
                 )
             log.info(
                 "onvif: %s (%s) GetDeviceInformation refused: %s%s",

@@ -20,7 +20,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from discovery_handlers.base import Device, DiscoveryHandler, DiscoveryProperties
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    DiscoveryProperties,
+    ProblemReporter,
+)
 from discovery_handlers.onvif import filters
 from discovery_handlers.onvif.credentials import CredentialStore
 from discovery_handlers.onvif.details import NAME, OnvifDetails, parse_details, warnings
@@ -122,7 +127,7 @@ class OnvifHandler(DiscoveryHandler):
 
         details = parse_details(discovery_details)
         credentials = CredentialStore.from_properties(discovery_properties)
-        session = _Session(details)
+        session = _Session(details, ProblemReporter(log))
         sockets = WsDiscoverySockets(
             details.interfaces,
             session.receive,
@@ -150,8 +155,9 @@ class OnvifHandler(DiscoveryHandler):
 class _Session:
     """The state of one ``discover()`` call."""
 
-    def __init__(self, details: OnvifDetails) -> None:
+    def __init__(self, details: OnvifDetails, problems: ProblemReporter) -> None:
         self.details = details
+        self.problems = problems
         self.cameras: dict[str, Camera] = {}
         self.answers: dict[tuple[str, str], Answer] = {}
         self.in_flight: dict[tuple[str, str], asyncio.Task[QueryResult]] = {}
@@ -159,7 +165,6 @@ class _Session:
         self.wake = asyncio.Event()
         self.round = 0
         self.round_start = -math.inf
-        self.warned: dict[tuple[str, str], str] = {}
         self._overflow_warned = False
 
     # -- messages ----------------------------------------------------------------------
@@ -191,6 +196,12 @@ class _Session:
                     self.cameras[endpoint.uuid].heard = now
                 continue  # Akri needs XAddrs; a Resolve is not worth it
             if not known and len(self.cameras) >= MAX_CAMERAS:
+                self.problems.report(
+                    "cap",
+                    "DeviceCapReached",
+                    f"onvif: more than {MAX_CAMERAS} cameras announce themselves; "
+                    "ignoring the others",
+                )
                 continue
             self._update(endpoint, now, message.kind)
 
@@ -254,7 +265,7 @@ class _Session:
         for key in list(self.answers):
             if key not in wanted:
                 del self.answers[key]
-                self.warned.pop(key, None)
+                self.problems.resolved(_subject(key))
 
     def _collect(self) -> None:
         for key, task in list(self.in_flight.items()):
@@ -277,9 +288,8 @@ class _Session:
     def _report(self, key: tuple[str, str], result: QueryResult) -> None:
         url, uuid = key
         if result.offered:
-            if key in self.warned:
+            if self.problems.resolved(_subject(key)):
                 log.info("onvif: %s (%s) answers again", url, uuid)
-            self.warned.pop(key, None)
             info = result.information
             log.info(
                 "onvif: %s (%s) %s %s ip=%s mac=%s",
@@ -291,9 +301,14 @@ class _Session:
                 result.mac,
             )
             return
-        level = logging.DEBUG if self.warned.get(key) == result.problem else logging.WARNING
-        self.warned[key] = result.problem
-        log.log(level, "onvif: not offering %s (%s): %s", url, uuid, result.problem)
+        # a log line and an Event per camera, again only when the problem changes or after
+        # a while (the camera is asked every Probe round); the problem text is the camera's
+        # answer or the transport error, never a credential
+        self.problems.report(
+            _subject(key),
+            result.reason or "OnvifCameraNotOffered",
+            f"onvif: not offering camera {uuid} at {url}: {result.problem}",
+        )
 
     def devices(self) -> list[Device]:
         """The current full device list (sorted by id)."""
@@ -354,3 +369,8 @@ class _Session:
                 task.cancel()
             if self.in_flight:
                 await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+
+
+def _subject(key: tuple[str, str]) -> str:
+    url, uuid = key
+    return f"{uuid} {url}"
