@@ -158,6 +158,14 @@ async def _run_agent(settings: AgentSettings) -> int:
         where = f"{error.filename}: " if error.filename else ""
         logging.getLogger("agent").error("cannot start: %s%s", where, error.strerror or error)
         return EXIT_UNUSABLE_PATH
+    except Exception as error:
+        # an API failure the start-up code did not translate: a clean line, not a traceback
+        from agent.kube import ApiError
+
+        if not isinstance(error, ApiError):
+            raise
+        logging.getLogger("agent").error("cannot start: Kubernetes API: %s", error)
+        return EXIT_UNAVAILABLE
     return 0
 
 

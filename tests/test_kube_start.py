@@ -4,6 +4,7 @@ CRDs still missing after the deadline)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -11,10 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.kube import make_kube_client
+from agent.cli import EXIT_UNAVAILABLE, main
+from agent.dra.publisher import SlicePublisher
+from agent.kube import KubeClient, make_kube_client
 from agent.store.base import StoreError
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
+from tests.agent_process import AgentProcess
 from tests.apiserver import ApiServerDouble
+from tests.apiserver.threaded import ThreadedApiServer
 from tests.k8s_nodes import CRDS
 
 
@@ -24,9 +29,11 @@ async def api() -> AsyncIterator[ApiServerDouble]:
         yield server
 
 
-def store(api: ApiServerDouble, tmp_path: Path, **settings: float) -> KubernetesInstanceStore:
+def store(
+    api: ApiServerDouble, tmp_path: Path, crd_deadline: float = 300.0
+) -> KubernetesInstanceStore:
     client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")))
-    return KubernetesInstanceStore(client, KubernetesSettings("node-a", **settings))
+    return KubernetesInstanceStore(client, KubernetesSettings("node-a", crd_deadline=crd_deadline))
 
 
 async def test_429_while_crd_storage_initialises_is_waited_out(
@@ -81,3 +88,164 @@ async def test_missing_crds_are_waited_for_until_the_deadline(
     agent_store = store(api, tmp_path, crd_deadline=30)
     await agent_store.start()  # installed meanwhile
     await agent_store.close()
+
+
+# -- the DRA slice publisher's first list (gap: it crashed the agent with a traceback) --------
+
+
+@pytest.fixture
+async def client(api: ApiServerDouble, tmp_path: Path) -> AsyncIterator[KubeClient]:
+    kube = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig-dra")))
+    yield kube
+    await kube.close()
+
+
+def publisher(client: KubeClient) -> SlicePublisher:
+    return SlicePublisher(client, "node-a", lambda: [], lambda: ())
+
+
+async def test_dra_slice_list_503_at_start_is_waited_out(
+    api: ApiServerDouble, client: KubeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 503 without Retry-After is not retried by the client: the publisher's start must
+    (before: the ApiError ended the agent with a traceback, exit 1)."""
+    api.fail(503, verb="list", resource="resourceslices", times=1)
+    slices = publisher(client)
+    with caplog.at_level(logging.INFO):
+        await slices.start()
+    try:
+        waits = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+        assert len(waits) == 1, waits
+        assert "listing resourceslices.resource.k8s.io at start: HTTP 503" in waits[0]
+        assert len(api.requests_for("list", "resourceslices")) == 2
+    finally:
+        await slices.close()
+
+
+async def test_dra_slice_list_forbidden_names_verb_and_resource(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    api.fail(403, verb="list", resource="resourceslices", times=None)
+    with pytest.raises(
+        StoreError,
+        match=r"HTTP 403: the agent may not list resourceslices.resource.k8s.io "
+        r"\(verb list, resource resourceslices, group resource.k8s.io\)",
+    ):
+        await publisher(client).start()
+
+
+async def test_a_cluster_without_dra_is_a_clear_error_naming_the_flag(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """No resource.k8s.io/v1 (DRA off, or Kubernetes older than 1.34): refused at once."""
+    api.fail(404, verb="list", resource="resourceslices", times=None)
+    with pytest.raises(StoreError, match=r"DRA is unavailable on this cluster.*--no-dra"):
+        await publisher(client).start()
+    assert len(api.requests_for("list", "resourceslices")) == 1  # not waited for
+
+
+# -- the store: no server at all, and credentials refused -----------------------------------------
+
+
+async def test_connection_refused_at_start_is_waited_out(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent_store = store(api, tmp_path)
+    await api.stop()  # the port is closed: connection refused
+    retried = asyncio.Event()
+
+    class Spy(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "at start" in record.getMessage() and "retrying" in record.getMessage():
+                retried.set()
+
+    spy = Spy()
+    logging.getLogger("agent.store.kubernetes").addHandler(spy)
+    try:
+        starting = asyncio.create_task(agent_store.start())
+        await asyncio.wait_for(retried.wait(), 10)
+        assert not starting.done()
+        await api.start()  # the same port again
+        await asyncio.wait_for(starting, 10)
+    finally:
+        logging.getLogger("agent.store.kubernetes").removeHandler(spy)
+        await agent_store.close()
+
+
+async def test_unauthorized_stops_at_once_naming_verb_and_resource(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    api.fail(401, verb="list", resource="configurations", times=None)
+    agent_store = store(api, tmp_path)
+    with pytest.raises(StoreError, match=r"HTTP 401: the agent may not list configurations"):
+        await agent_store.start()
+    await agent_store.close()
+    assert len(api.requests_for("list", "configurations")) == 1
+
+
+# -- the agent process: a clean message and exit 4, never a traceback -------------------------
+
+
+def cluster_agent_args(kubeconfig: Path, tmp: Path) -> list[str]:
+    """``akri agent`` in cluster mode with every kubelet-facing directory under ``tmp``."""
+    return [
+        "--kubeconfig",
+        str(kubeconfig),
+        "--node-name",
+        "node-a",
+        "--device-plugin-dir",
+        str(tmp / "device-plugins"),
+        "--pod-resources-socket",
+        str(tmp / "pod-resources" / "kubelet.sock"),
+        "--plugins-registry-dir",
+        str(tmp / "plugins_registry"),
+        "--dra-plugin-dir",
+        str(tmp / "dra"),
+        "--cdi-dir",
+        str(tmp / "cdi"),
+        "--health-port",
+        "0",
+    ]
+
+
+def test_the_agent_exits_4_when_it_may_not_list_resourceslices(tmp_path: Path) -> None:
+    """Before: ``Traceback ... ApiError: HTTP 403`` and exit 1 (the DRA publisher's first list
+    was not guarded like the store's)."""
+    with ThreadedApiServer(crds=CRDS) as server:
+        server.fail(403, verb="list", resource="resourceslices", times=None)
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        agent = AgentProcess(cluster_agent_args(kubeconfig, tmp_path))
+        try:
+            code = agent.wait_exit(30)
+        finally:
+            agent.cleanup()
+    assert code == EXIT_UNAVAILABLE, agent.describe()
+    assert agent.matching(r"cannot start: HTTP 403: the agent may not list resourceslices"), (
+        agent.describe()
+    )
+    assert not agent.matching("Traceback"), agent.describe()
+
+
+def test_an_untranslated_api_error_at_start_is_one_line_and_exit_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever start-up step lets an ApiError through, the agent ends with a clean line."""
+    from agent.app import Agent
+    from agent.kube import ApiError
+
+    async def refused(self: Agent, stop: asyncio.Event, **_: float) -> None:
+        raise ApiError(503, "ServiceUnavailable", '{"message": "etcd is down"}')
+
+    monkeypatch.setattr(Agent, "run", refused)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+    with caplog.at_level(logging.ERROR):
+        code = main(["agent", "--no-dra", *cluster_agent_args(kubeconfig, tmp_path)[:4]])
+    assert code == EXIT_UNAVAILABLE
+    messages = [r.getMessage() for r in caplog.records]
+    assert "cannot start: Kubernetes API: HTTP 503 ServiceUnavailable: etcd is down" in messages

@@ -117,7 +117,22 @@ class SlicePublisher:
         self.synced = asyncio.Event()
 
     async def start(self) -> None:
-        await self._informer.initial_list()
+        """First list of our slices (waiting out 429, 5xx and no answer like the store's
+        first lists), then follow them. Raises :class:`StoreError` for what waiting cannot
+        heal: 401/403, or a cluster that does not serve ``resource.k8s.io/v1``."""
+        from agent.store.kubernetes import first_list
+
+        await first_list(
+            self._informer,
+            PLURAL,
+            0.0,  # an API group missing now will not appear by waiting
+            group=GROUP,
+            not_served=(
+                f"{PLURAL}.{GROUP} ({GROUP}/{VERSION}) is not served: DRA is unavailable on "
+                "this cluster (it needs Kubernetes 1.34 or later); run the agent with "
+                "--no-dra (AKRI_DRA=false) to use device plugins only"
+            ),
+        )
         self._node_uid = await self._lookup_node_uid()
         self._tasks = [
             asyncio.create_task(self._informer.run(), name="watch-resourceslices"),
@@ -157,10 +172,19 @@ class SlicePublisher:
         self.trigger()
 
     async def _lookup_node_uid(self) -> str | None:
+        """The Node's uid (for the slices' owner reference, so they go with the Node), or
+        None: slices are then published without an owner, which only delays their cleanup."""
         try:
             node = await self._client.get(resource_path("", "v1", "nodes", name=self.node))
             return str(node["metadata"]["uid"])
-        except Exception:
+        except (ApiError, KeyError, TypeError) as error:
+            log.warning(
+                "cannot read Node %s (%s: %s): ResourceSlices are published without an "
+                "owner reference",
+                self.node,
+                type(error).__name__,
+                error,
+            )
             return None
 
     # -- syncing ---------------------------------------------------------------------------

@@ -504,6 +504,8 @@ async def first_list(
     plural: str,
     crd_deadline: float,
     *,
+    group: str = GROUP,
+    not_served: str | None = None,
     sleep: Callable[[float], Any] = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
@@ -511,10 +513,13 @@ async def first_list(
     answers it while the storage of just-applied CRDs initialises, with ``Retry-After``),
     5xx and no answer at all are retried with capped backoff, honouring ``retryAfterSeconds``,
     each wait logged; 404 (the CRDs are not installed yet) until ``crd_deadline``. 401/403
-    cannot heal: raised at once, naming the verb and resource."""
+    cannot heal: raised at once, naming the verb and resource.
+
+    Every failure that ends the wait is a :class:`StoreError`. ``not_served`` is its message
+    when ``plural.group`` is still not served at the deadline (default: install the CRDs)."""
     started = clock()
     backoff = 0.5
-    what = f"{plural}.{GROUP}"
+    what = f"{plural}.{group}"
     while True:
         try:
             await informer.initial_list()
@@ -523,13 +528,14 @@ async def first_list(
             if error.status in (401, 403):
                 raise StoreError(
                     f"HTTP {error.status}: the agent may not list {what} (verb list, "
-                    f"resource {plural}, group {GROUP}): check its ServiceAccount and "
+                    f"resource {plural}, group {group}): check its ServiceAccount and "
                     "deploy/base/rbac.yaml"
                 ) from error
             if error.status == 404:
                 if clock() - started >= crd_deadline:
                     raise StoreError(
-                        f"{what} is not served after {crd_deadline:.0f}s: are the CRDs "
+                        not_served
+                        or f"{what} is not served after {crd_deadline:.0f}s: are the CRDs "
                         "installed? (kubectl apply -f crds/)"
                     ) from error
                 reason = "not served yet (CRDs not installed?)"
