@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.harness import PROCESSES, ROOT
-from benchmarks.local_mode import compiled_env
+from benchmarks.local_mode import LAG_LINE, compiled_env
 
 
 class InstanceFiles:
@@ -66,7 +66,8 @@ class LocalAgent:
     def logs(self) -> str:
         return (self.base / "agent.log").read_text(errors="replace")[-3000:]
 
-    def stop(self) -> None:
+    def stop(self) -> float | None:
+        """SIGTERM, wait, and the loop lag the agent reported when it stopped (ms)."""
         self.proc.terminate()
         try:
             self.proc.wait(10)
@@ -75,7 +76,9 @@ class LocalAgent:
             self.proc.wait(5)
         PROCESSES.discard(self.proc)
         self._log.close()
+        found = LAG_LINE.findall((self.base / "agent.log").read_text(errors="replace"))
         shutil.rmtree(self.base, ignore_errors=True)
+        return float(found[-1]) if found else None
 
 
 async def wait_for_instances(
