@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from agent.activity_log import log_instance_changes
@@ -148,6 +149,7 @@ class Agent:
         self._loop_monitor_task: asyncio.Task[None] | None = None
         self.registration: RegistrationServer | None = None
         self.health: HealthServer | None = None
+        self.store_synced = False
         self.started = False
         self._metrics_registry: Any = None
         if settings.device_plugin_dir is not None and self.kubelet is not None:
@@ -223,7 +225,13 @@ class Agent:
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
         self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
+        if self.settings.health_port:
+            # first: /healthz must answer while the store waits for the API and the CRDs (up
+            # to 300 s), or the liveness probe restarts a starting agent; /readyz says
+            # "starting" meanwhile
+            await self._serve_health()
         await self.store.start()
+        self.store_synced = True
         self.ownership.refresh()
         if self.settings.dra:
             self._build_dra()
@@ -249,8 +257,6 @@ class Agent:
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
-        if self.settings.health_port:
-            await self._serve_health()
         self.started = True
         if self.freeze_gc:
             # soon, not now: the 6 ms it takes would delay the first device lists
@@ -267,8 +273,13 @@ class Agent:
     def readiness(self) -> list[str]:
         """Why the agent is not ready (empty: ready): for ``/readyz``."""
         problems = []
-        if not self.started:
-            problems.append("starting (store not synced yet)")
+        if not self.store_synced:
+            problems.append(
+                "starting: the store has not synced yet (waiting for the Kubernetes API "
+                "and the CRDs)"
+            )
+        elif not self.started:
+            problems.append("starting: discovery and plugins are starting")
         if self.plugins is not None:
             waiting = [
                 e.resource_name for e in self.plugins.endpoints() if not e.registered.is_set()
@@ -305,11 +316,22 @@ class Agent:
         try:
             await server.start()
         except OSError as error:
+            where = f"{self.settings.health_address}:{self.settings.health_port}"
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            if not self.settings.local:
+                # in a pod the probes use this port: running without it would have kubelet
+                # restart the agent forever; exiting names the cause (exit 5, README)
+                raise OSError(
+                    error.errno,
+                    f"{reason} (another process on this node holds the port? with "
+                    "hostNetwork the port is the node's: choose another with --health-port "
+                    "/ AKRI_HEALTH_PORT and the DaemonSet's containerPort)",
+                    f"health port {where}",
+                ) from error
             log.warning(
-                "cannot serve health and metrics on %s:%d (%s): the agent runs without them",
-                self.settings.health_address,
-                self.settings.health_port,
-                error.strerror or error,
+                "cannot serve health and metrics on %s (%s): the agent runs without them",
+                where,
+                reason,
             )
             return
         self.health = server

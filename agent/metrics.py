@@ -28,7 +28,7 @@ from agent.model.device_usage import (
     NodeUsage,
     parse_usage,
 )
-from agent.store.cas import STATS
+from agent.store.cas import DEFAULT_RETRY, STATS
 
 if TYPE_CHECKING:
     from agent.app import Agent
@@ -146,6 +146,13 @@ class AgentCollector(Collector):
         )
         conflicts.add_metric([], STATS.conflicts)
         yield conflicts
+        gave_up = CounterMetricFamily(
+            "akri_slot_write_retries_exhausted_total",
+            f"Instance writes given up after {DEFAULT_RETRY.attempts} conflicts in a row (the "
+            "Allocate, prepare or release that needed it failed; its caller may retry)",
+        )
+        gave_up.add_metric([], STATS.gave_up)
+        yield gave_up
         reclaimed = CounterMetricFamily(
             "akri_slots_reclaimed_total",
             "Slots freed because no container or prepared claim used them any more",

@@ -24,6 +24,12 @@ class SettingsError(ValueError):
 
 
 MIN_INTERVAL = 0.05  # seconds: a shorter poll or pass interval only burns CPU
+# The agent runs with the node's network (hostNetwork), so its port is the node's. Not 8080
+# (Akri's metrics port, and the default of many web servers and proxies that may run on a
+# node), not 8081 (controller-runtime's health probes), not 9100-9999 (the Prometheus
+# exporters' allocations: node-exporter 9100 runs on most nodes), not Kubernetes' own
+# 10248-10259 (kubelet, kube-proxy, control plane) nor 10000 (``akri handler --port``).
+CLUSTER_HEALTH_PORT = 10280
 
 
 class ValueProblem(argparse.ArgumentTypeError, ValueError):
@@ -297,8 +303,8 @@ AGENT_OPTIONS = (
         "AKRI_HEALTH_PORT",
         _port,
         None,
-        "serve /healthz, /readyz and /metrics on this port (default: 8080 in cluster mode, "
-        "off in local mode; 0: off)",
+        f"serve /healthz, /readyz and /metrics on this port (default: {CLUSTER_HEALTH_PORT} in "
+        "cluster mode, off in local mode; 0: off)",
     ),
     Option(
         "--health-address",
@@ -424,7 +430,7 @@ class AgentSettings:
         if data["device_plugin_dir"] is None and not data["local"]:
             data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
         if data["health_port"] is None:
-            data["health_port"] = 0 if data["local"] else 8080
+            data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
         if data["log_format"] not in ("text", "json"):
             raise SettingsError(f"--log-format: expected text or json, got {data['log_format']!r}")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

@@ -4,8 +4,12 @@ liveness probe, JSON logs without discoveryProperties values, ``akri version``."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -16,11 +20,18 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.app import Agent
 from agent.health import HealthServer
+from agent.kube import make_kube_client
+from agent.store.cas import DEFAULT_RETRY
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.agent_process import AgentProcess, akri_command, clean_env
 from tests.apiserver import ApiServerDouble
-from tests.dp_nodes import one_device_configuration, start_dp_node
-from tests.k8s_nodes import CRDS
+from tests.dp_nodes import node_settings, one_device_configuration, start_dp_node
+from tests.dra_kubelet import DraKubeletDouble
+from tests.k8s_nodes import CRDS, eventually
+from tests.kubelet_double import KubeletDouble
+from tests.test_dra_e2e import claim_and_prepare, published
 
 IL = "akri.sh/cam-8120fe"
 CL = "akri.sh/cam"
@@ -69,6 +80,20 @@ def value(
     found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
 ) -> float:
     return found[(name, tuple(sorted(labels.items())))]
+
+
+def value_or_zero(
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
+    """A counter's value, 0 when it has no sample yet (the counters are process-wide: other
+    tests in this process may have added to them, so the checks below compare deltas)."""
+    return found.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    status, text = await fetch(f"{base}/metrics")
+    assert status == 200, text
+    return samples(text)
 
 
 def test_pages() -> None:
@@ -170,15 +195,174 @@ async def test_a_blocked_loop_fails_the_liveness_probe(
         await node.stop()
 
 
+async def test_probes_answer_while_the_store_waits_for_the_crds(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Before: the health server started after the store, which waits up to 300 s for the
+    CRDs, so the liveness probe failed (connection refused) and kubelet restarted a
+    starting agent in a loop; /readyz could never say "starting"."""
+    api.create(one_device_configuration("cam", ("foo0",), 1))
+    api.fail(404, verb="list", resource="configurations", times=None)  # CRDs not served yet
+    port = free_port()
+    base = Path(tempfile.mkdtemp(prefix="node-a-", dir="/tmp"))
+    settings = replace(
+        node_settings(api, "node-a", base), health_port=port, health_address="127.0.0.1"
+    )
+    assert settings.device_plugin_dir is not None
+    settings.device_plugin_dir.mkdir(parents=True)
+    kubelet = KubeletDouble(
+        settings.device_plugin_dir, settings.pod_resources_socket, reregistration="kubelet"
+    )
+    await kubelet.start()
+    store = KubernetesInstanceStore(
+        make_kube_client(settings.kubeconfig), KubernetesSettings("node-a", request_timeout=5)
+    )
+    agent = Agent(settings, store, freeze_gc=False)
+    starting = asyncio.create_task(agent.start())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # the store has been refused twice: it is waiting for the CRDs
+        await eventually(
+            lambda: len(api.requests_for("list", "configurations")) >= 2, what="two lists"
+        )
+        assert (await fetch(f"{url}/healthz")) == (200, "ok\n")
+        status, body = await fetch(f"{url}/readyz")
+        assert status == 503 and "not ready: starting: the store has not synced" in body, body
+        assert (await fetch(f"{url}/metrics"))[0] == 200  # scraping a starting agent works
+        assert not starting.done()
+        api.clear_faults()  # the CRDs are installed
+        await asyncio.wait_for(starting, 30)
+        await kubelet.wait_registered(IL, timeout=10)
+        await until(lambda: ready(f"{url}/readyz"), "ready once synced and registered")
+    finally:
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await agent.stop()
+        await kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_busy_health_port_stops_a_cluster_agent_with_a_clear_message(tmp_path: Path) -> None:
+    """Before: the agent logged a warning and ran without its port, so with hostNetwork and
+    the port taken on the node the liveness probe failed forever (restart after restart)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(  # never reached: the health port is the first thing bound
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'http://127.0.0.1:9'}}]\n"
+        "contexts: [{name: c, context: {cluster: c, user: u}}]\nusers: [{name: u, user: {}}]\n"
+    )
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            akri_command(
+                "agent", "--kubeconfig", str(kubeconfig), "--node-name", "n1",
+                "--health-port", str(port), "--health-address", "127.0.0.1",
+                "--device-plugin-dir", str(tmp_path / "dp"),
+                "--pod-resources-socket", str(tmp_path / "pr.sock"),
+                "--plugins-registry-dir", str(tmp_path / "reg"),
+                "--dra-plugin-dir", str(tmp_path / "dra"), "--cdi-dir", str(tmp_path / "cdi"),
+                "--discovery-handlers-dir", str(tmp_path / "dh"),
+            ),
+            capture_output=True, text=True, env=clean_env(), timeout=30,
+        )  # fmt: skip
+    assert done.returncode == 5, done.stderr
+    assert f"health port 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "--health-port" in done.stderr and "in use" in done.stderr, done.stderr
+
+
+async def test_dra_conflict_reclaim_and_api_error_metrics(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """The metrics the first test does not reach: discovery response time, the
+    NodePrepareResources histogram, the ``dra`` holder, CAS conflicts and give-ups, API
+    errors by code, reclaimed slots; and /readyz waiting for the DRA driver."""
+    api.create(one_device_configuration("cam", ("foo0",), 3))
+    port = free_port()
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    dra_kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
+    try:
+        settings = replace(node.agent.settings, health_port=port, health_address="127.0.0.1")
+        await node.restart_agent(settings)
+        base = f"http://127.0.0.1:{port}"
+        await node.kubelet.wait_registered(IL, timeout=10)
+        await node.kubelet.wait_registered(CL, timeout=10)
+
+        async def only_dra_missing() -> bool:
+            status, body = await fetch(f"{base}/readyz")
+            return status == 503 and body == "not ready: DRA driver not registered with kubelet\n"
+
+        await until(only_dra_missing, "not ready: only the DRA driver unregistered")
+        await dra_kubelet.start()
+        await dra_kubelet.wait_for_registration("akri.sh", timeout=5)
+        await until(lambda: ready(f"{base}/readyz"), "ready once the DRA driver registered")
+
+        before = await scrape(base)
+        response_time = value(
+            before, "akri_discovery_response_time_count", configuration="default/cam"
+        )
+        assert response_time >= 1
+        assert value(before, "akri_discovery_response_time_bucket",
+                     configuration="default/cam", le="+Inf") == response_time  # fmt: skip
+
+        # a DRA claim prepared through one stale write (409, retried on a fresh read)
+        await eventually(lambda: len(published(api).get("cam-8120fe", [])) == 3)
+        api.fail(409, verb="update", resource="instances", times=1)
+        uid, results = await claim_and_prepare(api, dra_kubelet, "node-a", "c1")
+        assert results[uid].devices
+        found = await scrape(base)
+        slot = {"namespace": "default", "instance": "cam-8120fe"}
+        assert value(found, "akri_instance_slots", **slot, holder="dra") == 1
+        assert value(found, "akri_instance_slots", **slot, holder="free") == 2
+
+        def grew(name: str, by: float = 1, **labels: str) -> bool:
+            return value_or_zero(found, name, **labels) >= value_or_zero(
+                before, name, **labels) + by  # fmt: skip
+
+        assert grew("akri_node_prepare_resources_seconds_count")
+        assert grew("akri_node_prepare_resources_seconds_bucket", le="+Inf")
+        assert grew("akri_slot_write_conflicts_total")
+        assert grew("akri_api_request_errors_total", code="409")
+        assert not grew("akri_slot_write_retries_exhausted_total")
+
+        # every write refused: the Allocate gives up after the retry policy's attempts
+        before = found
+        api.fail(409, verb="update", resource="instances", times=None)
+        refused = await node.kubelet.admit_pod("default", "refused", [("c", {IL: 1})])
+        api.clear_faults()
+        assert not refused.admitted
+        found = await scrape(base)
+        assert grew("akri_slot_write_retries_exhausted_total")
+        assert grew("akri_slot_write_conflicts_total", by=DEFAULT_RETRY.attempts)
+
+        # a pod that is gone: its slot is reclaimed and counted
+        before = found
+        pod = await node.kubelet.admit_pod("default", "il", [("c", {IL: 1})])
+        assert pod.admitted
+        await node.kubelet.delete_pod("default", "il")
+
+        async def reclaimed() -> bool:
+            nonlocal found
+            found = await scrape(base)
+            return grew("akri_slots_reclaimed_total", kind="device_plugin")
+
+        await until(reclaimed, "the gone pod's slot reclaimed and counted")
+    finally:
+        await dra_kubelet.stop()
+        await node.stop()
+
+
 def test_settings_default_the_health_port_by_mode() -> None:
-    from agent.settings import AGENT_OPTIONS, AgentSettings, resolve
+    from agent.settings import AGENT_OPTIONS, CLUSTER_HEALTH_PORT, AgentSettings, resolve
 
     class Args:
         pass
 
     cluster = AgentSettings.from_values(resolve(Args(), AGENT_OPTIONS, {}))  # type: ignore[arg-type]
     local = AgentSettings.from_values(resolve(Args(), AGENT_OPTIONS, {"AKRI_LOCAL": "1"}))  # type: ignore[arg-type]
-    assert (cluster.health_port, local.health_port) == (8080, 0)
+    assert (cluster.health_port, local.health_port) == (CLUSTER_HEALTH_PORT, 0)
     asked = resolve(Args(), AGENT_OPTIONS, {"AKRI_LOCAL": "1", "AKRI_HEALTH_PORT": "9100"})  # type: ignore[arg-type]
     assert AgentSettings.from_values(asked).health_port == 9100
 

@@ -48,6 +48,7 @@ class CasStats:
 
     writes: int = 0
     conflicts: int = 0
+    gave_up: int = 0  # writes abandoned after ``RetryPolicy.attempts`` conflicts in a row
 
 
 STATS = CasStats()
@@ -85,4 +86,5 @@ async def cas_update(
             current = await store.get(key)
         except NotFoundError:
             raise
+    STATS.gave_up += 1
     raise RetriesExhaustedError(f"gave up updating {key} after {policy.attempts} conflicts")
