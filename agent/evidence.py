@@ -18,11 +18,11 @@ id, not which Instance backed it (docs/slot-model.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Protocol
 
 from agent.deviceplugin.kubelet_state import KubeletState, read_kubelet_checkpoint
 from agent.deviceplugin.views import instance_resource
+from agent.ledger.decisions import SlotsInUse
 from agent.model.instance import Instance
 from agent.model.naming import parse_slot_id
 
@@ -41,7 +41,7 @@ class NodeEvidence:
         self.kubelet = kubelet
         self.dra: DraEvidence | None = None
 
-    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
         result: dict[str, str] = {}
         if self.kubelet is not None:
             if self.kubelet.available():
@@ -53,4 +53,4 @@ class NodeEvidence:
                     result[device_id] = self.node
         if self.dra is not None:
             result.update(self.dra.in_use(instance))
-        return result
+        return SlotsInUse(result)

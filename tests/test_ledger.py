@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.ledger.decisions import Owner, held_count
+from agent.ledger.decisions import Owner, SlotConflict, SlotsInUse, held_count
 from agent.ledger.ledger import SlotLedger, SlotRefusedError
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
@@ -297,3 +297,84 @@ async def test_release_slots_redecides_after_a_conflict(stores: list[LocalInstan
     assert freed == (f"{NAME}-0",)
     final = await stores[0].get(KEY)
     assert final.device_usage == {f"{NAME}-0": "", f"{NAME}-1": "node-b", f"{NAME}-2": ""}
+
+
+class CountingEvidence:
+    """Evidence that node-a's kubelet shows slot 0 in use; counts the questions."""
+
+    def __init__(self, in_use: SlotsInUse) -> None:
+        self.answer = in_use
+        self.asked = 0
+
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        self.asked += 1
+        return self.answer
+
+
+async def test_join_takes_the_free_slots_the_evidence_shows_in_use(
+    stores: list[LocalInstanceStore],
+) -> None:
+    """Another node created the Instance (it could not see node-a's pod on slot 0)."""
+    await stores[0].create(make().evolve(nodes=("node-b",)))
+    evidence = CountingEvidence(SlotsInUse({f"{NAME}-0": "node-a"}))
+    ledger = SlotLedger(stores[0], "node-a", evidence=evidence)
+
+    def join(inst: Instance) -> Instance:
+        return inst.evolve(nodes=(*inst.nodes, "node-a"))
+
+    result = await ledger.join_instance(KEY, join)
+    assert result.checked and result.adopted == ((f"{NAME}-0", "node-a"),)
+    stored = await stores[0].get(KEY)
+    assert stored.nodes == ("node-b", "node-a")
+    assert stored.device_usage[f"{NAME}-0"] == "node-a"
+    assert ledger.last_granted(KEY, f"{NAME}-0") is not None  # the reclaimer's guard
+    # a member joining again does not ask kubelet, unless told to (the first join at start)
+    again = await ledger.join_instance(KEY, lambda inst: None)
+    assert not again.checked and evidence.asked == 1
+    at_start = await ledger.join_instance(KEY, lambda inst: None, check_evidence=True)
+    assert at_start.checked and at_start.adopted == () and evidence.asked == 2
+
+
+async def test_rejoin_at_start_takes_a_slot_freed_while_the_agent_was_down(
+    stores: list[LocalInstanceStore],
+) -> None:
+    await stores[0].create(make())  # node-a is a member, its slot shows free
+    evidence = CountingEvidence(SlotsInUse({f"{NAME}-1": "node-a"}))
+    ledger = SlotLedger(stores[0], "node-a", evidence=evidence)
+    result = await ledger.join_instance(KEY, lambda inst: None, check_evidence=True)
+    assert result.adopted == ((f"{NAME}-1", "node-a"),)
+    assert (await stores[0].get(KEY)).device_usage[f"{NAME}-1"] == "node-a"
+
+
+async def test_join_never_takes_a_slot_another_holder_has(
+    stores: list[LocalInstanceStore],
+) -> None:
+    held = make().evolve(nodes=("node-b",), device_usage={f"{NAME}-0": "node-b", f"{NAME}-1": ""})
+    await stores[0].create(held)
+    ledger = SlotLedger(
+        stores[0], "node-a", evidence=CountingEvidence(SlotsInUse({f"{NAME}-0": "node-a"}))
+    )
+    result = await ledger.join_instance(KEY, lambda inst: inst.evolve(nodes=("node-b", "node-a")))
+    assert result.adopted == ()
+    assert result.conflicts == (SlotConflict(f"{NAME}-0", "node-a", "node-b"),)
+    stored = await stores[0].get(KEY)
+    assert stored.device_usage == held.device_usage and "node-a" in stored.nodes
+
+
+async def test_join_redecides_the_adoption_after_a_conflict(
+    stores: list[LocalInstanceStore],
+) -> None:
+    """node-b takes slot 0 between node-a's read and its write: the retried write sees it and
+    reports it instead of overwriting it."""
+    await stores[0].create(make().evolve(nodes=("node-b",)))
+    ledger_a = SlotLedger(
+        stores[0], "node-a", evidence=CountingEvidence(SlotsInUse({f"{NAME}-0": "node-a"}))
+    )
+    await stores[0].get(KEY)  # node-a's cache: slot 0 free
+    await SlotLedger(stores[1], "node-b").claim(KEY, f"{NAME}-0", Owner.instance_level("node-b"))
+    result = await ledger_a.join_instance(
+        KEY, lambda inst: inst.evolve(nodes=(*inst.nodes, "node-a"))
+    )
+    assert result.adopted == ()
+    assert result.conflicts == (SlotConflict(f"{NAME}-0", "node-a", "node-b"),)
+    assert (await stores[1].get(KEY)).device_usage[f"{NAME}-0"] == "node-b"

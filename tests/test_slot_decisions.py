@@ -12,6 +12,9 @@ from agent.ledger.decisions import (
     Owner,
     Refused,
     Released,
+    SlotConflict,
+    SlotsInUse,
+    decide_adopt,
     decide_claim,
     decide_claim_any,
     decide_leave,
@@ -292,3 +295,89 @@ def test_last_node_deletes_only_when_nothing_is_held() -> None:
     foreign = inst(s1="D:uid:node-gone").evolve(nodes=("node-a",))
     kept = decide_leave(foreign, "node-a")
     assert isinstance(kept, Leave) and not kept.delete and kept.instance.nodes == ()
+
+
+# -- joining: take the free slots this node's containers use -------------------------------------
+
+
+def test_adopt_takes_free_slots_in_use_and_leaves_its_own_alone() -> None:
+    instance = inst(capacity=3, s1="node-a")
+    adoption = decide_adopt(
+        instance,
+        SlotsInUse({f"{NAME}-0": "node-a", f"{NAME}-1": "node-a", f"{NAME}-2": "D:u:node-a"}),
+    )
+    assert adoption.adopted == ((f"{NAME}-0", "node-a"), (f"{NAME}-2", "D:u:node-a"))
+    assert adoption.conflicts == ()
+    assert adoption.device_usage == {
+        f"{NAME}-0": "node-a",
+        f"{NAME}-1": "node-a",
+        f"{NAME}-2": "D:u:node-a",
+    }
+
+
+def test_adopt_never_takes_a_slot_held_by_another_holder() -> None:
+    """Another node handed the slot out already: both use the device; report, don't steal."""
+    instance = inst(s0="node-b", s1="C:x")
+    adoption = decide_adopt(instance, SlotsInUse({f"{NAME}-0": "node-a", f"{NAME}-1": "node-a"}))
+    assert adoption.adopted == ()
+    assert adoption.device_usage == instance.device_usage
+    assert adoption.conflicts == (
+        SlotConflict(f"{NAME}-0", "node-a", "node-b"),
+        SlotConflict(f"{NAME}-1", "node-a", "C:x"),  # an unknown value is a holder too
+    )
+
+
+def test_adopt_ignores_foreign_ids_and_values_that_hold_nothing() -> None:
+    instance = inst()
+    adoption = decide_adopt(
+        instance, SlotsInUse({"other-0": "node-a", f"{NAME}-0": "", f"{NAME}-1": "C:x"})
+    )
+    assert adoption.adopted == () and adoption.conflicts == ()
+    assert not SlotsInUse() and SlotsInUse(anywhere=("C:v:n",))
+
+
+def test_adopt_holds_a_slot_beyond_the_capacity_so_it_drains() -> None:
+    adoption = decide_adopt(inst(capacity=1), SlotsInUse({f"{NAME}-3": "node-a"}))
+    assert adoption.adopted == ((f"{NAME}-3", "node-a"),)
+    assert adoption.device_usage[f"{NAME}-3"] == "node-a"
+
+
+def test_adopt_places_configuration_level_values_on_the_lowest_free_slot() -> None:
+    """kubelet knows a CL container's virtual device and Instance, not the slot: any free
+    slot will do; a value already held anywhere is left alone."""
+    instance = inst(capacity=3, s0="node-b", s2="C:cam-1:node-a")
+    adoption = decide_adopt(instance, SlotsInUse(anywhere=("C:cam-0:node-a", "C:cam-1:node-a")))
+    assert adoption.adopted == ((f"{NAME}-1", "C:cam-0:node-a"),)
+    assert adoption.conflicts == ()
+
+
+def test_adopt_reports_a_configuration_level_value_without_a_free_slot() -> None:
+    instance = inst(capacity=2, s0="node-b", s1="C:cam-9:node-c")
+    adoption = decide_adopt(instance, SlotsInUse(anywhere=("C:cam-0:node-a",)))
+    assert adoption.adopted == ()
+    assert adoption.conflicts == (SlotConflict(None, "C:cam-0:node-a", "C:cam-9:node-c, node-b"),)
+
+
+@given(
+    usage=st.lists(
+        st.sampled_from(["", "node-a", "node-b", "C:v:node-a", "D:u:node-b"]),
+        min_size=1,
+        max_size=4,
+    ),
+    evidence=st.dictionaries(st.integers(0, 5), st.sampled_from(["node-a", "C:w:node-a"])),
+    anywhere=st.lists(st.sampled_from(["C:v:node-a", "C:w:node-a", "C:z:node-a"]), max_size=3),
+)
+@settings(max_examples=300, deadline=None)
+def test_adopt_changes_only_free_slots(
+    usage: list[str], evidence: dict[int, str], anywhere: list[str]
+) -> None:
+    instance = inst(capacity=len(usage), **{f"s{i}": v for i, v in enumerate(usage)})
+    in_use = SlotsInUse({f"{NAME}-{i}": v for i, v in evidence.items()}, tuple(anywhere))
+    adoption = decide_adopt(instance, in_use)
+    for slot, value in instance.device_usage.items():
+        if value:  # a held slot is never changed, whoever holds it
+            assert adoption.device_usage[slot] == value
+    for slot, value in adoption.adopted:
+        assert not instance.device_usage.get(slot) and adoption.device_usage[slot] == value
+    changed = {s for s, v in adoption.device_usage.items() if instance.device_usage.get(s, "") != v}
+    assert changed == {slot for slot, _ in adoption.adopted}

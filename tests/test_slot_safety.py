@@ -15,9 +15,12 @@ from typing import Any
 
 import pytest
 
+from agent.app import Agent
+from agent.kube import make_kube_client
 from agent.ledger.decisions import held_count
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import DpNode, assert_never_over_capacity, start_dp_node
 from tests.k8s_nodes import CRDS, akri_configuration_crd, debug_echo_configuration, eventually
@@ -305,3 +308,137 @@ async def test_an_instance_recreated_under_a_live_pod_starts_with_its_slot_held(
         assert held_count(again) == 1
     finally:
         await node.stop()
+
+
+# -- joining an Instance another node (re-)created -----------------------------------------------
+
+SLOT0 = "cam-8120fe-0"
+
+
+async def two_nodes_sharing(api: ApiServerDouble, tmp_path: Path) -> tuple[DpNode, DpNode]:
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    a = await start_dp_node(api, "node-a", tmp_path)
+    b = await start_dp_node(api, "node-b", tmp_path)
+    await eventually(
+        lambda: set(getattr(instance_in(api, "cam-8120fe"), "nodes", ())) == {"node-a", "node-b"},
+        what="both nodes joined",
+    )
+    await ready(a, devices=2)
+    await ready(b, devices=2)
+    return a, b
+
+
+async def recreated_by(api: ApiServerDouble, node: str) -> Instance:
+    """The user deletes the Instance; wait until ``node`` alone has created it again."""
+    first = instance_in(api, "cam-8120fe")
+    assert first is not None
+    api.delete(INSTANCES, "cam-8120fe", "default")
+
+    def again() -> bool:
+        current = instance_in(api, "cam-8120fe")
+        return current is not None and current.uid != first.uid and current.nodes == (node,)
+
+    await eventually(again, what=f"re-created by {node}")
+    instance = instance_in(api, "cam-8120fe")
+    assert instance is not None
+    return instance
+
+
+async def test_joining_an_instance_another_node_recreated_takes_the_slot_of_a_live_pod(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Before: node-b re-created the deleted Instance with only its own evidence (slot 0
+    free); node-a then joined without asking its kubelet, so node-b handed slot 0 to a second
+    pod while node-a's pod still used it."""
+    a, b = await two_nodes_sharing(api, tmp_path)
+    try:
+        await admitted(a, "user", choose={IL: [SLOT0]})
+        # node-a stops seeing the device for a while: it stays in nodes, draining (slot 0 is
+        # in use), so only node-b re-creates the deleted Instance
+        a.offline()
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "draining_nodes", ()),
+            what="node-a draining",
+        )
+        recreated = await recreated_by(api, "node-b")
+        assert recreated.device_usage[SLOT0] == ""  # node-b cannot know node-a's pod
+        a.offline(False)
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "nodes", ()),
+            what="node-a joined",
+        )
+        joined = instance_in(api, "cam-8120fe")
+        assert joined is not None and joined.device_usage[SLOT0] == "node-a"
+        # node-b can hand out slot 1 only: never the slot node-a's pod uses
+        await eventually(lambda: b.kubelet.allocatable(IL) == 1, what="slot 0 taken on node-b")
+        await admitted(b, "other")
+        other = b.kubelet.pod("default", "other")
+        assert other is not None and other.devices(IL) == ["cam-8120fe-1"]
+        third = await b.kubelet.admit_pod("default", "third", [("c", {IL: 1})])
+        assert not third.admitted
+        assert events(api, "SlotConflict") == []
+        assert_never_over_capacity(api)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_an_agent_restarted_after_its_instance_was_recreated_takes_its_live_slot(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """node-a's agent is down while the Instance is deleted and node-b re-creates it; at start
+    node-a joins it and must take back the slot its running pod uses."""
+    a, b = await two_nodes_sharing(api, tmp_path)
+    try:
+        await admitted(a, "user", choose={IL: [SLOT0]})
+        settings = a.agent.settings
+        await a.agent.stop()  # kubelet and its pods stay
+        recreated = await recreated_by(api, "node-b")
+        assert recreated.device_usage[SLOT0] == ""
+        store = KubernetesInstanceStore(
+            make_kube_client(settings.kubeconfig), KubernetesSettings("node-a", request_timeout=5)
+        )
+        a.agent = Agent(settings, store, freeze_gc=False)
+        await a.agent.start()
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "nodes", ()),
+            what="node-a joined at start",
+        )
+        joined = instance_in(api, "cam-8120fe")
+        assert joined is not None and joined.device_usage[SLOT0] == "node-a"
+        await eventually(lambda: b.kubelet.allocatable(IL) == 1, what="slot 0 taken on node-b")
+        await admitted(b, "other")
+        other = b.kubelet.pod("default", "other")
+        assert other is not None and other.devices(IL) == ["cam-8120fe-1"]
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_joining_node_reports_a_slot_already_used_elsewhere_and_takes_nothing(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """node-b handed out slot 0 before node-a joined: both pods already use the device.
+    Taking the slot would only hide the second user; node-a reports it (log + Event naming
+    both holders) and leaves deviceUsage as it is."""
+    a, b = await two_nodes_sharing(api, tmp_path)
+    try:
+        await admitted(a, "user", choose={IL: [SLOT0]})
+        a.offline()
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "draining_nodes", ()),
+            what="node-a draining",
+        )
+        await recreated_by(api, "node-b")
+        await ready(b, devices=2)
+        await admitted(b, "early", choose={IL: [SLOT0]})
+        a.offline(False)
+        await eventually(lambda: events(api, "SlotConflict") != [], what="SlotConflict Event")
+        message = events(api, "SlotConflict")[0]["message"]
+        assert SLOT0 in message and "node-a" in message and "'node-b'" in message
+        joined = instance_in(api, "cam-8120fe")
+        assert joined is not None and "node-a" in joined.nodes
+        assert joined.device_usage[SLOT0] == "node-b"
+    finally:
+        await a.stop()
+        await b.stop()

@@ -6,8 +6,9 @@ writes. Reconciling is sequential and idempotent: it is woken by a new device li
 Configuration change, an Instance change of this Configuration, or a grace deadline, and
 writes nothing when the store already matches.
 
-Every write goes through the slot ledger (creation with the slots already in use, spec changes
-that carry the slots over, departures that wait while this node holds slots).
+Every write goes through the slot ledger (creation with the slots already in use, joins that
+take the free slots this node's containers already use, spec changes that carry the slots
+over, departures that wait while this node holds slots).
 
 A handler that fails is not a handler that reports no devices: its last successful list is
 kept until it reports again, so an exception never starts the offline grace of a device that
@@ -116,6 +117,8 @@ class ConfigurationRunner:
         # of thousands costs one write and not thousands of pure passes
         self._settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
         self.reconciled = asyncio.Event()
+        # name -> uid of the Instance this runner last joined checking kubelet's evidence
+        self._evidence_checked: dict[str, str | None] = {}
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
         # for metrics and status: starting, ok, failed (last list kept), invalid
@@ -441,12 +444,24 @@ class ConfigurationRunner:
                     continue
             before = self.store.get_cached(key)
             try:
-                stored = await self.ledger.update_instance(
+                # the first join of each Instance (by uid) since this runner started also
+                # takes the slots kubelet shows this node's containers using: whoever wrote
+                # the Instance meanwhile could not see them (the ledger checks the evidence
+                # anyway whenever this node is not yet in ``nodes``)
+                result = await self.ledger.join_instance(
                     key,
                     lambda inst: join_instance(
                         inst, self.configuration, desired, self.node, shared
                     ),
+                    check_evidence=(
+                        before is None
+                        or desired.name not in self._evidence_checked
+                        or self._evidence_checked[desired.name] != before.uid
+                    ),
                 )
+                if result.checked:
+                    self._evidence_checked[desired.name] = result.instance.uid
+                stored = result.instance
                 # the identical cached object: nothing was written (a write caches a new one)
                 return stored if stored is before else None
             except NotFoundError:
@@ -477,6 +492,7 @@ class ConfigurationRunner:
         if result.left:
             self.draining.pop(name, None)
             self._missing_since.pop(name, None)
+            self._evidence_checked.pop(name, None)
             return
         if self.draining.get(name) != result.slots:
             await report_draining(self.store, key, self.node, result.slots, "its device is gone")

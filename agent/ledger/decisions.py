@@ -19,8 +19,10 @@ Rules (invariant 1 of DESIGN.md):
 * values we cannot parse count as held and are never handed out;
 * a release only frees a slot held by the releasing owner; releasing a free slot is a no-op;
 * a new Instance starts with every slot free except those this node's kubelet or DRA
-  checkpoint already shows in use (:func:`initial_usage`): re-creating an Instance never
-  hands out a slot a running container holds;
+  checkpoint already shows in use (:func:`initial_usage`), and a node joining or re-joining
+  an Instance takes the free slots its evidence shows in use (:func:`decide_adopt`; a slot
+  held by someone else is reported, never taken): re-creating an Instance never hands out a
+  slot a running container holds;
 * a spec change (capacity, nodes, properties) keeps every held slot (:func:`decide_update`);
 * a node leaves an Instance only while it holds none of its slots (:func:`decide_leave`);
   until then it is *draining*. The last node deletes the Instance only when no slot is held
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent.model.device_usage import (
     FREE,
@@ -305,18 +307,95 @@ def resize_usage(instance: Instance, capacity: int) -> dict[str, str]:
     return usage
 
 
-def initial_usage(instance: Instance, in_use: Mapping[str, str]) -> dict[str, str]:
-    """``deviceUsage`` of a new Instance: every slot free, except ``in_use`` (slot -> value of
-    this node: what kubelet or the DRA checkpoint shows a live container or claim using).
-    Values that are not a held value are ignored; a slot beyond the capacity is kept held (it
-    drains like after a capacity decrease)."""
-    usage = {sid: "" for sid in instance.slot_ids()}
-    for slot, value in sorted(in_use.items()):
-        if parse_slot_id(instance.name, slot) is None:
+@dataclass(frozen=True)
+class SlotsInUse:
+    """What this node's kubelet and DRA driver show live containers or prepared claims using
+    in one Instance, as this node's usage values.
+
+    ``slots``: slot id -> value, where the slot is known (an instance-level device id, a DRA
+    claim's device). ``anywhere``: values that hold *some* slot of the Instance, which one
+    kubelet cannot tell (configuration-level virtual devices: ``C:<vdev>:<node>``)."""
+
+    slots: Mapping[str, str] = field(default_factory=dict)
+    anywhere: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.slots) or bool(self.anywhere)
+
+
+@dataclass(frozen=True)
+class SlotConflict:
+    """A slot this node's evidence shows in use that deviceUsage gives to someone else: the
+    device is already used twice (nothing safe can be done but report it). ``slot`` is None
+    for an ``anywhere`` value that found no free slot; ``holder`` names the other holder(s)."""
+
+    slot: str | None
+    ours: str
+    holder: str
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """:func:`decide_adopt`: the new ``deviceUsage``, the (slot, value) pairs newly held and the
+    conflicts found."""
+
+    device_usage: Mapping[str, str]
+    adopted: tuple[tuple[str, str], ...]
+    conflicts: tuple[SlotConflict, ...]
+
+
+def _is_held_value(value: str) -> bool:
+    return isinstance(parse_usage(value), NodeUsage | ConfigurationUsage | ClaimUsage)
+
+
+def decide_adopt(instance: Instance, in_use: SlotsInUse) -> Adoption:
+    """Take for this node the slots its evidence (``in_use``) shows in use and ``instance``
+    has free: when the node creates, joins or re-joins (at start) an Instance, whoever wrote
+    the current ``deviceUsage`` could not see this node's containers.
+
+    * a known slot that is free (or absent: beyond the capacity, it then drains) gets the
+      value; one already holding that value is left alone; one held by anything else is a
+      :class:`SlotConflict` and is **not** taken (the other holder may be a live container);
+    * an ``anywhere`` value already held by some slot is left alone; otherwise it takes the
+      lowest free slot while the held count is below the capacity, else it is a conflict.
+
+    Values that are not held values and ids that are not slots of ``instance`` are ignored."""
+    usage = dict(instance.device_usage)
+    adopted: list[tuple[str, str]] = []
+    conflicts: list[SlotConflict] = []
+    for slot, value in sorted(in_use.slots.items()):
+        if parse_slot_id(instance.name, slot) is None or not _is_held_value(value):
             continue
-        if isinstance(parse_usage(value), NodeUsage | ConfigurationUsage | ClaimUsage):
-            usage[slot] = value
-    return usage
+        current = usage.get(slot, "")
+        if current == value:
+            continue
+        if current:
+            conflicts.append(SlotConflict(slot, value, current))
+            continue
+        usage[slot] = value
+        adopted.append((slot, value))
+    for value in sorted(set(in_use.anywhere)):
+        if not _is_held_value(value) or value in usage.values():
+            continue
+        held = len(usage) - operator.countOf(usage.values(), "")
+        free = next((sid for sid in instance.slot_ids() if not usage.get(sid)), None)
+        if free is None or held >= instance.capacity:
+            holders = ", ".join(sorted({v for v in usage.values() if v})) or "nobody"
+            conflicts.append(SlotConflict(None, value, holders))
+            continue
+        usage[free] = value
+        adopted.append((free, value))
+    return Adoption(usage, tuple(adopted), tuple(conflicts))
+
+
+def initial_usage(instance: Instance, in_use: SlotsInUse | Mapping[str, str]) -> dict[str, str]:
+    """``deviceUsage`` of a new Instance: every slot free, except those ``in_use`` (this
+    node's evidence: what kubelet or the DRA checkpoint shows a live container or claim
+    using) adopts (:func:`decide_adopt`; a slot beyond the capacity is kept held: it drains
+    like after a capacity decrease)."""
+    evidence = in_use if isinstance(in_use, SlotsInUse) else SlotsInUse(dict(in_use))
+    empty = instance.evolve(device_usage={sid: "" for sid in instance.slot_ids()})
+    return dict(decide_adopt(empty, evidence).device_usage)
 
 
 def decide_update(current: Instance, changed: Instance) -> Instance | None:

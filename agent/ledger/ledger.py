@@ -10,7 +10,10 @@ agent, wrote first) re-reads the Instance and re-decides, with bounded jittered 
 Two rules keep a live container's slot from being lost by the agent's own choices:
 
 * a new Instance starts with the slots this node's kubelet (pod-resources ``List`` and its
-  checkpoint) or DRA checkpoint already shows in use held by this node (:class:`SlotEvidence`);
+  checkpoint) or DRA checkpoint already shows in use held by this node (:class:`SlotEvidence`),
+  and a node that joins an Instance someone else (re-)created, or re-joins one at start, takes
+  the free slots that evidence shows in use in the same write (:meth:`SlotLedger.join_instance`;
+  a slot another holder has is reported, never taken);
 * a node leaves an Instance only while it holds none of its slots; until then it stays in
   ``nodes``, marked draining (the reclaimers free the slots once nothing uses them).
 """
@@ -33,6 +36,9 @@ from agent.ledger.decisions import (
     Owner,
     Refused,
     Released,
+    SlotConflict,
+    SlotsInUse,
+    decide_adopt,
     decide_claim,
     decide_claim_any,
     decide_leave,
@@ -60,20 +66,21 @@ class SlotRefusedError(Exception):
 
 
 class SlotEvidence(Protocol):
-    """What this node's kubelet and DRA driver say is in use, for an Instance being created."""
+    """What this node's kubelet and DRA driver say is in use, for an Instance being created or
+    joined."""
 
-    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
-        """slot id -> the usage value of this node for every slot of ``instance`` (by name)
-        that a live container or a prepared claim on this node uses, as seen at or after
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        """This node's usage values for the slots of ``instance`` (by namespace and name) that
+        a live container or a prepared claim on this node uses, as seen at or after
         ``not_before`` (monotonic: this node's last grant of a slot of that Instance). Raises
-        when the evidence cannot be had now (the creation is retried later)."""
+        when the evidence cannot be had now (the creation or join is retried later)."""
 
 
 class NoEvidence:
     """No kubelet and no DRA driver on this agent: nothing can be in use here."""
 
-    async def in_use(self, instance: Instance, not_before: float) -> Mapping[str, str]:
-        return {}
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        return SlotsInUse()
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,18 @@ class ClaimResult:
     slot: str
     instance: Instance
     changed: bool
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What :meth:`SlotLedger.join_instance` wrote: the Instance as stored (the cached object
+    itself when nothing was written), the slots taken from this node's evidence, the
+    conflicts it found, and whether the evidence was checked (against this Instance)."""
+
+    instance: Instance
+    adopted: tuple[tuple[str, str], ...] = ()
+    conflicts: tuple[SlotConflict, ...] = ()
+    checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +179,99 @@ class SlotLedger:
                 ", ".join(f"{slot}={value}" for slot, value in sorted(held.items())),
             )
         return created
+
+    async def join_instance(
+        self,
+        key: ObjectKey,
+        change: Callable[[Instance], Instance | None],
+        *,
+        check_evidence: bool = False,
+    ) -> JoinResult:
+        """Apply discovery's ``change`` (as :meth:`update_instance`) and, when this node is not
+        yet in the Instance's ``nodes`` or ``check_evidence`` is set (the first join of this
+        Instance since the agent started), take in the same write the free slots this node's
+        evidence shows in use (:func:`decide_adopt`): the node that (re-)created the Instance
+        saw only its own containers. A slot the evidence shows in use that someone else holds
+        is logged and reported (Event ``SlotConflict``), never taken. Raises
+        :class:`NotFoundError`, or what the evidence raises."""
+        async with self.lock_for(key):
+            current = self.store.get_cached(key)
+            if current is None:
+                current = await self.store.get(key)
+            in_use: SlotsInUse | None = None
+            if check_evidence or self.node not in current.nodes:
+                in_use = await self._evidence_for(current)
+            stored, result = await self._join(key, change, in_use)
+            if result is None:
+                # re-created without this node between the read and the write: once more,
+                # now with the evidence
+                stored, result = await self._join(key, change, await self._evidence_for(stored))
+            assert result is not None
+        await self._report_adoption(stored, result)
+        return result
+
+    async def _evidence_for(self, instance: Instance) -> SlotsInUse:
+        grants = self._granted.get(instance.key, {})
+        return await self.evidence.in_use(instance, max(grants.values(), default=0.0))
+
+    async def _join(
+        self,
+        key: ObjectKey,
+        change: Callable[[Instance], Instance | None],
+        in_use: SlotsInUse | None,
+    ) -> tuple[Instance, JoinResult | None]:
+        """One CAS write of ``change`` plus the adoption of ``in_use``; the result is None when
+        the write joined this node without evidence (the Instance was re-created meanwhile)."""
+        outcome: list[JoinResult | None] = []
+
+        def mutate(current: Instance) -> Instance | None:
+            outcome.clear()
+            if in_use is None and self.node not in current.nodes:
+                outcome.append(None)
+                return None
+            changed = change(current)
+            target = current if changed is None else decide_update(current, changed) or current
+            adoption = decide_adopt(target, in_use) if in_use else None
+            if adoption is not None and adoption.adopted:
+                target = target.evolve(device_usage=dict(adoption.device_usage))
+            outcome.append(
+                JoinResult(
+                    current,
+                    adoption.adopted if adoption else (),
+                    adoption.conflicts if adoption else (),
+                    in_use is not None,
+                )
+            )
+            return None if target is current else target
+
+        stored = await cas_update(self.store, key, mutate, policy=self._policy)
+        assert stored is not None and outcome
+        done = outcome[0]
+        if done is None:
+            return stored, None
+        if done.adopted:
+            now = self._now()
+            self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
+        return stored, JoinResult(stored, done.adopted, done.conflicts, done.checked)
+
+    async def _report_adoption(self, stored: Instance, result: JoinResult) -> None:
+        if result.adopted:
+            log.warning(
+                "instance %s joined by %s with %d slot(s) its containers already use: %s",
+                stored.key,
+                self.node,
+                len(result.adopted),
+                ", ".join(f"{slot}={value}" for slot, value in result.adopted),
+            )
+        for conflict in result.conflicts:
+            where = f"slot {conflict.slot}" if conflict.slot else "no free slot"
+            message = (
+                f"{where}: kubelet on {self.node} shows it in use ({conflict.ours!r}) but "
+                f"deviceUsage gives it to {conflict.holder!r}: the device is used twice; "
+                f"nothing is taken from the other holder"
+            )
+            log.error("instance %s: %s", stored.key, message)
+            await self.store.record_instance_event(stored, "SlotConflict", message)
 
     async def update_instance(
         self, key: ObjectKey, change: Callable[[Instance], Instance | None]
