@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from agent.kube.errors import ApiError
 from agent.store import informer as informer_module
 from agent.store.informer import (
     Informer,
@@ -18,6 +19,7 @@ from agent.store.informer import (
     RawEvent,
     WatchExpiredError,
     parse_watch_line,
+    retry_delay,
 )
 
 MANAGED = [{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:spec": {}}}]
@@ -157,7 +159,7 @@ async def test_an_unconfirmed_own_write_is_forgotten_after_a_while(
     informer._from_watch(RawEvent("MODIFIED", obj("a", "other")))
     assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "mine"
     now = time.monotonic()
-    monkeypatch.setattr(informer_module.time, "monotonic", lambda: now + 31)
+    monkeypatch.setattr("agent.store.informer.time.monotonic", lambda: now + 31)
     informer._from_watch(RawEvent("MODIFIED", obj("a", "later")))
     assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "later"
 
@@ -210,3 +212,13 @@ async def test_an_error_event_relists_instead_of_resuming_from_the_same_version(
         task.cancel()
     assert watched_from == ["list1", "list2"]
     assert informer.relists == 2
+
+
+def test_a_watch_retry_waits_at_least_what_the_server_asked() -> None:
+    """A 429 the client gave up on (too many, or past its deadline) carries
+    ``retryAfterSeconds``: the informer must not reconnect sooner than that."""
+    throttled = ApiError(429, "TooManyRequests", '{"details": {"retryAfterSeconds": 7}}')
+    assert retry_delay(0.5, throttled) == 7.0
+    assert 0.25 <= retry_delay(0.5, ApiError(503, "ServiceUnavailable", "{}")) <= 0.5
+    assert 0.25 <= retry_delay(0.5, OSError("refused")) <= 0.5
+    assert 15.0 <= retry_delay(30.0, throttled) <= 30.0  # a longer backoff stays

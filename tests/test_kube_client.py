@@ -251,6 +251,47 @@ async def test_watch_from_a_compacted_version_is_410(
     assert caught.value.status == 403
 
 
+async def test_a_throttled_watch_waits_retry_after_then_streams(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """Before: a 429 on a watch raised at once and the informer retried within 0.25-0.5 s,
+    ignoring the server's Retry-After."""
+    version = (await client.get(INSTANCES))["metadata"]["resourceVersion"]
+    api.fail(429, verb="watch", resource="instances", retry_after=1, times=1)
+    events = watch_events(client.watch(INSTANCES, version, timeout_seconds=290), "instances")
+    try:
+        first = asyncio.ensure_future(next_event(events))
+        api.create(instance("cfg-aaaaaa"))
+        kind, obj = await first
+        assert (kind, obj["metadata"]["name"]) == ("ADDED", "cfg-aaaaaa")
+    finally:
+        await events.aclose()
+    throttled, accepted = api.requests_for("watch", "instances")
+    assert throttled.status == 429 and accepted.status != 429  # (None while it streamed)
+    assert accepted.time - throttled.time >= 0.95  # the server's Retry-After: 1
+    assert client.throttled == 1
+
+
+async def test_a_throttled_write_mid_run_is_sent_again_after_retry_after(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """A 429 means the write was not acted on: the store's create is sent again after the
+    server's Retry-After and succeeds (no StoreUnavailableError for the caller)."""
+    client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kc")), timeout=5)
+    store = KubernetesInstanceStore(client, KubernetesSettings("node-a", request_timeout=5))
+    await store.start()
+    try:
+        api.fail(429, verb="create", resource="instances", retry_after=1, times=1)
+        created = await store.create(Instance.from_dict(instance("cfg-bbbbbb")))
+        assert created.name == "cfg-bbbbbb"
+    finally:
+        await store.close()
+    throttled, accepted = api.requests_for("create", "instances")
+    assert (throttled.status, accepted.status) == (429, 201)
+    assert accepted.time - throttled.time >= 0.95
+    assert client.throttled == 1
+
+
 async def test_connection_refused_is_unavailable(api: ApiServerDouble, tmp_path: Path) -> None:
     client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kc")), timeout=5)
     await api.stop()

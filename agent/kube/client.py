@@ -148,14 +148,7 @@ class KubeClient:
                     if wait is None:
                         break
                     waits += 1
-                    self.throttled += 1
-                    log.info(
-                        "%s %s: HTTP %d, the server asks to wait %.1fs; retrying",
-                        method,
-                        target,
-                        response.status,
-                        wait,
-                    )
+                    self._throttled(method, target, response.status, wait)
                     await asyncio.sleep(wait)  # outside the connection slot
         except TimeoutError as error:
             telemetry.API_ERRORS["transport"] += 1
@@ -211,22 +204,34 @@ class KubeClient:
 
         The status and headers must arrive within the client's timeout; ``request_timeout``
         bounds the whole stream, ``idle_timeout`` the silence between two chunks (a dead
-        connection raises :class:`TransportError` instead of hanging). An error status raises
-        :class:`ApiError` before any line. Closing the generator early closes the
-        connection."""
+        connection raises :class:`TransportError` instead of hanging). A 429 (or a 5xx with
+        ``Retry-After``) is sent again after the wait the server asks for, as :meth:`request`
+        does, within the same timeout; any other error status raises :class:`ApiError`
+        before any line. Closing the generator early closes the connection."""
         loop = asyncio.get_running_loop()
         target = self._target(path, params)
         deadline = loop.time() + (request_timeout or self.timeout)
+        head_deadline = loop.time() + self.timeout
+        waits = 0
         try:
             async with asyncio.timeout(self.timeout):
-                for attempt in (1, 2):
-                    auth = await self.config.credentials.get()
-                    conn, response = await self._exchange("GET", target, None, auth)
+                while True:
+                    for attempt in (1, 2):
+                        auth = await self.config.credentials.get()
+                        conn, response = await self._exchange("GET", target, None, auth)
+                        if response.status < 400:
+                            break
+                        data = await self._read_all(conn, "GET", target)
+                        if not self._retry_unauthorized(response, attempt):
+                            break
                     if response.status < 400:
                         break
-                    data = await self._read_all(conn, "GET", target)
-                    if not self._retry_unauthorized(response, attempt):
+                    wait = retry_wait("GET", response, data, waits, head_deadline - loop.time())
+                    if wait is None:
                         raise ApiError.from_response(response.status, response.reason, data)
+                    waits += 1
+                    self._throttled("GET", target, response.status, wait)
+                    await asyncio.sleep(wait)
         except TimeoutError as error:
             raise TransportError(f"GET {target}: no answer within {self.timeout:g}s") from error
         complete = False
@@ -313,6 +318,12 @@ class KubeClient:
             if query:
                 target += "?" + urlencode(query)
         return target
+
+    def _throttled(self, method: str, target: str, status: int, wait: float) -> None:
+        self.throttled += 1
+        log.info(
+            "%s %s: HTTP %d, the server asks to wait %.1fs; retrying", method, target, status, wait
+        )
 
     def _retry_unauthorized(self, response: Response, attempt: int) -> bool:
         return response.status == 401 and attempt == 1 and self.config.credentials.invalidate()

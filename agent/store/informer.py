@@ -228,7 +228,7 @@ class Informer:
                 continue
             except Exception as error:
                 self.connected.clear()
-                delay = random.uniform(backoff / 2, backoff)
+                delay = retry_delay(backoff, error)
                 log.warning(
                     "%s watch failed (%s: %s); retrying in %.1fs",
                     self.name,
@@ -238,6 +238,14 @@ class Informer:
                 )
                 await asyncio.sleep(delay)
                 backoff = min(backoff * 2, self._max_backoff)
+
+
+def retry_delay(backoff: float, error: BaseException) -> float:
+    """Seconds before reconnecting a failed watch: jittered ``backoff``, but never less than
+    what the server asked for (``retryAfterSeconds`` of a 429/5xx the client gave up on)."""
+    delay = random.uniform(backoff / 2, backoff)
+    asked = error.retry_after if isinstance(error, ApiError) else None
+    return max(delay, asked) if asked else delay
 
 
 def parse_watch_line(raw: bytes) -> tuple[str, Obj] | None:
