@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from agent.kube.errors import ApiError
-from agent.store import informer as informer_module
 from agent.store.informer import (
     Informer,
     Obj,
