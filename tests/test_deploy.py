@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
+import tomllib
 from functools import cache
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -150,8 +152,37 @@ def test_the_daemonset_runs_as_the_issue_asks() -> None:
     probes = container(daemonset)
     assert probes["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    # the health server starts before anything else (agent/app.py): the startup probe only
+    # waits for the process to reach its event loop
+    assert probes["startupProbe"]["httpGet"]["path"] == "/healthz"
     resources = probes["resources"]
     assert {"requests", "limits"} <= set(resources)
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "M": 1e6 / 2**20, "G": 1e9 / 2**20}
+    for suffix, factor in units.items():
+        if quantity.endswith(suffix) and quantity[: -len(suffix)].isdigit():
+            return int(quantity[: -len(suffix)]) * factor
+    return int(quantity) / 2**20
+
+
+# docs/performance.md, "After a kubelet restart": RSS 217-239 MB at 1000 Instances after
+# kubelet restarts (a one-off script, not in benchmarks/results-full.json)
+RSS_AFTER_KUBELET_RESTARTS_MIB = 239
+
+
+@needs_kubectl
+def test_the_memory_figures_come_from_the_benchmarks() -> None:
+    import json
+
+    results = json.loads((ROOT / "benchmarks" / "results-full.json").read_text())
+    steady = results["scale"]["rss_mb"]  # MiB (VmRSS), 1000 Instances
+    resources = container(agent_daemonset(render("deploy")))["resources"]
+    request = mebibytes(resources["requests"]["memory"])
+    limit = mebibytes(resources["limits"]["memory"])
+    assert steady <= request < limit
+    assert limit >= 1.25 * RSS_AFTER_KUBELET_RESTARTS_MIB  # headroom over the measured peak
 
 
 @needs_kubectl
@@ -228,22 +259,86 @@ def test_there_is_an_example_per_handler() -> None:
     assert {"debugEcho", "udev", "onvif", "mqtt", "mdns"} <= handlers
 
 
-def _akri(*args: str) -> subprocess.CompletedProcess[str]:
-    # the console script the wheel installs (the image's ENTRYPOINT ["akri"])
-    script = Path(sys.executable).parent / "akri"
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "agent.cli"]
+def _build_stage_sources() -> list[str]:
+    """What the Dockerfile's build stage copies before ``pip wheel`` (the wheel's sources)."""
+    sources: list[str] = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        words = line.split()
+        if words[:1] == ["FROM"] and sources:
+            break  # the final stage: its COPY --from takes the wheel, not sources
+        if words[:1] == ["COPY"] and not any(w.startswith("--from") for w in words):
+            sources += words[1:-1]
+    return sources
+
+
+@pytest.fixture(scope="module")
+def wheel_akri(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``akri`` as the image has it: the wheel built from what the Dockerfile copies
+    (``pip wheel --no-deps``, as its build stage does), installed in a fresh venv. Offline:
+    the build uses this venv's setuptools (no build isolation), and the runtime dependencies
+    come from this venv's site-packages through a ``.pth`` line (a plain path, so the
+    editable install of the checkout there is not activated). About 3 s."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    source = tmp / "src"
+    source.mkdir()
+    for name in _build_stage_sources():
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(path, source / name)
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+         "--wheel-dir", str(tmp / "wheels"), str(source)],
+        check=True, timeout=120,
+    )  # fmt: skip
+    (wheel,) = (tmp / "wheels").glob("akri_py_agent-*.whl")
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+        check=True, timeout=120,
+    )  # fmt: skip
+    site = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
+    (venv / site / "akri-test-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    show = "import agent, discovery_handlers as d; print(agent.__file__, d.__file__)"
+    where = subprocess.run(
+        [str(python), "-c", show], capture_output=True, text=True, cwd=tmp, check=True
+    )
+    for module in where.stdout.split():
+        assert Path(module).is_relative_to(venv), f"not the wheel's code: {where.stdout}"
+    return venv / "bin" / "akri"
+
+
+def _akri(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # the console script the wheel installs (the image's ENTRYPOINT ["akri"]), run outside
+    # the checkout so that nothing but the installed wheel can be imported
     env = {k: v for k, v in os.environ.items() if not k.startswith("AKRI_")}
-    return subprocess.run([*command, *args], capture_output=True, text=True, env=env, timeout=60)
+    env.pop("PYTHONPATH", None)
+    return subprocess.run(
+        [str(script), *args], capture_output=True, text=True, env=env, timeout=60,
+        cwd=script.parent,
+    )  # fmt: skip
+
+
+def test_the_wheel_s_entrypoint_runs(wheel_akri: Path) -> None:
+    done = _akri(wheel_akri, "version")
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert done.returncode == 0 and done.stdout == f"akri {version}\n", done
+    done = _akri(wheel_akri, "agent", "--help")
+    assert done.returncode == 0 and "--health-port" in done.stdout, done.stderr
 
 
 @needs_kubectl
-def test_the_entrypoint_runs_what_the_manifests_ask() -> None:
+def test_the_entrypoint_runs_what_the_manifests_ask(wheel_akri: Path) -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["akri"]' in dockerfile and 'CMD ["agent"]' in dockerfile
     for tree in TREES:
         for daemonset in of_kind(render(tree), "DaemonSet"):
             args = container(daemonset)["args"]
-            done = _akri(*args, "--help")
+            done = _akri(wheel_akri, *args, "--help")
             assert done.returncode == 0, done.stderr
             for flag in [a for a in args if a.startswith("--")]:
                 assert flag in done.stdout, f"{tree}: {flag} unknown to akri {args[0]}"
