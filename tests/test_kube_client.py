@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import yaml
 
-from agent.kube import ApiError, KubeClient, TransportError, make_kube_client, resource_path
+from agent.kube import ApiError, KubeClient, TransportError, http, make_kube_client, resource_path
+from agent.kube import client as client_module
 from agent.kube.credentials import Credentials, TokenFileCredentials
 from agent.kube.kubeconfig import ClusterConfig
 from agent.model.instance import Instance
@@ -512,6 +513,55 @@ async def test_garbage_and_truncated_answers_are_transport_errors() -> None:
             with pytest.raises(TransportError, match=message) as caught:
                 await client.get(path)
             assert caught.value.status == 0
+
+
+async def test_oversized_answers_are_refused_before_they_fill_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: a body, a chunk or a watch line could be any size (all buffered whole)."""
+    monkeypatch.setattr(http, "MAX_BODY", 1_000_000)  # a smaller cap: the test sends less
+    monkeypatch.setattr(client_module, "MAX_WATCH_LINE", 100_000)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await read_request(reader)
+        with contextlib.suppress(ConnectionError):  # the client hangs up when it refuses
+            if "/announced" in head:  # only the head: refused on the Content-Length alone
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000001\r\n\r\n")
+            elif "/hugechunk" in head:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                writer.write(b"FFFFFFFFFF\r\n")
+            elif "/endless" in head:  # close-delimited, never ends
+                writer.write(b"HTTP/1.1 200 OK\r\n\r\n")
+                for _ in range(200):
+                    writer.write(b"x" * 65536)
+                    await writer.drain()
+            elif "/watch" in head:  # a line that never ends
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                writer.write(b"6\r\n{}\n{}\n\r\n")
+                piece = b"y" * 10_000
+                for _ in range(200):
+                    writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                    await writer.drain()
+            await writer.drain()
+
+    async with raw_server(handler) as client:
+        for path, message in [
+            ("/announced", "body of 1000001 bytes is over the limit of 1000000 bytes"),
+            ("/hugechunk", "chunk of 1099511627775 bytes is over the limit"),
+            ("/endless", "body is over the limit of 1000000 bytes"),
+        ]:
+            with pytest.raises(TransportError, match=message):
+                await client.get(path)
+        lines = client.stream_lines("/watch")
+        assert [await anext(lines), await anext(lines)] == [b"{}", b"{}"]
+        with pytest.raises(TransportError, match="a line of the stream is over the limit"):
+            await anext(lines)
+        assert not client._busy and not client._idle  # every refused connection was dropped
+
+
+def test_the_size_caps_are_generous_for_kubernetes_objects() -> None:
+    assert http.MAX_BODY == 64 * 1024 * 1024
+    assert client_module.MAX_WATCH_LINE == 16 * 1024 * 1024
 
 
 async def test_stream_timeout() -> None:

@@ -36,6 +36,9 @@ LIST_RESTARTS = 5
 # for this long: the connection is presumed dead (a half-open TCP connection never errors)
 WATCH_IDLE_TIMEOUT = 150.0
 USER_AGENT = "akri-py-agent"
+# one watch event is one object (etcd stores at most 1.5 MiB per object by default): a line
+# longer than this is a broken or hostile stream, refused before it fills the memory
+MAX_WATCH_LINE = 16 * 1024 * 1024
 MAX_THROTTLE_RETRIES = 10  # client-go's default
 MAX_RETRY_AFTER = 10.0  # seconds: a longer Retry-After is shortened to this
 _TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError, ValueError)
@@ -262,7 +265,11 @@ class KubeClient:
                         *lines, rest = bytes(pending).split(b"\n")
                         pending = bytearray(rest)
                         for line in lines:
+                            if len(line) > MAX_WATCH_LINE:
+                                raise _line_too_long(target)
                             yield line
+                    if len(pending) > MAX_WATCH_LINE:
+                        raise _line_too_long(target)
                 if pending:
                     yield bytes(pending)
                 complete = True
@@ -450,6 +457,12 @@ def retry_wait(
         wait = ApiError.from_response(status, response.reason, body).retry_after
     wait = min(MAX_RETRY_AFTER, wait if wait is not None and wait > 0 else 1.0)
     return wait if wait < remaining else None
+
+
+def _line_too_long(target: str) -> TransportError:
+    return TransportError(
+        f"GET {target}: a line of the stream is over the limit of {MAX_WATCH_LINE} bytes"
+    )
 
 
 def _transport_error(method: str, target: str, error: BaseException) -> TransportError:

@@ -15,6 +15,9 @@ from agent.kube.proxy import Proxy, open_tunnel
 
 CHUNK = 65536
 MAX_HEAD = 64 * 1024
+# a whole answer (one list page of 500 objects; etcd stores at most 1.5 MiB per object by
+# default) is far below this: more is a broken or hostile server, refused before it is read
+MAX_BODY = 64 * 1024 * 1024
 
 
 class ProtocolError(Exception):
@@ -157,11 +160,27 @@ class Connection:
         self._keep_alive = False
         return None
 
-    async def read_body(self) -> bytes:
-        return b"".join([chunk async for chunk in self.iter_body()])
+    async def read_body(self, limit: int | None = None) -> bytes:
+        """The whole body; :class:`ProtocolError` if it is longer than ``limit`` bytes
+        (default :data:`MAX_BODY`), said by its Content-Length before reading, or found
+        while reading."""
+        limit = MAX_BODY if limit is None else limit
+        if isinstance(self._framing, int) and self._framing > limit:
+            raise ProtocolError(
+                f"response body of {self._framing} bytes is over the limit of {limit} bytes"
+            )
+        pieces: list[bytes] = []
+        size = 0
+        async for chunk in self.iter_body():
+            size += len(chunk)
+            if size > limit:
+                raise ProtocolError(f"response body is over the limit of {limit} bytes")
+            pieces.append(chunk)
+        return b"".join(pieces)
 
     async def iter_body(self) -> AsyncGenerator[bytes, None]:
-        """The body in pieces as they arrive (chunked transfer coding removed)."""
+        """The body in pieces as they arrive (chunked transfer coding removed). A chunk may
+        not announce more than :data:`MAX_BODY` bytes (it would be buffered whole)."""
         framing = self._framing
         if framing == "chunked":
             while True:
@@ -171,6 +190,10 @@ class Connection:
                     size = int(size_text, 16)
                 except ValueError as error:
                     raise ProtocolError(f"bad chunk size {size_text[:20]!r}") from error
+                if size > MAX_BODY:
+                    raise ProtocolError(
+                        f"chunk of {size} bytes is over the limit of {MAX_BODY} bytes"
+                    )
                 if size == 0:
                     while await self._reader.readuntil(b"\r\n") != b"\r\n":
                         pass  # trailer fields: ignored
