@@ -1,8 +1,10 @@
-"""``NodeEvidence``: what is already in use on this node, for an Instance being (re-)created.
+"""``NodeEvidence``: what is already in use on this node, for an Instance being (re-)created or
+joined.
 
-The slot ledger asks it before creating an Instance (:class:`agent.ledger.ledger.SlotEvidence`),
-so an Instance that comes back — deleted by a user, by another agent, or lost with a local
-state directory — starts with the slots of running containers held, not free:
+The slot ledger asks it before creating an Instance and when this node joins one (or re-joins
+it at start) (:class:`agent.ledger.ledger.SlotEvidence`), so an Instance that comes back —
+deleted by a user, by another agent, or lost with a local state directory — never has the
+slots of this node's running containers free:
 
 * instance-level slots from kubelet: its pod-resources ``List`` and its device-manager
   checkpoint list device ids ``<instance>-<n>`` under ``akri.sh/<instance>``. The answer must
@@ -10,27 +12,81 @@ state directory — starts with the slots of running containers held, not free:
   admitted through the old Instance is in any answer from after its grant, so an earlier
   answer is reused only when nothing was granted since (without the pod-resources socket the
   checkpoint alone is read);
+* configuration-level slots from kubelet's checkpoint: an entry under
+  ``akri.sh/<configuration>`` lists virtual device ids, not slots, but its ``AllocResp`` holds
+  the env vars our Allocate returned, whose names end in ``_<DIGEST>`` of each Instance behind
+  the container's virtual devices (:mod:`agent.deviceplugin.container_env`). Such an entry
+  holds *some* slot of that Instance as ``C:<vdev>:<node>`` (which slot does not matter; the
+  ledger takes a free one). A container with several virtual devices does not say which vdev
+  went to which Instance: they are paired in sorted order, which is harmless since all of
+  them are released together when the container ends; an entry already represented in the
+  Instance by any of its vdevs is left alone. An Instance without broker properties gives
+  its containers no env var and cannot be recognised (docs/slot-model.md);
 * DRA slots from this node's DRA checkpoint (prepared claims on slots of that Instance).
-
-Configuration-level slots cannot be recovered this way: kubelet knows only the virtual device
-id, not which Instance backed it (docs/slot-model.md).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
-from agent.deviceplugin.kubelet_state import KubeletState, read_kubelet_checkpoint
-from agent.deviceplugin.views import instance_resource
-from agent.ledger.decisions import SlotsInUse
+from agent.deviceplugin.kubelet_state import (
+    CheckpointAllocation,
+    KubeletState,
+    parse_checkpoint_allocations,
+    read_checkpoint_bytes,
+    read_kubelet_checkpoint,
+)
+from agent.deviceplugin.views import configuration_resource, instance_resource
+from agent.ledger.decisions import Owner, SlotsInUse
 from agent.model.instance import Instance
-from agent.model.naming import parse_slot_id
+from agent.model.naming import digest_of_instance, parse_slot_id
 
 
 class DraEvidence(Protocol):
     """The DRA driver's part (:class:`agent.dra.state.DraState`)."""
 
     def in_use(self, instance: Instance) -> dict[str, str]: ...
+
+
+class CheckpointAllocations:
+    """The checkpoint's entries with their ``AllocResp`` digests: the file is read on every
+    call, parsed again only when its bytes changed (at start, one parse serves every
+    Instance)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._raw: bytes | None = None
+        self._entries: list[CheckpointAllocation] = []
+
+    def current(self) -> list[CheckpointAllocation]:
+        """Raises :class:`agent.deviceplugin.kubelet_state.KubeletStateError`."""
+        raw = read_checkpoint_bytes(self.path)
+        if raw != self._raw:
+            self._entries = parse_checkpoint_allocations(raw) if raw is not None else []
+            self._raw = raw
+        return self._entries
+
+
+def configuration_level_in_use(
+    instance: Instance, node: str, allocations: list[CheckpointAllocation]
+) -> tuple[str, ...]:
+    """``C:<vdev>:<node>`` values of the configuration-level containers that use ``instance``
+    (pure; see the module docstring)."""
+    resource = configuration_resource(instance.configuration_name)
+    digest = digest_of_instance(instance.name).upper()
+    held = set(instance.device_usage.values())
+    values: list[str] = []
+    for entry in allocations:
+        if entry.resource != resource or digest not in entry.digests or not entry.device_ids:
+            continue
+        vdevs = sorted(entry.device_ids)
+        candidates = [Owner.configuration_level(vdev, node).value for vdev in vdevs]
+        if held.intersection(candidates):
+            continue  # this container is already represented in the Instance
+        position = sorted(entry.digests).index(digest)
+        values.append(candidates[min(position, len(candidates) - 1)])
+    return tuple(values)
 
 
 class NodeEvidence:
@@ -40,9 +96,11 @@ class NodeEvidence:
         self.node = node
         self.kubelet = kubelet
         self.dra: DraEvidence | None = None
+        self._allocations = CheckpointAllocations(kubelet.checkpoint) if kubelet else None
 
     async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
         result: dict[str, str] = {}
+        anywhere: tuple[str, ...] = ()
         if self.kubelet is not None:
             if self.kubelet.available():
                 assigned = (await self.kubelet.view_after(not_before)).in_use
@@ -51,6 +109,9 @@ class NodeEvidence:
             for device_id in assigned.get(instance_resource(instance.name), frozenset()):
                 if parse_slot_id(instance.name, device_id) is not None:
                     result[device_id] = self.node
+            assert self._allocations is not None
+            # read after the view above: a container allocated before it is in the file
+            anywhere = configuration_level_in_use(instance, self.node, self._allocations.current())
         if self.dra is not None:
             result.update(self.dra.in_use(instance))
-        return SlotsInUse(result)
+        return SlotsInUse(result, anywhere)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+import json
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agent.deviceplugin.kubelet_state import parse_checkpoint_allocations
+from agent.evidence import configuration_level_in_use
 from agent.ledger.decisions import (
     Drain,
     Granted,
@@ -29,6 +34,7 @@ from agent.ledger.decisions import (
 )
 from agent.model.device_usage import parse_usage
 from agent.model.instance import Instance
+from agent.protos.deviceplugin.v1beta1 import api_pb2
 
 NAME = "cams-8120fe"
 
@@ -381,3 +387,73 @@ def test_adopt_changes_only_free_slots(
         assert not instance.device_usage.get(slot) and adoption.device_usage[slot] == value
     changed = {s for s, v in adoption.device_usage.items() if instance.device_usage.get(s, "") != v}
     assert changed == {slot for slot, _ in adoption.adopted}
+
+
+# -- configuration-level evidence from kubelet's checkpoint ---------------------------------------
+
+
+def checkpoint(*entries: tuple[str, list[str], dict[str, str] | str]) -> bytes:
+    """A kubelet checkpoint: (resource, device ids, env vars of AllocResp or raw AllocResp)."""
+    items = []
+    for resource, ids, envs in entries:
+        encoded = (
+            envs
+            if isinstance(envs, str)
+            else base64.b64encode(
+                api_pb2.ContainerAllocateResponse(envs=envs).SerializeToString()
+            ).decode()
+        )
+        items.append(
+            {
+                "PodUID": "u",
+                "ContainerName": "c",
+                "ResourceName": resource,
+                "DeviceIDs": {"-1": ids},
+                "AllocResp": encoded,
+            }
+        )
+    return json.dumps({"Data": {"PodDeviceEntries": items}, "Checksum": 0}).encode()
+
+
+def cam(digest: str, **usage: str) -> Instance:
+    return Instance(
+        name=f"cam-{digest}", configuration_name="cam", capacity=2, nodes=("node-a",)
+    ).evolve(device_usage={f"cam-{digest}-{k.lstrip('s')}": v for k, v in usage.items()})
+
+
+def test_configuration_level_evidence_finds_the_instance_by_its_env_var_digest() -> None:
+    allocations = parse_checkpoint_allocations(
+        checkpoint(
+            ("akri.sh/cam", ["cam-1"], {"DESC": "x", "DESC_8120FE": "x"}),
+            ("akri.sh/cam", ["cam-0"], {"DESC": "y", "DESC_A19705": "y"}),
+            ("akri.sh/cam-8120fe", ["cam-8120fe-0"], {"DESC_8120FE": "x"}),  # IL: not here
+            ("akri.sh/mic", ["mic-0"], {"DESC_8120FE": "x"}),  # another configuration
+        )
+    )
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ("C:cam-1:node-a",)
+    assert configuration_level_in_use(cam("a19705"), "node-a", allocations) == ("C:cam-0:node-a",)
+    assert configuration_level_in_use(cam("ffffff"), "node-a", allocations) == ()
+
+
+def test_configuration_level_evidence_pairs_a_containers_vdevs_once() -> None:
+    """Two vdevs, two Instances in one container: paired in sorted order; an entry already
+    held in the Instance under any of its vdevs is not added again."""
+    allocations = parse_checkpoint_allocations(
+        checkpoint(("akri.sh/cam", ["cam-3", "cam-2"], {"P_A19705": "a", "P_8120FE": "b"}))
+    )
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ("C:cam-2:node-a",)
+    assert configuration_level_in_use(cam("a19705"), "node-a", allocations) == ("C:cam-3:node-a",)
+    represented = cam("8120fe", s0="C:cam-3:node-a")
+    assert configuration_level_in_use(represented, "node-a", allocations) == ()
+
+
+def test_configuration_level_evidence_ignores_what_it_cannot_read() -> None:
+    allocations = parse_checkpoint_allocations(
+        checkpoint(
+            ("akri.sh/cam", ["cam-0"], "not base64!"),
+            ("akri.sh/cam", ["cam-1"], base64.b64encode(b"\xff\xff").decode()),
+            ("akri.sh/cam", ["cam-2"], {"P_8120fe": "lower case is no digest", "Q_81": "x"}),
+        )
+    )
+    assert [a.digests for a in allocations] == [frozenset()] * 3
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ()

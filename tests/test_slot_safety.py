@@ -442,3 +442,80 @@ async def test_a_joining_node_reports_a_slot_already_used_elsewhere_and_takes_no
     finally:
         await a.stop()
         await b.stop()
+
+
+# -- configuration-level slots come back too ------------------------------------------------------
+
+CL = "akri.sh/cam"
+
+
+def configuration_level_values(api: ApiServerDouble) -> list[str]:
+    instance = instance_in(api, "cam-8120fe")
+    assert instance is not None
+    return sorted(v for v in instance.device_usage.values() if v.startswith("C:"))
+
+
+async def test_a_recreated_instance_keeps_the_slot_of_a_configuration_level_pod(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """kubelet lists a configuration-level container's virtual device, not the Instance; its
+    checkpoint keeps the env vars our Allocate returned, suffixed with the Instance's digest.
+    Before: the re-created Instance had every slot free under a running CL pod."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await ready(node, devices=2)
+        await ready(node, CL, devices=1)
+        await admitted(node, "user", CL)
+        held = configuration_level_values(api)
+        assert len(held) == 1 and held[0].endswith(":node-a")
+        first = instance_in(api, "cam-8120fe")
+        assert first is not None
+        api.delete(INSTANCES, "cam-8120fe", "default")
+        await eventually(
+            lambda: (instance_in(api, "cam-8120fe") or first).uid != first.uid,
+            what="re-created",
+        )
+        assert configuration_level_values(api) == held
+        again = instance_in(api, "cam-8120fe")
+        assert again is not None and held_count(again) == 1
+        # still held after reclaim passes (the vdev is in use), freed once the pod ends
+        await reclaim_passes(node, 3)
+        assert configuration_level_values(api) == held
+        await node.kubelet.delete_pod("default", "user")
+        await eventually(lambda: configuration_level_values(api) == [], within=10)
+    finally:
+        await node.stop()
+
+
+async def test_joining_an_instance_another_node_recreated_keeps_a_configuration_level_slot(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    a, b = await two_nodes_sharing(api, tmp_path)
+    try:
+        await ready(a, CL, devices=1)
+        await admitted(a, "user", CL)
+        held = configuration_level_values(api)
+        assert len(held) == 1
+        a.offline()
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "draining_nodes", ()),
+            what="node-a draining",
+        )
+        await recreated_by(api, "node-b")
+        assert configuration_level_values(api) == []
+        a.offline(False)
+        await eventually(
+            lambda: "node-a" in getattr(instance_in(api, "cam-8120fe"), "nodes", ()),
+            what="node-a joined",
+        )
+        assert configuration_level_values(api) == held
+        # node-b has one slot left to give
+        await eventually(lambda: b.kubelet.allocatable(IL) == 1, what="one slot on node-b")
+        await admitted(b, "other")
+        third = await b.kubelet.admit_pod("default", "third", [("c", {IL: 1})])
+        assert not third.admitted
+        assert_never_over_capacity(api)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -25,7 +25,10 @@ and a plain list before; both are read.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
+import re
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -47,6 +50,13 @@ class KubeletStateError(Exception):
 def parse_kubelet_checkpoint(raw: bytes) -> dict[str, frozenset[str]]:
     """Device ids per resource in a device-manager checkpoint (every container, init ones
     included). Raises :class:`KubeletStateError` when it is not one."""
+    found: defaultdict[str, set[str]] = defaultdict(set)
+    for entry in _checkpoint_entries(raw):
+        found[entry["ResourceName"]].update(_device_ids(entry.get("DeviceIDs")))
+    return {resource: frozenset(ids) for resource, ids in found.items()}
+
+
+def _checkpoint_entries(raw: bytes) -> list[dict[str, Any]]:
     try:
         document = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -57,12 +67,62 @@ def parse_kubelet_checkpoint(raw: bytes) -> dict[str, frozenset[str]]:
     entries = data.get("PodDeviceEntries") or []
     if not isinstance(entries, list):
         raise KubeletStateError("kubelet checkpoint: Data.PodDeviceEntries is not a list")
-    found: defaultdict[str, set[str]] = defaultdict(set)
     for entry in entries:
         if not isinstance(entry, dict) or not isinstance(entry.get("ResourceName"), str):
             raise KubeletStateError("kubelet checkpoint: malformed PodDeviceEntries item")
-        found[entry["ResourceName"]].update(_device_ids(entry.get("DeviceIDs")))
-    return {resource: frozenset(ids) for resource, ids in found.items()}
+    return entries
+
+
+_DIGEST_SUFFIX = re.compile(r"_([0-9A-F]{6})$")
+
+
+@dataclass(frozen=True)
+class CheckpointAllocation:
+    """One ``PodDeviceEntries`` item: the devices of one resource given to one container, and
+    the Instance digests its ``AllocResp`` env var names end in (``K_<DIGEST>``, see
+    :mod:`agent.deviceplugin.container_env`): for a configuration-level resource, the
+    Instances behind its virtual devices."""
+
+    resource: str
+    device_ids: frozenset[str]
+    digests: frozenset[str]
+
+
+def parse_checkpoint_allocations(raw: bytes) -> list[CheckpointAllocation]:
+    """The entries of a device-manager checkpoint with the digests of their ``AllocResp``
+    (base64 of a ``ContainerAllocateResponse``, as kubelet's JSON encodes ``[]byte``). An
+    ``AllocResp`` that cannot be decoded names no digest. Raises :class:`KubeletStateError`
+    when the file is not a checkpoint."""
+    # here: a local agent never reads a kubelet checkpoint, nor needs protobuf
+    from google.protobuf.message import DecodeError
+
+    from agent.protos.deviceplugin.v1beta1 import api_pb2
+
+    entries = _checkpoint_entries(raw)
+    result = []
+    for entry in entries:
+        digests: set[str] = set()
+        encoded = entry.get("AllocResp")
+        if isinstance(encoded, str) and encoded:
+            try:
+                response = api_pb2.ContainerAllocateResponse.FromString(
+                    base64.b64decode(encoded, validate=True)
+                )
+            except (binascii.Error, ValueError, DecodeError):
+                response = None
+            if response is not None:
+                for name in response.envs:
+                    match = _DIGEST_SUFFIX.search(name)
+                    if match is not None:
+                        digests.add(match.group(1))
+        result.append(
+            CheckpointAllocation(
+                entry["ResourceName"],
+                frozenset(_device_ids(entry.get("DeviceIDs"))),
+                frozenset(digests),
+            )
+        )
+    return result
 
 
 def _device_ids(value: Any) -> set[str]:
@@ -84,16 +144,22 @@ def _device_ids(value: Any) -> set[str]:
 
 def read_kubelet_checkpoint(path: Path) -> dict[str, frozenset[str]]:
     """:func:`parse_kubelet_checkpoint` of ``path``; no file = nothing assigned yet."""
+    raw = read_checkpoint_bytes(path)
+    return parse_kubelet_checkpoint(raw) if raw is not None else {}
+
+
+def read_checkpoint_bytes(path: Path) -> bytes | None:
+    """The checkpoint file (None: none yet). Raises :class:`KubeletStateError`."""
     try:
         with path.open("rb") as handle:
             raw = handle.read(MAX_CHECKPOINT_BYTES + 1)
     except FileNotFoundError:
-        return {}
+        return None
     except OSError as error:
         raise KubeletStateError(f"cannot read {path}: {error.strerror}") from error
     if len(raw) > MAX_CHECKPOINT_BYTES:
         raise KubeletStateError(f"{path} is larger than {MAX_CHECKPOINT_BYTES} bytes")
-    return parse_kubelet_checkpoint(raw)
+    return raw
 
 
 PodName = tuple[str, str]  # (namespace, name)
