@@ -51,20 +51,36 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=int, default=10000, help="port served when POD_IP is set (Akri: 10000)"
     )
     add_options(handler, tuple(o for o in AGENT_OPTIONS if o.flag in HANDLER_FLAGS))
-    status = commands.add_parser("status", help="show Instances of a local state directory")
+    status = commands.add_parser(
+        "status",
+        help="show Configurations, Instances and their slots (cluster or local state)",
+        description="Reads the cluster when one is configured ($AKRI_KUBECONFIG, $KUBECONFIG, "
+        "or the service account of a pod, e.g. `kubectl exec` into the agent) or asked for "
+        "(--kubeconfig, --cluster); else the local state directory (--state-dir, default "
+        "$AKRI_STATE_DIR or /var/lib/akri/state). --local forces the state directory.",
+    )
     status.add_argument(
-        "--state-dir", type=Path, default=None, help="state directory [env AKRI_STATE_DIR]"
+        "--local",
+        action="store_true",
+        help="read a local state directory even when a cluster is configured",
+    )
+    status.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="local state directory (implies --local) [env AKRI_STATE_DIR]",
     )
     status.add_argument("--output", "-o", choices=("table", "json"), default="table")
     status.add_argument(
         "--kubeconfig",
         default=None,
-        help="read the cluster's Configurations and Instances with this kubeconfig",
+        help="read the cluster with this kubeconfig [env AKRI_KUBECONFIG, then KUBECONFIG]",
     )
     status.add_argument(
         "--cluster",
         action="store_true",
-        help="read the cluster (kubeconfig from $KUBECONFIG, ~/.kube/config or in-cluster)",
+        help="read the cluster even when none is configured in the environment (in a pod, "
+        "$KUBECONFIG, ~/.kube/config)",
     )
     status.add_argument("--namespace", "-n", default=None, help="cluster: only this namespace")
     return parser
@@ -187,16 +203,17 @@ async def _cluster_objects(
         await client.close()
 
 
-def _cluster_status(args: argparse.Namespace) -> int:
+def _cluster_status(args: argparse.Namespace, why: str) -> int:
     from agent.kube import ApiError, ConfigError, TransportError
     from agent.model.instance import Instance
-    from agent.status import configurations_table, to_json, to_table
+    from agent.status import cluster_json, configurations_table, to_table
 
-    kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG")
+    # $KUBECONFIG is read by the client itself (after the in-cluster service account)
+    kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
     try:
         configurations, raw = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
     except (ApiError, ConfigError, TransportError, OSError) as error:
-        print(f"akri status: cannot read the cluster: {error}", file=sys.stderr)
+        print(f"akri status: cannot read the cluster ({why}): {error}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     instances = []
     for obj in raw:
@@ -207,7 +224,7 @@ def _cluster_status(args: argparse.Namespace) -> int:
             print(f"akri status: skipping Instance {name}: {error}", file=sys.stderr)
     instances.sort(key=lambda i: (i.namespace, i.name))
     if args.output == "json":
-        text = to_json(instances)
+        text = cluster_json(configurations, instances)
     else:
         text = configurations_table(configurations, instances) + "\n\n" + to_table(instances)
     return _print(text)
@@ -226,16 +243,31 @@ def _print(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from agent.status import to_json, to_table
+    from agent.status import StatusUsageError, choose_source, to_json, to_table
 
-    if args.kubeconfig or args.cluster:
-        return _cluster_status(args)
+    try:
+        source = choose_source(
+            kubeconfig=args.kubeconfig,
+            cluster=args.cluster,
+            local=args.local,
+            state_dir=args.state_dir,
+            environ=os.environ,
+        )
+    except StatusUsageError as error:
+        print(f"akri status: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if source.kind == "cluster":
+        return _cluster_status(args, source.reason)
     from agent.store.local import read_state_dir
 
     state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
     if not state_dir.is_dir():
         what = "is not a directory" if state_dir.exists() else "does not exist"
-        print(f"akri status: state directory {state_dir} {what}", file=sys.stderr)
+        print(
+            f"akri status: state directory {state_dir} {what} ({source.reason}; "
+            "--kubeconfig or --cluster read a cluster)",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
     try:
         instances = read_state_dir(state_dir)

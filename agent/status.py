@@ -1,18 +1,79 @@
-"""``akri status``: the Instances in a local state directory as a table or JSON."""
+"""``akri status``: Configurations and Instances of a cluster, or the Instances of a local
+state directory, as a table or JSON; and which of the two to read."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
+from agent.kube.kubeconfig import SERVICE_ACCOUNT_DIR
 from agent.ledger.decisions import node_slots
 from agent.model.instance import Instance
 from agent.model.keys import DEFAULT_NAMESPACE
 
 
-def to_json(instances: Sequence[Instance]) -> str:
-    """A JSON list of ``{"metadata": {"name": ...}, "spec": {...}}`` as in the CRD (with
+class StatusUsageError(ValueError):
+    """Flags of ``akri status`` that contradict each other."""
+
+
+@dataclass(frozen=True)
+class StatusSource:
+    """What ``akri status`` reads, and why (said when it cannot be read)."""
+
+    kind: Literal["cluster", "local"]
+    reason: str
+
+
+def choose_source(
+    *,
+    kubeconfig: str | None,
+    cluster: bool,
+    local: bool,
+    state_dir: Path | None,
+    environ: Mapping[str, str],
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+) -> StatusSource:
+    """The cluster when asked (``--kubeconfig``, ``--cluster``) or when one is configured
+    (``$AKRI_KUBECONFIG``, ``$KUBECONFIG``, or a pod's service account, as ``kubectl exec``
+    into the agent has); else the local state directory. ``--local`` or ``--state-dir``
+    (or ``AKRI_LOCAL=true``) always mean the state directory."""
+    asked_cluster = [f for f, on in (("--kubeconfig", kubeconfig), ("--cluster", cluster)) if on]
+    asked_local = [f for f, on in (("--local", local), ("--state-dir", state_dir)) if on]
+    if asked_cluster and asked_local:
+        raise StatusUsageError(
+            f"{' and '.join(asked_cluster)} read the cluster, {' and '.join(asked_local)} a "
+            "local state directory: give one or the other"
+        )
+    if asked_cluster:
+        return StatusSource("cluster", f"{asked_cluster[0]} given")
+    if asked_local:
+        return StatusSource("local", f"{asked_local[0]} given")
+    if environ.get("AKRI_LOCAL", "").strip().lower() in ("1", "true", "yes", "on"):
+        return StatusSource("local", "AKRI_LOCAL is set")
+    for variable in ("AKRI_KUBECONFIG", "KUBECONFIG"):
+        if environ.get(variable):
+            return StatusSource("cluster", f"${variable} is set; --local reads a state directory")
+    in_a_pod = (
+        environ.get("KUBERNETES_SERVICE_HOST")
+        and environ.get("KUBERNETES_SERVICE_PORT")
+        and (service_account_dir / "token").is_file()
+    )
+    if in_a_pod:
+        return StatusSource(
+            "cluster", "running in a pod (service account); --local reads a state directory"
+        )
+    return StatusSource("local", "no cluster configured ($KUBECONFIG unset, not in a pod)")
+
+
+def _object_json(metadata: dict[str, Any], spec: Any) -> dict[str, Any]:
+    return {"metadata": metadata, "spec": spec}
+
+
+def instances_json(instances: Sequence[Instance]) -> list[dict[str, Any]]:
+    """``{"metadata": {"name": ...}, "spec": {...}}`` per Instance as in the CRD (with
     ``namespace`` and ``annotations`` in ``metadata`` when they are not the defaults)."""
     items: list[dict[str, Any]] = []
     for instance in instances:
@@ -22,8 +83,30 @@ def to_json(instances: Sequence[Instance]) -> str:
             metadata["namespace"] = instance.namespace
         if instance.annotations:
             metadata["annotations"] = dict(instance.annotations)
-        items.append({"metadata": metadata, "spec": obj["spec"]})
-    return json.dumps(items, indent=2, sort_keys=True)
+        items.append(_object_json(metadata, obj["spec"]))
+    return items
+
+
+def to_json(instances: Sequence[Instance]) -> str:
+    """A local state directory's Instances: a JSON list of CRD-shaped objects."""
+    return json.dumps(instances_json(instances), indent=2, sort_keys=True)
+
+
+def cluster_json(configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]) -> str:
+    """A cluster's ``{"configurations": [...], "instances": [...]}``, both CRD-shaped
+    (``metadata`` with name, namespace outside ``default`` and annotations; ``spec``)."""
+    shaped = []
+    for obj in configurations:
+        raw = obj.get("metadata") or {}
+        metadata: dict[str, Any] = {"name": raw.get("name", "?")}
+        if raw.get("namespace", DEFAULT_NAMESPACE) != DEFAULT_NAMESPACE:
+            metadata["namespace"] = raw["namespace"]
+        if raw.get("annotations"):
+            metadata["annotations"] = dict(raw["annotations"])
+        shaped.append(_object_json(metadata, obj.get("spec") or {}))
+    shaped.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+    body = {"configurations": shaped, "instances": instances_json(instances)}
+    return json.dumps(body, indent=2, sort_keys=True)
 
 
 def state(instance: Instance) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent.model.instance import Instance
+from agent.status import choose_source
 from tests.agent_process import clean_env
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import one_device_configuration
@@ -25,10 +26,20 @@ async def api() -> AsyncIterator[ApiServerDouble]:
         yield server
 
 
-async def akri(*args: str) -> tuple[int, str, str]:
+def no_cluster_env(**overrides: str) -> dict[str, str]:
+    """An environment with no cluster configured (no $KUBECONFIG, not in a pod)."""
+    env = clean_env()
+    for name in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST", "KUBERNETES_SERVICE_PORT"):
+        env.pop(name, None)
+    env.update(overrides)
+    return env
+
+
+async def akri(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "agent.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=clean_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=no_cluster_env() if env is None else env,
     )  # fmt: skip
     out, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode is not None
@@ -62,8 +73,17 @@ async def test_status_reads_the_cluster(api: ApiServerDouble, tmp_path: Path) ->
 
     code, out, err = await akri("status", "--kubeconfig", str(kubeconfig), "-o", "json")
     assert code == 0, err
-    (item,) = json.loads(out)
+    body = json.loads(out)
+    (item,) = body["instances"]
     assert item["spec"]["deviceUsage"] == {"cam-8120fe-0": "node-a", "cam-8120fe-1": ""}
+    # the Configurations too (before: only the Instances), CRD-shaped
+    configurations = body["configurations"]
+    assert [c["metadata"] for c in configurations] == [
+        {"name": "cam"},
+        {"name": "cam", "namespace": "lab"},
+    ]
+    assert configurations[0]["spec"]["discoveryHandler"]["name"] == "debugEcho"
+    assert configurations[0]["spec"]["capacity"] == 2
 
     code, out, _err = await akri("status", "--kubeconfig", str(kubeconfig), "-n", "lab")
     assert code == 0 and "cam-8120fe" not in out and "lab/cam" in out
@@ -73,3 +93,70 @@ async def test_status_without_a_reachable_cluster_says_so(tmp_path: Path) -> Non
     missing = tmp_path / "none.yaml"
     code, _out, err = await akri("status", "--kubeconfig", str(missing))
     assert code == 4 and "cannot read the cluster" in err
+
+
+async def test_status_reads_the_cluster_that_kubeconfig_names(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Before: without --kubeconfig/--cluster, ``akri status`` read /var/lib/akri/state even
+    with $KUBECONFIG set (the issue: default in-cluster/KUBECONFIG)."""
+    api.create(one_device_configuration("cam", ("foo0",), 2))
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    for variable in ("KUBECONFIG", "AKRI_KUBECONFIG"):
+        env = no_cluster_env(**{variable: str(kubeconfig)})
+        code, out, err = await akri("status", "-o", "json", env=env)
+        assert code == 0, err
+        assert [c["metadata"]["name"] for c in json.loads(out)["configurations"]] == ["cam"]
+    # --local (or --state-dir) reads the state directory even then
+    state = tmp_path / "state"
+    state.mkdir()
+    env = no_cluster_env(KUBECONFIG=str(kubeconfig), AKRI_STATE_DIR=str(state))
+    code, out, err = await akri("status", "--local", "-o", "json", env=env)
+    assert (code, json.loads(out)) == (0, []), err
+    code, out, err = await akri("status", "--state-dir", str(state), env=env)
+    assert code == 0 and "(no instances)" in out, err
+
+
+async def test_status_without_a_cluster_reads_the_state_directory(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    code, _out, err = await akri("status", env=no_cluster_env(AKRI_STATE_DIR=str(state)))
+    assert code == 1 and f"state directory {state} does not exist" in err
+    assert "no cluster configured" in err and "--kubeconfig" in err  # says what else to do
+    state.mkdir()
+    code, out, err = await akri("status", env=no_cluster_env(AKRI_STATE_DIR=str(state)))
+    assert code == 0 and "(no instances)" in out, err
+
+
+async def test_contradicting_status_flags_are_refused() -> None:
+    code, _out, err = await akri("status", "--kubeconfig", "k", "--local")
+    assert code == 2 and "--kubeconfig read the cluster, --local a local state" in err
+
+
+def test_status_source_choice(tmp_path: Path) -> None:
+    pod = tmp_path / "serviceaccount"
+    pod.mkdir()
+    (pod / "token").write_text("t")
+    in_pod = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+
+    def kind(environ: dict[str, str], **flags: object) -> str:
+        asked: dict[str, object] = {
+            "kubeconfig": None, "cluster": False, "local": False, "state_dir": None, **flags
+        }  # fmt: skip
+        return choose_source(
+            environ=environ,
+            service_account_dir=pod,
+            **asked,  # type: ignore[arg-type]
+        ).kind
+
+    assert kind({}) == "local"
+    assert kind(in_pod) == "cluster"  # `kubectl exec` into the agent
+    assert kind({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == "local"  # no port: not a pod
+    assert kind({"KUBECONFIG": "/k"}) == "cluster"
+    assert kind({"AKRI_KUBECONFIG": "/k"}) == "cluster"
+    assert kind({"KUBECONFIG": "/k"}, local=True) == "local"
+    assert kind(in_pod, state_dir=tmp_path) == "local"
+    assert kind({"KUBECONFIG": "/k", "AKRI_LOCAL": "true"}) == "local"
+    assert kind({}, cluster=True) == "cluster"
+    assert kind({}, kubeconfig="/k") == "cluster"
+    (pod / "token").unlink()
+    assert kind(in_pod) == "local"
