@@ -4,6 +4,10 @@ then each validation) against the slices the agent's publisher really writes."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,10 @@ from celpy.adapter import json_to_cel
 
 from agent.dra.slices import Pool
 
-POLICY = Path(__file__).resolve().parent.parent / "deploy" / "base" / "resourceslice-policy.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = ROOT / "deploy" / "base" / "resourceslice-policy.yaml"
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (kustomize) not installed")
 AGENT = "system:serviceaccount:akri:akri-agent"
 ENV = celpy.Environment()
 
@@ -35,17 +42,21 @@ def admit(
     operation: str,
     slice_: dict[str, Any],
     *,
+    old: dict[str, Any] | None = None,
     user: str = AGENT,
     node: str | None = "node-a",
+    found: dict[str, Any] | None = None,
 ) -> tuple[bool, str]:
-    """(allowed, message) as the API server decides for this request."""
-    spec = policy()["spec"]
+    """(allowed, message) as the API server decides for this request. ``slice_`` is the
+    object sent (for a DELETE: the one deleted); ``old`` what an UPDATE replaces (default:
+    the same slice); ``found`` the policy to use (default: the base's)."""
+    spec = (found or policy())["spec"]
     extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
     request = {"operation": operation, "userInfo": {"username": user, "extra": extra}}
     activation: dict[str, Any] = {
         "request": json_to_cel(request),
         "object": json_to_cel(None if operation == "DELETE" else slice_),
-        "oldObject": json_to_cel(slice_ if operation != "CREATE" else None),
+        "oldObject": json_to_cel(None if operation == "CREATE" else (old or slice_)),
     }
     for condition in spec["matchConditions"]:
         if not evaluate(condition["expression"], activation):
@@ -112,3 +123,73 @@ def test_other_users_are_not_matched() -> None:
         True,
         "not matched",
     )
+
+
+def test_an_update_may_not_take_over_a_slice_the_agent_may_not_write() -> None:
+    """Before: only the new object was checked, so an agent could rewrite another node's
+    slice (or a shared slice not listing its node) into one of its own."""
+    allowed, message = admit("UPDATE", node_slice("node-a"), old=node_slice("node-b"))
+    assert not allowed
+    assert message == (
+        "the Akri agent on node 'node-a' may not take over a ResourceSlice of node 'node-b'"
+    )
+    allowed, message = admit(
+        "UPDATE", shared_slice("node-a", "node-b"), old=shared_slice("node-b", "node-c")
+    )
+    assert not allowed
+    assert message == (
+        "the Akri agent on node 'node-a' may not take over a shared ResourceSlice whose "
+        "nodeSelector does not list its node"
+    )
+    foreign = node_slice("node-a")
+    foreign["spec"]["driver"] = "gpu.example.com"
+    assert admit("UPDATE", node_slice("node-a"), old=foreign) == (
+        False,
+        "the Akri agent may only write ResourceSlices of driver akri.sh",
+    )
+
+
+def test_an_update_between_slices_the_agent_may_write_is_allowed() -> None:
+    """The publisher's real updates: a shared pool changing its node list (still listing
+    this node before and after), and a node-local pool with new content."""
+    assert admit("UPDATE", shared_slice("node-a"), old=shared_slice("node-a", "node-b")) == (
+        True,
+        "",
+    )
+    assert admit("UPDATE", shared_slice("node-b", "node-a"), old=shared_slice("node-a")) == (
+        True,
+        "",
+    )
+    newer = node_slice("node-a")
+    newer["spec"]["devices"] = [{"name": "slot-0"}]
+    assert admit("UPDATE", newer, old=node_slice("node-a")) == (True, "")
+
+
+@needs_kubectl
+def test_the_policy_follows_the_namespace_an_overlay_chooses(tmp_path: Path) -> None:
+    """The base puts the agent in namespace akri; an overlay's ``namespace:`` moves its
+    ServiceAccount, and the policy must still apply to it (before: it matched only
+    system:serviceaccount:akri:akri-agent, so a moved agent was not restricted at all)."""
+    (tmp_path / "kustomization.yaml").write_text(
+        f"namespace: edge\nresources:\n  - {os.path.relpath(ROOT / 'deploy' / 'base', tmp_path)}\n"
+    )
+    rendered = subprocess.run(
+        [str(KUBECTL), "kustomize", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    documents = [d for d in yaml.safe_load_all(rendered) if d]
+    daemonset = next(d for d in documents if d["kind"] == "DaemonSet")
+    account = daemonset["spec"]["template"]["spec"]["serviceAccountName"]
+    user = f"system:serviceaccount:{daemonset['metadata']['namespace']}:{account}"
+    assert user == "system:serviceaccount:edge:akri-agent"
+    bindings = [d for d in documents if d["kind"] in ("RoleBinding", "ClusterRoleBinding")]
+    assert bindings and all(
+        subject["namespace"] == "edge" for b in bindings for subject in b["subjects"]
+    )
+    moved = next(d for d in documents if d["kind"] == "ValidatingAdmissionPolicy")
+    allowed, message = admit("CREATE", node_slice("node-b"), user=user, found=moved)
+    assert not allowed and "may not modify ResourceSlices of node 'node-b'" in message
+    assert admit("CREATE", node_slice("node-a"), user=user, found=moved) == (True, "")
