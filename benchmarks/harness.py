@@ -472,7 +472,7 @@ class Node:
             "--device-plugin-dir",
             str(self.plugin_dir),
             # each simulated node its own handler directory, and no health port (67 agents
-            # on one host would all ask for 8080)
+            # on one host would all ask for the same default port)
             "--discovery-handlers-dir",
             str(self.plugin_dir.parent / "dh"),
             "--health-port",
