@@ -348,12 +348,16 @@ def test_adopt_holds_a_slot_beyond_the_capacity_so_it_drains() -> None:
     assert adoption.device_usage[f"{NAME}-3"] == "node-a"
 
 
-def test_adopt_places_configuration_level_values_on_the_lowest_free_slot() -> None:
+def test_adopt_places_configuration_level_values_on_the_highest_free_slot() -> None:
     """kubelet knows a CL container's virtual device and Instance, not the slot: any free
-    slot will do; a value already held anywhere is left alone."""
-    instance = inst(capacity=3, s0="node-b", s2="C:cam-1:node-a")
-    adoption = decide_adopt(instance, SlotsInUse(anywhere=("C:cam-0:node-a", "C:cam-1:node-a")))
-    assert adoption.adopted == ((f"{NAME}-1", "C:cam-0:node-a"),)
+    slot will do (the highest: another node's unseen IL container more likely sits low); a
+    value already held anywhere is left alone; known slots are placed first."""
+    instance = inst(capacity=4, s0="node-b", s2="C:cam-1:node-a")
+    adoption = decide_adopt(
+        instance,
+        SlotsInUse({f"{NAME}-3": "node-a"}, anywhere=("C:cam-0:node-a", "C:cam-1:node-a")),
+    )
+    assert adoption.adopted == ((f"{NAME}-3", "node-a"), (f"{NAME}-1", "C:cam-0:node-a"))
     assert adoption.conflicts == ()
 
 

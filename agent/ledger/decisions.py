@@ -357,7 +357,7 @@ def decide_adopt(instance: Instance, in_use: SlotsInUse) -> Adoption:
       value; one already holding that value is left alone; one held by anything else is a
       :class:`SlotConflict` and is **not** taken (the other holder may be a live container);
     * an ``anywhere`` value already held by some slot is left alone; otherwise it takes the
-      lowest free slot while the held count is below the capacity, else it is a conflict.
+      highest free slot while the held count is below the capacity, else it is a conflict.
 
     Values that are not held values and ids that are not slots of ``instance`` are ignored."""
     usage = dict(instance.device_usage)
@@ -378,7 +378,10 @@ def decide_adopt(instance: Instance, in_use: SlotsInUse) -> Adoption:
         if not _is_held_value(value) or value in usage.values():
             continue
         held = len(usage) - operator.countOf(usage.values(), "")
-        free = next((sid for sid in instance.slot_ids() if not usage.get(sid)), None)
+        # the highest free slot: which one does not matter to a CL container, and an IL
+        # container of another node, which this node cannot see, more likely sits low
+        # (kubelet's own choice; Allocate hands out the lowest free slot first)
+        free = next((sid for sid in reversed(instance.slot_ids()) if not usage.get(sid)), None)
         if free is None or held >= instance.capacity:
             holders = ", ".join(sorted({v for v in usage.values() if v})) or "nobody"
             conflicts.append(SlotConflict(None, value, holders))
