@@ -9,7 +9,9 @@ not agreement between two halves of our own code. It registers with the agent's
 - ``duplicate``: a list with one id twice;
 - ``flood``: lists as fast as it can;
 - ``silent``: accepts Discover and never sends anything;
-- ``huge``: one device with a 5 MiB property.
+- ``huge``: one device with a 5 MiB property;
+- ``garbage``: the list, then bytes that are no ``DiscoverResponse`` (a length-delimited
+  field whose length runs past the end of the message), then goes on sending lists.
 
 Prints ``REGISTERED`` after the agent accepted the registration, or ``REFUSED <code>`` and
 exits 3 when it did not.
@@ -101,7 +103,24 @@ async def main() -> int:
             break
         await asyncio.sleep(0.05)
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 16 * 1024 * 1024)])
-    pb_grpc.add_DiscoveryHandlerServicer_to_server(Handler(), server)
+    if args.mode == "garbage":
+        # the same method, answered with raw bytes that no protobuf parser accepts
+        async def garbage(request: bytes, context: Any) -> Any:
+            print("DISCOVER (garbage)", flush=True)
+            yield response(ids).SerializeToString()
+            yield b"\x0a\x7f\x0a"  # field 1 (devices), 127 bytes announced, 1 present
+            while True:
+                await asyncio.sleep(1)
+                yield response(ids).SerializeToString()
+
+        method = grpc.unary_stream_rpc_method_handler(
+            garbage, request_deserializer=None, response_serializer=None
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("v0.DiscoveryHandler", {"Discover": method}),)
+        )
+    else:
+        pb_grpc.add_DiscoveryHandlerServicer_to_server(Handler(), server)
     server.add_insecure_port(f"unix://{args.socket}")
     await server.start()
     async with grpc.aio.insecure_channel(f"unix://{registration}") as ch:

@@ -148,27 +148,24 @@ def test_the_embedded_handlers_configuration_runs_on_an_external_handler(setup: 
     agent.wait_for_log(r"discovery handler debugEcho registered at .*debugEcho\.sock")
 
 
-def test_a_killed_handler_s_devices_go_after_the_grace_and_come_back_with_it(
-    setup: Setup,
-) -> None:
-    setup.agent(EXAMPLE, extra=["--shared-offline-grace", "2"])
+def test_a_restarted_handler_s_devices_are_kept_while_it_is_down(setup: Setup) -> None:
+    """A rolling update of the handler's DaemonSet: the stream breaks, the handler comes back.
+    A failing handler is not an empty list (issue 11 case 4): with an offline grace of 0 the
+    Instances would be deleted at once if the break dropped the endpoint's devices."""
+    agent = setup.agent(EXAMPLE, extra=["--shared-offline-grace", "0"])
     handler = setup.echo_handler()
     poll_until(lambda: len(setup.instances()) == 2, timeout=10, message=setup.logs)
+    before = setup.instances()
+    mark = agent.mark()
     handler.kill()
-    # first offline (in the grace: the Instances are still there) ...
-    poll_until(
-        lambda: (
-            all(OFFLINE in i["metadata"].get("annotations", {}) for i in setup.instances().values())
-            and len(setup.instances()) == 2
-        ),
-        timeout=10,
-        message=setup.logs,
-    )
-    # ... then gone
-    poll_until(lambda: setup.instances() == {}, timeout=15, message=setup.logs)
+    agent.wait_for_log("debugEcho at .*its last list is kept while it is dialled again", since=mark)
     restarted = setup.echo_handler()
     restarted.wait_for_log("registered debugEcho with the agent")
-    poll_until(lambda: len(setup.instances()) == 2, timeout=10, message=setup.logs)
+    agent.wait_for_log(r"debugEcho at .* is back: 2 device\(s\)", since=mark, timeout=10)
+    assert setup.instances().keys() == before.keys()
+    assert not agent.matching("device not seen by|forgotten", since=mark), setup.logs()
+    annotations = [i["metadata"].get("annotations", {}) for i in setup.instances().values()]
+    assert not any(OFFLINE in a for a in annotations)
 
 
 def test_the_handler_registers_again_when_the_agent_restarts(setup: Setup) -> None:
@@ -212,7 +209,14 @@ def test_two_endpoints_under_one_name_are_merged(setup: Setup) -> None:
         message=setup.logs,
     )
     assert len(setup.instances("merged")) == 3  # y once
+    agent = setup.processes[0]
+    mark = agent.mark()
     second.kill()
+    # a broken stream keeps that endpoint's part of the list while it is dialled again...
+    agent.wait_for_log("protoOnly at .*b.sock.*its last list is kept", since=mark)
+    assert ids(setup.instances("merged"), "PROTO_ONLY_ID") == {"x", "y", "z"}
+    # ... until it reports again: now without z
+    setup.proto_only("protoOnly", "b.sock", ["y"]).wait_for_log("REGISTERED", timeout=60)
     poll_until(
         lambda: ids(setup.instances("merged"), "PROTO_ONLY_ID") == {"x", "y"},
         timeout=10,
@@ -227,6 +231,7 @@ def test_two_endpoints_under_one_name_are_merged(setup: Setup) -> None:
         ("flood", "device lists per second"),
         ("silent", "sent no device list within 2s"),
         ("huge", "over 4 MiB"),
+        ("garbage", "sent a message that is not a DiscoverResponse"),
     ],
 )
 def test_a_misbehaving_handler_is_cut_off_and_the_others_go_on(
@@ -239,8 +244,14 @@ def test_a_misbehaving_handler_is_cut_off_and_the_others_go_on(
     setup.proto_only("badHandler", "b.sock", ["b1"], mode).wait_for_log("REGISTERED", timeout=60)
     agent.wait_for_log(f"discovery handler badHandler at .* cut off: .*{why}", timeout=15)
     poll_until(lambda: len(setup.instances("good")) == 2, timeout=10, message=setup.logs)
-    # a flood's first lists were accepted (the burst); its devices leave with the cut-off
-    poll_until(lambda: setup.instances("bad") == {}, timeout=10, message=setup.logs)
+    # a flood's first lists were accepted (the burst), as was garbage's first list: they are
+    # kept while the endpoint is cut off (a failing handler is not an empty list)
+    kept = {"b1"} if mode in ("flood", "garbage") else set()
+    poll_until(
+        lambda: ids(setup.instances("bad"), "PROTO_ONLY_ID") == kept,
+        timeout=10,
+        message=setup.logs,
+    )
     assert agent.running
     # the good handler's stream was not disturbed: still 2, and no cut-off of it
     assert not agent.matching("goodHandler at .* cut off")

@@ -6,14 +6,21 @@ as Akri does: two udev handler processes, say). For each ``discover()`` (one per
 Configuration) every endpoint gets its own ``v0.DiscoveryHandler/Discover`` stream, and each
 new list of an endpoint replaces that endpoint's part of the merged list.
 
-When an endpoint goes away (its stream breaks: the process was killed or restarted) its
-devices leave the merged list, so they follow the Configuration's offline grace, and the
-agent dials it again a few times; if it cannot connect, the endpoint is forgotten until the
-handler registers again (it does so when it restarts). An endpoint that misbehaves — a list
-over the report bounds or with duplicate ids, a message over the size limit, a flood of
-lists, no first list within ``first_list_timeout`` — is cut off: its stream is closed, its
-devices leave the list, a log line and an Event say why, and it is not dialled again for a
-pause that doubles with each cut-off. Other endpoints and other handlers go on unaffected.
+A failing endpoint is not an empty list (issue 11): an endpoint's last list stays in the
+merged list while its stream is down — broken or ended (the process was killed, restarted,
+upgraded by a rolling update of its DaemonSet), cut off, or being replaced by a
+re-registration — until the endpoint sends a list again. Only an endpoint that does not come
+back within ``reconnect_window`` of its stream breaking (it is dialled again meanwhile, with a
+doubling backoff) is forgotten: then, and only then, its devices leave the list and follow the
+Configuration's offline grace. A forgotten endpoint is dialled again when it registers again
+(a restarted handler does).
+
+An endpoint that misbehaves — a message that is not a ``DiscoverResponse``, a list over the
+report bounds or with duplicate ids, a message over the size limit, a flood of lists, no first
+list within ``first_list_timeout`` — is cut off: its stream is closed, a log line and an Event
+say why, and it is not dialled again for a pause that doubles with each cut-off (a
+re-registration does not shorten it). What it sent before it broke the rule is kept, as for a
+broken stream. Other endpoints and other handlers go on unaffected.
 """
 
 from __future__ import annotations
@@ -39,8 +46,9 @@ log = logging.getLogger("agent.external")
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 FIRST_LIST_TIMEOUT = 30.0  # seconds from Discover to the first list (Akri's send at once)
 SETTLE = 1.0  # seconds the first merged list waits for every endpoint's first list
-RECONNECTS = 4  # dials after a broken stream before the endpoint is forgotten
-RECONNECT_BACKOFF = 0.25  # first wait between those dials (doubling)
+RECONNECT_WINDOW = 60.0  # seconds a broken endpoint keeps its list while it is dialled again
+RECONNECT_BACKOFF = 0.25  # first wait between those dials (doubling...)
+MAX_RECONNECT_BACKOFF = 5.0  # ...up to this)
 CUT_OFF_PAUSE = 30.0  # first pause after a cut-off (doubling, up to MAX_CUT_OFF_PAUSE)
 MAX_CUT_OFF_PAUSE = 600.0
 FLOOD_RATE = 20.0  # lists per second an endpoint may send on average...
@@ -85,6 +93,7 @@ class ExternalHandler(DiscoveryHandler):
         *,
         first_list_timeout: float = FIRST_LIST_TIMEOUT,
         cut_off_pause: float = CUT_OFF_PAUSE,
+        reconnect_window: float = RECONNECT_WINDOW,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
@@ -92,6 +101,7 @@ class ExternalHandler(DiscoveryHandler):
         self._report = report
         self.first_list_timeout = first_list_timeout
         self.cut_off_pause = cut_off_pause
+        self.reconnect_window = reconnect_window
         self._clock = clock
         self.endpoints: dict[str, Endpoint] = {}
         self._changed = asyncio.Event()
@@ -116,9 +126,16 @@ class ExternalHandler(DiscoveryHandler):
         self._bump()
 
     def forget(self, uid: str) -> None:
-        """The endpoint cannot be reached: drop it until it registers again."""
+        """The endpoint cannot be reached: drop it (and its devices) until it registers
+        again."""
         if self.endpoints.pop(uid, None) is not None:
-            log.warning("discovery handler %s: endpoint %s forgotten (unreachable)", self.name, uid)
+            log.warning(
+                "discovery handler %s: endpoint %s forgotten (unreachable for %.0fs): its "
+                "devices follow the offline grace",
+                self.name,
+                uid,
+                self.reconnect_window,
+            )
             self._bump()
 
     def _bump(self) -> None:
@@ -133,8 +150,8 @@ class ExternalHandler(DiscoveryHandler):
         pause = min(MAX_CUT_OFF_PAUSE, self.cut_off_pause * 2 ** (count - 1))
         self._paused_until[endpoint.uid] = self._clock() + pause
         message = (
-            f"discovery handler {self.name} at {endpoint.endpoint} cut off: {why}; its devices "
-            f"are dropped and it is not dialled again for {pause:.0f}s"
+            f"discovery handler {self.name} at {endpoint.endpoint} cut off: {why}; it is not "
+            f"dialled again for {pause:.0f}s (its last good list, if any, is kept meanwhile)"
         )
         log.error("%s", message)
         self._report(self.name, "DiscoveryHandlerCutOff", message)
@@ -156,16 +173,27 @@ class ExternalHandler(DiscoveryHandler):
                 lists[uid] = devices
             news.set()
 
+        synced = [self._version]  # the endpoints version the streams follow
+
         def sync() -> None:
+            synced[0] = self._version
             for uid, (endpoint, task) in list(streams.items()):
                 if self.endpoints.get(uid) is not endpoint:
                     task.cancel()
                     del streams[uid]
-                    publish(uid, None)
+                    if uid not in self.endpoints:
+                        publish(uid, None)  # forgotten: its devices follow the offline grace
+                    # else registered again (a restarted handler): its last list stays
+                    # until the new stream sends one
             for uid, endpoint in self.endpoints.items():
                 if uid not in streams:
+                    # an endpoint registered again while its last list is kept is down until
+                    # its new stream sends a list
+                    down = self._clock() if uid in lists else None
                     task = asyncio.create_task(
-                        self._follow(endpoint, discovery_details, discovery_properties, publish),
+                        self._follow(
+                            endpoint, discovery_details, discovery_properties, publish, down
+                        ),
                         name=f"external-{uid}",
                     )
                     task.add_done_callback(lambda t: _collect(t, failures, news))
@@ -190,8 +218,10 @@ class ExternalHandler(DiscoveryHandler):
                 if merged != last:
                     last = merged
                     yield merged
-                changed = self._changed
-                await _first(news.wait(), changed.wait())
+                if self._version == synced[0]:
+                    # (a registration while the caller held the last list bumped the
+                    # version already: sync at once, or it would wait for the next list)
+                    await _first(news.wait(), self._changed.wait())
                 news.clear()
                 sync()
         finally:
@@ -207,34 +237,55 @@ class ExternalHandler(DiscoveryHandler):
         details: str,
         properties: DiscoveryProperties,
         publish: Callable[[str, list[Device] | None], None],
+        down_since: float | None = None,
     ) -> None:
-        """One endpoint's streams for one ``discover()``, dialled again after breaks."""
+        """One endpoint's streams for one ``discover()``, dialled again after breaks. Its last
+        list stays published while it is down; it is forgotten (and its list dropped by
+        ``discover``) only when no stream sends a list within ``reconnect_window`` of the
+        break."""
         backoff = RECONNECT_BACKOFF
-        attempts = 0
         while True:
             pause = self._paused_until.get(endpoint.uid, 0.0) - self._clock()
             if pause > 0:
                 await asyncio.sleep(pause)
             try:
                 async for devices in self._stream(endpoint, details, properties):
-                    attempts, backoff = 0, RECONNECT_BACKOFF
+                    if down_since is not None:
+                        log.info(
+                            "discovery handler %s at %s is back: %d device(s)",
+                            self.name,
+                            endpoint.endpoint,
+                            len(devices),
+                        )
+                    down_since, backoff = None, RECONNECT_BACKOFF
                     publish(endpoint.uid, devices)
                 log.warning(
-                    "discovery handler %s at %s ended its stream", self.name, endpoint.endpoint
+                    "discovery handler %s at %s ended its stream; its last list is kept while "
+                    "it is dialled again",
+                    self.name,
+                    endpoint.endpoint,
                 )
             except CutOffError as error:
-                publish(endpoint.uid, None)
+                if down_since is None:
+                    down_since = self._clock()
                 self._cut_off(endpoint, str(error))
                 continue
             except _Gone as error:
-                log.warning("discovery handler %s at %s: %s", self.name, endpoint.endpoint, error)
-            publish(endpoint.uid, None)
-            attempts += 1
-            if attempts > RECONNECTS:
+                log.warning(
+                    "discovery handler %s at %s: %s; its last list is kept while it is dialled "
+                    "again",
+                    self.name,
+                    endpoint.endpoint,
+                    error,
+                )
+            now = self._clock()
+            if down_since is None:
+                down_since = now
+            if now - down_since >= self.reconnect_window:
                 self.forget(endpoint.uid)
                 return
-            await asyncio.sleep(backoff)
-            backoff *= 2
+            await asyncio.sleep(min(backoff, max(0.0, down_since + self.reconnect_window - now)))
+            backoff = min(MAX_RECONNECT_BACKOFF, backoff * 2)
 
     async def _stream(
         self, endpoint: Endpoint, details: str, properties: DiscoveryProperties
@@ -269,6 +320,9 @@ class ExternalHandler(DiscoveryHandler):
                             f"sent no device list within {self.first_list_timeout:.0f}s of Discover"
                         ) from None
                     first = False
+                    if response is None:
+                        # grpc logs "Exception deserializing message!" and hands over None
+                        raise CutOffError("sent a message that is not a DiscoverResponse")
                     if not bucket.take(self._clock()):
                         raise CutOffError(
                             f"sent more than {FLOOD_RATE:.0f} device lists per second"
@@ -283,6 +337,10 @@ class ExternalHandler(DiscoveryHandler):
                 code = error.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidDiscoveryDetailsError(error.details() or "invalid") from None
+                if code == grpc.StatusCode.INTERNAL and "serializ" in (error.details() or ""):
+                    raise CutOffError(
+                        f"sent a message that is not a DiscoverResponse ({error.details()})"
+                    ) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise CutOffError(
                         f"sent a message over {MAX_MESSAGE_BYTES // (1024 * 1024)} MiB"
