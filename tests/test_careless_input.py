@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.app import STOP_DEADLINE
 from agent.config_files import MAX_FILE_BYTES, ConfigurationFiles
 from agent.discovery.limits import MAX_DEVICES, ReportRejectedError, check_report
 from agent.store.base import ConfigurationEvent
@@ -19,7 +20,9 @@ from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
 from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.details import load_details
 from discovery_handlers.udev import UdevHandler
-from tests.agent_process import AgentProcess, akri_command, clean_env, run_status
+from tests.agent_process import AgentProcess, akri_command, clean_env, poll_until, run_status
+from tests.apiserver.threaded import ThreadedApiServer
+from tests.k8s_nodes import CRDS, debug_echo_configuration
 
 BOMB = textwrap.dedent(
     """\
@@ -122,6 +125,21 @@ def test_unknown_discovery_details_fields_are_ignored_with_a_warning() -> None:
 # -- the process: SIGTERM, directories, akri status -------------------------------------------
 
 
+# the promise (README "Exit codes"): the agent stops within 2 s at any point; its own stop
+# deadline is STOP_DEADLINE (1.5 s), the rest is the interpreter's exit
+STOPPED_WITHIN = 2.0
+assert STOP_DEADLINE < STOPPED_WITHIN
+
+
+def sigterm_and_time_the_exit(agent: AgentProcess) -> float:
+    """Seconds from SIGTERM to the process's exit (waits at most 10 s)."""
+    assert agent.proc.poll() is None, agent.describe()
+    agent.proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    agent.wait_exit(10)
+    return time.monotonic() - started
+
+
 def test_sigterm_while_creating_thousands_of_instances_stops_promptly(tmp_path: Path) -> None:
     """Before: with 5,000 devices SIGTERM took 23.8 s (with more it was ignored until
     SIGKILL, leaving a temp file): creating Instances never let the loop run the handler."""
@@ -144,19 +162,60 @@ def test_sigterm_while_creating_thousands_of_instances_stops_promptly(tmp_path: 
     )
     try:
         agent.wait_for_log(r"instance many-[0-9a-f]{6} added", timeout=30)
-        assert agent.proc.poll() is None
-        agent.proc.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        code = agent.wait_exit(10)
-        stopped_after = time.monotonic() - started
+        stopped_after = sigterm_and_time_the_exit(agent)
     finally:
         agent.cleanup()
-    assert code == 0, agent.describe()
+    assert agent.proc.returncode == 0, agent.describe()
     assert agent.matching("agent stopped"), agent.describe()
-    assert stopped_after < 10  # the bound itself is measured in benchmarks (~0.1 s)
+    # measured from the signal, so the process start does not count (typically ~0.1 s)
+    assert stopped_after < STOPPED_WITHIN, agent.describe()
     created = list((state / "instances").glob("*.json"))
     assert 0 < len(created) < 5000  # really interrupted mid-way
     assert list((state / "instances").glob(".tmp-*")) == []  # nothing half-written
+
+
+def test_sigterm_in_cluster_mode_with_writes_hanging_stops_within_the_deadline(
+    tmp_path: Path,
+) -> None:
+    """Cluster mode: SIGTERM while Instance creates hang in the API server (answered only
+    after 6 s). Without the agent's own stop deadline the stop waits for them."""
+    descriptions = tuple(f"d{i}" for i in range(2000))
+    with ThreadedApiServer(crds=CRDS) as api:
+        api.create(debug_echo_configuration("many", descriptions=descriptions, capacity=1))
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        agent = AgentProcess(
+            [
+                "--kubeconfig",
+                str(kubeconfig),
+                "--node-name",
+                "n1",
+                "--no-dra",
+                "--debug-echo",
+                "--debug-echo-availability-file",
+                str(tmp_path / "avail"),
+                "--device-plugin-dir",
+                str(tmp_path / "device-plugins"),
+                "--pod-resources-socket",
+                str(tmp_path / "pod-resources" / "kubelet.sock"),
+                "--health-port",
+                "0",
+            ]
+        )
+        try:
+            agent.wait_for_log(r"instance many-[0-9a-f]{6} added", timeout=30)
+            api.delay(6.0, verb="create", resource="instances", times=None)
+            poll_until(
+                lambda: any(r.status is None for r in api.requests_for("create", "instances")),
+                timeout=10,
+                message=agent.describe,
+            )  # a create is in flight, hanging
+            stopped_after = sigterm_and_time_the_exit(agent)
+        finally:
+            agent.cleanup()
+    assert agent.proc.returncode == 0, agent.describe()
+    assert agent.matching("agent stopped"), agent.describe()
+    assert stopped_after < STOPPED_WITHIN, agent.describe()
+    assert len(api.list("instances.akri.sh")) < len(descriptions)  # really interrupted
 
 
 @pytest.mark.parametrize("kind", ["file", "unwritable"])
