@@ -350,3 +350,90 @@ async def test_nothing_is_taken_for_an_orphan_while_a_configuration_file_is_unre
     finally:
         await manager.close()
         await store.close()
+
+
+def namespaced_file(path: Path, namespace: str, name: str = "cam") -> Path:
+    path.write_text(
+        "apiVersion: akri.sh/v0\nkind: Configuration\n"
+        f"metadata: {{name: {name}, namespace: {namespace}}}\n"
+        "spec: {discoveryHandler: {name: scripted}, capacity: 1}\n"
+    )
+    return path
+
+
+async def start_two_namespaces(
+    tmp_path: Path,
+) -> tuple[LocalInstanceStore, ScriptedHandler, DiscoveryManager, Path]:
+    """``default/cam`` (owner: no Instances anywhere, and "default" sorts first) and
+    ``other/cam`` (refused), both read from files."""
+    mine = namespaced_file(tmp_path / "a.yaml", "default")
+    theirs = namespaced_file(tmp_path / "b.yaml", "other")
+    store = LocalInstanceStore(tmp_path / "state", [mine, theirs], poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=60))
+    await manager.start()
+    await until(lambda: ObjectKey("other", "cam") in manager.refused)
+    assert set(manager.runners) == {ObjectKey("default", "cam")}
+    return store, handler, manager, theirs
+
+
+async def test_a_running_configuration_stops_when_its_name_moves_to_another_namespace(
+    tmp_path: Path,
+) -> None:
+    """Kubelet and DRA names are node-global: once another namespace owns the name (here it
+    got the only Instances of it), the running Configuration must stop, or two namespaces'
+    runners would serve one name. Before: only refused Configurations were looked at."""
+    store, _handler, manager, _theirs = await start_two_namespaces(tmp_path)
+    try:
+        # default/cam has no Instance yet; one of other/cam appears (written elsewhere)
+        await store.create(
+            Instance(name="cam-abcdef", namespace="other", configuration_name="cam", capacity=1)
+        )
+        await until(lambda: set(manager.runners) == {ObjectKey("other", "cam")})
+        assert ObjectKey("default", "cam") in manager.refused
+        assert manager.ownership.owner("cam") == "other"
+    finally:
+        await manager.close()
+        await store.close()
+
+
+async def test_another_namespace_s_draining_instance_does_not_take_the_owner_s_offline(
+    tmp_path: Path,
+) -> None:
+    """``offline_instances()`` names node-global Instances: a same-named Instance of another
+    namespace, draining because its Configuration was deleted, must not make the owner's
+    Instance Unhealthy. Before: bare names from every runner and retirement."""
+    store, handler, manager, theirs = await start_two_namespaces(tmp_path)
+    try:
+        await handler.queue.put([Device("d1")])
+        await until(lambda: len(store.list_cached(ObjectKey("default", "cam"))) == 1)
+        served = store.list_cached(ObjectKey("default", "cam"))[0]
+        # the same name in "other", holding a slot on this node (a live container there)
+        await store.create(
+            Instance(
+                name=served.name,
+                namespace="other",
+                configuration_name="cam",
+                capacity=1,
+                nodes=("node-a",),
+                device_usage={f"{served.name}-0": "node-a"},
+            )
+        )
+        assert manager.ownership.owner("cam") == "default"  # both have Instances: oldest
+        theirs.unlink()  # other/cam deleted: its Instance drains (the slot is held)
+        retiring = ObjectKey("other", "cam")
+        await until(
+            lambda: (
+                retiring in manager.retirements
+                and served.name in manager.retirements[retiring].offline
+            ),
+            within=5,
+        )
+        assert manager.offline_instances() == frozenset()
+        assert manager.device_for(served.name) == Device("d1")
+    finally:
+        await manager.close()
+        await store.close()

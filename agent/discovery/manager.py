@@ -122,13 +122,18 @@ class DiscoveryManager:
             listener()
 
     def offline_instances(self) -> frozenset[str]:
-        """Names of the Instances whose slots must not be offered: devices this node lost
-        but keeps during the grace period, and Instances draining before this node leaves."""
+        """Served (node-global) names of the Instances whose slots must not be offered:
+        devices this node lost but keeps during the grace period, and Instances draining
+        before this node leaves. Only the owner namespace's Instances count: another
+        namespace's Instance of the same name (refused, or retiring) is not the one the
+        device plugins and the DRA driver serve under that name."""
         result: set[str] = set()
-        for runner in self.runners.values():
-            result |= runner.offline
-        for retirement in self.retirements.values():
-            result |= retirement.offline
+        for key, runner in self.runners.items():
+            if self.ownership.owns(key):
+                result |= runner.offline
+        for key, retirement in self.retirements.items():
+            if self.ownership.owns(key):
+                result |= retirement.offline
         return frozenset(result)
 
     def draining(self) -> dict[ObjectKey, tuple[str, ...]]:
@@ -144,7 +149,9 @@ class DiscoveryManager:
 
     def device_for(self, instance: str) -> Device | None:
         """The device behind Instance ``instance`` (a served name) as last discovered here."""
-        for runner in self.runners.values():
+        for key, runner in self.runners.items():
+            if not self.ownership.owns(key):
+                continue
             device = runner.devices_by_instance.get(instance)
             if device is not None:
                 return device
@@ -249,6 +256,9 @@ class DiscoveryManager:
             self._sweep_orphans()  # e.g. an unreadable Configuration file became readable
 
     def _owners_changed(self, names: set[str]) -> None:
+        displaced = [k for k in self.runners if k.name in names and not self.ownership.owns(k)]
+        if displaced:
+            self._spawn(self._stop_displaced(displaced))
         waiting = [c for c in self.refused.values() if c.name in names]
         if not waiting:
             return
@@ -264,6 +274,18 @@ class DiscoveryManager:
                     )
 
         self._spawn(retry())
+
+    async def _stop_displaced(self, keys: list[ObjectKey]) -> None:
+        """Stop the runners of Configurations whose (node-global) name another namespace
+        now owns, so that two namespaces never run discovery for one name. Their Instances
+        stay as they are (a runner's stop never leaves or deletes); they start again when
+        the name is theirs."""
+        async with self._lock:
+            for key in keys:
+                runner = self.runners.get(key)
+                if runner is None or self.ownership.owns(key):
+                    continue
+                await self._refuse(runner.configuration)
 
     def handler_registered(self, name: str) -> None:
         """An external handler registered under ``name``: start the Configurations waiting
@@ -337,7 +359,7 @@ class DiscoveryManager:
             return
         configuration = event.configuration
         assert configuration is not None
-        if not self.ownership.owns(key) and key not in self.runners:
+        if not self.ownership.owns(key):
             await self._refuse(configuration)
             return
         self.refused.pop(key, None)
@@ -389,8 +411,21 @@ class DiscoveryManager:
         runner.start()
 
     async def _refuse(self, configuration: Configuration) -> None:
+        """Refuse a Configuration whose name another namespace owns; stop its runner if it
+        ran (the name moved to the other namespace)."""
         key = configuration.key
         owner = self.ownership.owner(configuration.name)
+        runner = self.runners.pop(key, None)
+        if runner is not None:
+            log.warning(
+                "configuration %s: stopping discovery: %s/%s now owns the name %r; its "
+                "instances are left as they are",
+                key,
+                owner,
+                configuration.name,
+                configuration.name,
+            )
+            await runner.stop()
         message = (
             f"the name {configuration.name!r} is in use by the Configuration in namespace "
             f"{owner!r}: kubelet resource names (akri.sh/<name>) and DRA device names are "
