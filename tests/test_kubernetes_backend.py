@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.apiserver import ApiServerDouble
 from tests.k8s_nodes import (
     CRDS,
+    akri_configuration_crd,
     debug_echo_configuration,
     edited,
     eventually,
@@ -317,6 +319,69 @@ async def test_invalid_configurations_become_kubernetes_events(
         await node.stop()
 
 
+async def test_unknown_discovery_details_fields_become_a_warning_event(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 12 item 14: Akri's handlers ignore unknown discoveryDetails fields; ours run the
+    Configuration and say so in an Event on it."""
+    config = debug_echo_configuration("extra")
+    config["spec"]["discoveryHandler"]["discoveryDetails"] = (
+        'descriptions: ["foo0"]\nfrobnicate: true\n'
+    )
+    api.create(config)
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 1, what="the Configuration runs")
+
+        def warnings() -> list[dict[str, Any]]:
+            return [
+                e
+                for e in api.list("events")
+                if e["involvedObject"].get("name") == "extra"
+                and e["reason"] == "UnknownDiscoveryDetailsFields"
+            ]
+
+        await eventually(lambda: len(warnings()) == 1, what="the warning Event")
+        event = warnings()[0]
+        assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "Configuration"
+        assert "frobnicate" in event["message"] and "ignoring" in event["message"]
+    finally:
+        await node.stop()
+
+
+async def test_a_fixed_configuration_is_logged_as_valid_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 12 item 13: after an invalid edit, the fix is logged as accepted again."""
+    relaxed = [akri_configuration_crd(tmp_path), CRDS[1]]  # capacity 0 passes the schema
+    async with ApiServerDouble(crds=relaxed) as api:
+        await fix_after_an_invalid_edit(api, tmp_path, caplog)
+
+
+async def fix_after_an_invalid_edit(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = debug_echo_configuration()
+    api.create(config)
+    node = await start_node(api, "node-a", tmp_path)
+    try:
+        await eventually(lambda: len(instances(api)) == 2)
+        with caplog.at_level(logging.INFO, logger="agent.store.kubernetes"):
+            api.apply(edited(config, capacity=0))
+            await eventually(
+                lambda: any("invalid configuration default/echo" in m for m in caplog.messages),
+                what="the invalid edit is reported",
+            )
+            assert not any("valid again" in m for m in caplog.messages)
+            api.apply(edited(config, capacity=3))
+            await eventually(
+                lambda: "configuration default/echo is valid again: accepted" in caplog.messages,
+                what="the fix is logged",
+            )
+    finally:
+        await node.stop()
+
+
 async def test_kubectl_shows_instance_printer_columns(api: ApiServerDouble, tmp_path: Path) -> None:
     kubectl = shutil.which("kubectl", path=str(Path(os.sys.executable).parent)) or shutil.which(
         "kubectl"
@@ -366,8 +431,15 @@ async def test_metadata_only_configuration_change_does_not_restart(
         labelled = dict(config)
         labelled["metadata"] = {**config["metadata"], "labels": {"team": "edge"}}
         api.apply(labelled)
-        await asyncio.sleep(0.5)
-        assert events.pending() == 0  # Akri #372: metadata-only changes are not acted on
+        # the store has taken the labelled version in (proof it processed the change) ...
+        await eventually(
+            lambda: (
+                node.store.configurations()[0].raw["metadata"].get("labels") == {"team": "edge"}
+            ),
+            what="the labelled Configuration reached the store",
+        )
+        # ... and published nothing: Akri #372, metadata-only changes are not acted on
+        assert events.pending() == 0
         assert node.manager.runners[ObjectKey("default", "echo")] is runner
         api.apply(edited(labelled, capacity=5))
         changed = await asyncio.wait_for(events.__anext__(), 2)
