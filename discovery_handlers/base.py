@@ -122,9 +122,7 @@ class ProblemReporter:
         self._clock = clock
         self._sink = _problem_sink.get()
         # subject -> (reason, message, when it was last reported), oldest first
-        self._last: collections.OrderedDict[str, tuple[str, str, float]] = (
-            collections.OrderedDict()
-        )
+        self._last: collections.OrderedDict[str, tuple[str, str, float]] = collections.OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
 
     def report(

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
+from discovery_handlers.base import Device, InvalidDiscoveryDetailsError, report_problems_to
 from discovery_handlers.mdns import MdnsHandler
 from discovery_handlers.mdns.details import parse_details
 from discovery_handlers.mdns.services import Service, decode_txt, device_of, wanted
@@ -55,14 +55,19 @@ class Publisher:
         self.infos: dict[str, object] = {}
 
     def info(
-        self, service_type: str, instance: str, port: int, txt: dict[object, object]
+        self,
+        service_type: str,
+        instance: str,
+        port: int,
+        txt: dict[object, object],
+        address: str = "127.0.0.1",
     ) -> object:
         from zeroconf.asyncio import AsyncServiceInfo
 
         return AsyncServiceInfo(
             service_type,
             f"{instance}.{service_type}",
-            addresses=[socket.inet_aton("127.0.0.1")],
+            addresses=[socket.inet_aton(address)],
             port=port,
             properties=txt,
             server=f"{instance.lower().replace(' ', '-')}.local.",
@@ -80,9 +85,14 @@ class Publisher:
         self.infos[instance] = info
 
     async def update(
-        self, service_type: str, instance: str, port: int, txt: dict[object, object]
+        self,
+        service_type: str,
+        instance: str,
+        port: int,
+        txt: dict[object, object],
+        address: str = "127.0.0.1",
     ) -> None:
-        info = self.info(service_type, instance, port, txt)
+        info = self.info(service_type, instance, port, txt, address)
         await self.zc.async_update_service(info)  # type: ignore[arg-type]
         self.infos[instance] = info
 
@@ -109,6 +119,13 @@ def service_type() -> str:
 class Follower:
     def __init__(self, text: str) -> None:
         self.lists: list[list[Device]] = []
+        self.events: list[tuple[str, str]] = []  # (reason, message) the handler reported
+
+        async def record(reason: str, message: str) -> None:
+            self.events.append((reason, message))
+
+        # as the agent does in the task that runs discover(); the task copies this context
+        report_problems_to(record)
         self.task = asyncio.ensure_future(self._run(text))
 
     async def _run(self, text: str) -> None:
@@ -186,9 +203,123 @@ async def test_filters_bad_txt_and_the_cap(publisher: Publisher, service_type: s
         assert not [k for k in properties if k.startswith("MDNS_TXT_") and k != "MDNS_TXT_MODEL"]
         await capped.until(lambda: len(capped.names()) == 2, "two of three")
         assert capped.names() == {"cam-1", "cam-2"}  # the first by name
+        # the cap: a log line and an Event, once (not for every list)
+        assert [reason for reason, _ in capped.events] == ["DeviceCapReached"]
+        assert "maxDevices (2)" in capped.events[0][1]
+        assert filtered.events == []
     finally:
         await filtered.close()
         await capped.close()
+
+
+@needs_multicast
+async def test_an_address_change_updates_the_device(
+    publisher: Publisher, service_type: str
+) -> None:
+    await publisher.add(service_type, "Sensor", 8000, {"v": "1"})
+    follower = Follower(details(service_type))
+    try:
+        await follower.until(lambda: follower.names() == {"Sensor"}, "the sensor")
+        before = follower.device("Sensor")
+        assert before.properties["MDNS_ADDRESSES"] == "127.0.0.1"
+        # RFC 6762 §10.2: a cache-flush answer replaces only records received more than 1 s
+        # before it (an answer's own burst is kept); a real address change comes later
+        await asyncio.sleep(1.2)
+        # same instance, same TXT, the host's A record now says 127.0.0.2
+        await publisher.update(service_type, "Sensor", 8000, {"v": "1"}, address="127.0.0.2")
+        await follower.until(
+            lambda: follower.device("Sensor").properties["MDNS_ADDRESSES"] == "127.0.0.2",
+            "the new address",
+        )
+        assert follower.device("Sensor").id == before.id  # the same device (and Instance)
+    finally:
+        await follower.close()
+
+
+PUBLISH_AND_HANG = """
+import asyncio, socket, sys
+from zeroconf import IPVersion
+from zeroconf.asyncio import AsyncServiceInfo, AsyncZeroconf
+
+async def main():
+    zc = AsyncZeroconf(interfaces=["127.0.0.1"], ip_version=IPVersion.V4Only)
+    service_type = sys.argv[1]
+    info = AsyncServiceInfo(
+        service_type, "Shortlived." + service_type, addresses=[socket.inet_aton("127.0.0.1")],
+        port=9, server="shortlived.local.", host_ttl=2, other_ttl=2,
+    )
+    await (await zc.async_register_service(info))
+    print("registered", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@needs_multicast
+async def test_a_publisher_that_dies_without_goodbye_is_gone_when_the_ttl_runs_out(
+    service_type: str,
+) -> None:
+    """SIGKILL: no goodbye packet; the records (TTL 2 s) expire from the browser's cache."""
+    import sys
+
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", PUBLISH_AND_HANG, service_type, stdout=asyncio.subprocess.PIPE
+    )
+    follower: Follower | None = None
+    try:
+        assert process.stdout is not None
+        line = await asyncio.wait_for(process.stdout.readline(), 30)
+        assert line.strip() == b"registered", line
+        follower = Follower(details(service_type))
+        await follower.until(lambda: follower.names() == {"Shortlived"}, "the service")
+        process.kill()
+        await process.wait()
+        # gone once its SRV/A records (TTL 2 s) expired and a new query got no answer
+        await follower.until(lambda: follower.names() == set(), "expired", within=40)
+    finally:
+        if follower is not None:
+            await follower.close()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@needs_multicast
+async def test_interfaces_by_name(publisher: Publisher, service_type: str) -> None:
+    await publisher.add(service_type, "On lo", 80)
+    by_name = Follower(f"serviceTypes: ['{service_type}']\ninterfaces: [lo]\n")
+    try:
+        await by_name.until(lambda: by_name.names() == {"On lo"}, "found through lo")
+    finally:
+        await by_name.close()
+    unknown = Follower(f"serviceTypes: ['{service_type}']\ninterfaces: [nosuch0]\n")
+    with pytest.raises(OSError, match="no interface named 'nosuch0'"):
+        await unknown.task
+
+
+@needs_multicast
+async def test_a_flood_of_services_stays_bounded(publisher: Publisher, service_type: str) -> None:
+    """maxDevices 1: at most two service instances are kept or resolved; the others are
+    ignored with one Event, and the list is capped with another."""
+    follower = Follower(details(service_type, "maxDevices: 1\n"))
+    try:
+        await follower.until(lambda: follower.lists, "a first (empty) list")
+        await asyncio.gather(
+            *(publisher.add(service_type, f"flood-{index}", 80 + index) for index in range(5))
+        )
+        await follower.until(
+            lambda: (
+                {reason for reason, _ in follower.events} == {"DeviceCapReached"}
+                and len(follower.events) == 2
+            ),
+            "two DeviceCapReached Events (kept names, offered devices)",
+        )
+        messages = " | ".join(message for _, message in follower.events)
+        assert "more than 2 service instances" in messages and "maxDevices (1)" in messages
+        assert len(follower.names()) == 1
+    finally:
+        await follower.close()
 
 
 def test_details() -> None:

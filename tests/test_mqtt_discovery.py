@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from discovery_handlers.base import Device
+from discovery_handlers.base import Device, report_problems_to
 from discovery_handlers.mqtt import MqttHandler
 from discovery_handlers.mqtt.handler import BrokerUnavailableError
 from tests.agent_process import AgentProcess, instance_files, poll_until
@@ -214,6 +214,12 @@ async def test_garbage_is_skipped_and_the_cap_holds(
     await publish(broker, "akri/devices/huge", json.dumps({"id": "huge", "x": "y" * 70_000}))
     await publish(broker, "akri/devices/badid", json.dumps({"id": "a\nb"}))
     await publish(broker, "akri/devices/odd topic/ü", json.dumps({"id": "odd-topic"}))
+    events: list[tuple[str, str]] = []
+
+    async def record(reason: str, message: str) -> None:
+        events.append((reason, message))
+
+    report_problems_to(record)  # as the agent does for the task that runs discover()
     follower = Follower(
         MqttHandler().discover(details(broker, ["akri/devices/#"], maxDevices=2), {})
     )
@@ -221,11 +227,15 @@ async def test_garbage_is_skipped_and_the_cap_holds(
         await follower.until(lambda: follower.lists, "a first list")
         assert follower.ids() == {"ok", "odd-topic"}
         await publish(broker, "akri/devices/third", json.dumps({"id": "third"}))
-        await asyncio.sleep(0.5)  # give the refused third device time to show up wrongly
+        # the cap: a log line and one Event
+        await follower.until(lambda: events, "a DeviceCapReached Event")
+        await publish(broker, "akri/devices/fourth", json.dumps({"id": "fourth"}))
+        await asyncio.sleep(0.5)  # give the refused devices time to show up wrongly
         assert follower.ids() == {"ok", "odd-topic"} and follower.error is None
-        assert any(
-            "maxDevices" in r.getMessage() or "refused" in r.getMessage() for r in caplog.records
-        )
+        (event,) = events  # the fourth device is refused without a second Event
+        assert event[0] == "DeviceCapReached" and "maxDevices (2)" in event[1]
+        assert any("maxDevices (2)" in r.getMessage() for r in caplog.records)
+        assert any("refused" in r.getMessage() for r in caplog.records)  # the garbage
         assert follower.device("odd-topic").properties["MQTT_TOPIC"] == "akri/devices/odd topic/ü"
     finally:
         await follower.close()

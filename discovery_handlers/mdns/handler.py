@@ -7,19 +7,31 @@ out); each added or updated instance is resolved (``AsyncServiceInfo``, under
 re-queries follow RFC 6762's backoff. The first list waits a moment for the answers to the
 first queries (quiet for :data:`SETTLE_QUIET` s, at most :data:`SETTLE_MAX` s).
 
+Under a flood of announcements what is kept stays bounded: only services that pass the
+filters are kept, and at most ``2 * maxDevices`` service instances are kept or being resolved
+(:data:`MAX_RESOLVING` resolutions at a time); beyond that, new service instances are ignored
+(a log line and an Event, ``DeviceCapReached``) until they announce themselves again.
+
 ``zeroconf`` is imported only when a Configuration uses this handler.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from discovery_handlers.base import Device, DiscoveryHandler, DiscoveryProperties
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    DiscoveryProperties,
+    ProblemReporter,
+)
 from discovery_handlers.mdns.details import MdnsDetails, parse_details, warnings
 from discovery_handlers.mdns.services import Service, decode_txt, device_of, wanted
 
@@ -29,6 +41,10 @@ SETTLE_QUIET = 0.5
 SETTLE_MAX = 2.0
 COALESCE = 0.05
 LOG_EVERY = 10.0
+MAX_LOG_KEYS = 1024  # rate-limit keys remembered (a flood of names cannot grow it further)
+MAX_RESOLVING = 32  # resolutions at a time (each one sends mDNS queries)
+CACHE_FLUSH_SECONDS = 1.1  # RFC 6762 §10.2: superseded records linger 1 s
+EXPIRY_MARGIN = 0.2  # seconds after a record's expiry before asking again
 
 
 class MdnsHandler(DiscoveryHandler):
@@ -37,7 +53,7 @@ class MdnsHandler(DiscoveryHandler):
     name = "mdns"
 
     def __init__(self) -> None:
-        self._last_log: dict[str, float] = {}
+        self._last_log: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     @property
     def shared(self) -> bool:
@@ -51,6 +67,9 @@ class MdnsHandler(DiscoveryHandler):
         now = time.monotonic()
         if now - self._last_log.get(key, -LOG_EVERY) >= LOG_EVERY:
             self._last_log[key] = now
+            self._last_log.move_to_end(key)
+            while len(self._last_log) > MAX_LOG_KEYS:
+                self._last_log.popitem(last=False)
             log.warning(message, *args)
 
     async def discover(
@@ -71,25 +90,114 @@ class MdnsHandler(DiscoveryHandler):
             interfaces=interfaces,
             ip_version=IPVersion.V4Only if details.interfaces else IPVersion.All,
         )
+        problems = ProblemReporter(log)
+        # only services that pass the filters; with the ones being resolved, at most
+        # ``tracked_limit`` names (the cap truncates by name, so keep some beyond it)
         services: dict[str, Service] = {}
         resolving: dict[str, asyncio.Task[None]] = {}
+        tracked_limit = 2 * details.max_devices
         resolved = asyncio.Event()
+        resolutions = asyncio.Semaphore(MAX_RESOLVING)
+        timeout_ms = int(details.resolve_timeout * 1000)
 
-        async def resolve(service_type: str, name: str) -> None:
-            info = AsyncServiceInfo(service_type, name)
-            timeout_ms = int(details.resolve_timeout * 1000)
-            if not await info.async_request(zc.zeroconf, timeout_ms):
-                self._rate_limited(f"resolve {name}", "mdns: %r did not resolve", name[:200])
-                return
-            service = _service(info, service_type, name)
+        rechecks: dict[str, asyncio.TimerHandle] = {}  # name -> when its records expire
+
+        def forget(name: str) -> None:
+            services.pop(name, None)
+            timer = rechecks.pop(name, None)
+            if timer is not None:
+                timer.cancel()
+
+        async def resolve_once(service_type: str, name: str) -> Any:
+            async with resolutions:
+                info = AsyncServiceInfo(service_type, name)
+                answered = await info.async_request(zc.zeroconf, timeout_ms)
+            return info if answered else None
+
+        def keep(service_type: str, name: str, info: Any) -> None:
+            service, dropped = _service(info, service_type, name)
+            if dropped:
+                self._rate_limited(
+                    "txt", "mdns: %r: %s (dropped)", name[:200], "; ".join(dropped)[:500]
+                )
             if service is None:
                 self._rate_limited(
-                    f"bad {name}", "mdns: %r has no host, port or address; skipped", name[:200]
+                    "bad", "mdns: %r has no host, port or address; skipped", name[:200]
                 )
-                services.pop(name, None)
+                forget(name)
+            elif not wanted(service, details):
+                forget(name)  # filtered out (now): not kept
             else:
                 services[name] = service
-            resolved.set()
+                # zeroconf's browser reports a service gone only when its PTR record
+                # expires, and it stretches that TTL to at least 1125 s; so when the SRV or
+                # address records run out, ask again (RFC 6762 §5.2): no answer means gone
+                timer = rechecks.pop(name, None)
+                if timer is not None:
+                    timer.cancel()
+                expiry = _expires_in(zc.zeroconf.cache, name, info.server)
+                if expiry is not None:
+                    rechecks[name] = loop.call_later(
+                        expiry + EXPIRY_MARGIN,
+                        events.put_nowait,
+                        (service_type, name, _EXPIRED),
+                    )
+
+        def gone(service_type: str, name: str) -> None:
+            log.info("mdns: %r does not answer now that its records expired; gone", name[:200])
+            forget(name)
+            # its PTR record would stay cached for up to 1125 s, and a re-announcement of
+            # a cached record is no news to the browser: drop it, so a return is "Added"
+            with contextlib.suppress(Exception):
+                cache = zc.zeroconf.cache
+                pointer = cache.current_entry_with_name_and_alias(service_type, name)
+                if pointer is not None:
+                    cache.async_remove_records([pointer])
+
+        async def resolve(service_type: str, name: str, change: object) -> None:
+            try:
+                info = await resolve_once(service_type, name)
+                if info is None:
+                    if change is _EXPIRED:
+                        gone(service_type, name)
+                    else:
+                        self._rate_limited("resolve", "mdns: %r did not resolve", name[:200])
+                    return
+                keep(service_type, name, info)
+                if change is ServiceStateChange.Updated:
+                    # RFC 6762 §10.2: records replaced by a cache-flush answer stay cached for
+                    # one more second (zeroconf says nothing when they go): look again then,
+                    # so a changed address replaces the old one instead of joining it
+                    resolved.set()
+                    await asyncio.sleep(CACHE_FLUSH_SECONDS)
+                    info = await resolve_once(service_type, name)
+                    if info is not None:
+                        keep(service_type, name, info)
+            finally:
+                resolved.set()
+
+        def track(service_type: str, name: str, change: object) -> None:
+            previous = resolving.pop(name, None)
+            if previous is not None:
+                previous.cancel()
+            elif change is _EXPIRED and name not in services:
+                return  # removed meanwhile
+            elif name not in services and len(services) + len(resolving) >= tracked_limit:
+                problems.report(
+                    "cap",
+                    "DeviceCapReached",
+                    f"mdns: more than {tracked_limit} service instances (2 x maxDevices) are "
+                    "announced; ignoring new ones until they announce themselves again",
+                )
+                return
+            task = asyncio.create_task(resolve(service_type, name, change))
+            resolving[name] = task
+
+            def finished(done: asyncio.Task[None]) -> None:
+                if resolving.get(name) is done:  # not replaced by a newer resolution
+                    del resolving[name]
+
+            task.add_done_callback(finished)
 
         browser = AsyncServiceBrowser(
             zc.zeroconf, list(details.service_types), handlers=[on_change]
@@ -109,15 +217,12 @@ class MdnsHandler(DiscoveryHandler):
                     if got is not _RESOLVED:
                         service_type, name, change = got
                         if change is ServiceStateChange.Removed:
-                            services.pop(name, None)
+                            forget(name)
                             task = resolving.pop(name, None)
                             if task is not None:
                                 task.cancel()
-                        else:  # Added or Updated: (re-)resolve
-                            previous = resolving.get(name)
-                            if previous is not None:
-                                previous.cancel()
-                            resolving[name] = asyncio.create_task(resolve(service_type, name))
+                        else:  # Added, Updated or its records expired: (re-)resolve
+                            track(service_type, name, change)
                     wait = COALESCE
                 if first:
                     # the services announced so far: their resolution (bounded) belongs in
@@ -125,35 +230,56 @@ class MdnsHandler(DiscoveryHandler):
                     pending = [t for t in resolving.values() if not t.done()]
                     if pending:
                         await asyncio.wait(pending, timeout=details.resolve_timeout)
-                devices = self._devices(services, details)
+                devices = self._devices(services, details, problems)
                 if first or devices != last:
                     first = False
                     last = devices
                     yield devices
         finally:
-            for task in resolving.values():
+            for task in list(resolving.values()):
                 task.cancel()
+            for timer in rechecks.values():
+                timer.cancel()
             with contextlib.suppress(Exception):
                 await browser.async_cancel()
             with contextlib.suppress(Exception):
                 await zc.async_close()
 
-    def _devices(self, services: dict[str, Service], details: MdnsDetails) -> list[Device]:
+    def _devices(
+        self, services: dict[str, Service], details: MdnsDetails, problems: ProblemReporter
+    ) -> list[Device]:
         kept = sorted((s for s in services.values() if wanted(s, details)), key=lambda s: s.name)
         if len(kept) > details.max_devices:
-            self._rate_limited(
+            # a log line and an Event (then again only every few minutes while it lasts)
+            problems.report(
                 "cap",
-                "mdns: %d services pass the filters, more than maxDevices (%d): only the first "
-                "%d (by name) are offered",
-                len(kept),
-                details.max_devices,
-                details.max_devices,
+                "DeviceCapReached",
+                f"mdns: more services pass the filters than maxDevices ({details.max_devices}):"
+                f" only the first {details.max_devices} by name are offered",
             )
             kept = kept[: details.max_devices]
         return [device_of(s) for s in kept]
 
 
 _RESOLVED = object()
+_EXPIRED = object()  # a kept service's SRV or address records ran out of TTL
+
+# DNS record types and class (RFC 1035, RFC 3596, RFC 2782)
+_TYPE_A, _TYPE_AAAA, _TYPE_SRV, _CLASS_IN = 1, 28, 33, 1
+
+
+def _expires_in(cache: Any, name: str, server: str | None) -> float | None:
+    """Seconds until the first of the service's SRV and address records expires."""
+    from zeroconf import current_time_millis
+
+    records = [cache.get_by_details(name, _TYPE_SRV, _CLASS_IN)]
+    if server:
+        records += cache.get_all_by_details(server, _TYPE_A, _CLASS_IN)
+        records += cache.get_all_by_details(server, _TYPE_AAAA, _CLASS_IN)
+    expiries = [record.get_expiration_time(100) for record in records if record is not None]
+    if not expiries:
+        return None
+    return max(0.0, float(min(expiries) - current_time_millis()) / 1000)
 
 
 async def _next_event(
@@ -184,16 +310,17 @@ async def _next_event(
     return None
 
 
-def _service(info: Any, service_type: str, name: str) -> Service | None:
+def _service(info: Any, service_type: str, name: str) -> tuple[Service | None, list[str]]:
+    """The resolved service (None without host, port or address) and why TXT entries were
+    dropped (the caller logs that, rate-limited)."""
     host = info.server or ""
     port = info.port
     addresses = tuple(info.parsed_addresses())
     if not host or not port or not addresses:
-        return None
+        return None, []
     txt, dropped = decode_txt(info.properties or {})
-    for why in dropped:
-        log.warning("mdns: %r: %s (dropped)", name[:200], why)
-    return Service(name, service_type, host.rstrip(".") + ".", int(port), addresses, txt)
+    service = Service(name, service_type, host.rstrip(".") + ".", int(port), addresses, txt)
+    return service, list(dropped)
 
 
 def _interfaces(details: MdnsDetails) -> Any:
@@ -209,7 +336,11 @@ def _interfaces(details: MdnsDetails) -> Any:
     for item in details.interfaces:
         adapter = by_name.get(item)
         if adapter is None:
-            addresses.append(item)  # an address (checked by parse_details)
+            try:
+                ipaddress.ip_address(item)
+            except ValueError:
+                raise OSError(f"mdns: no interface named {item!r} on this node") from None
+            addresses.append(item)  # an address
             continue
         addresses += [ip.ip for ip in adapter.ips if isinstance(ip.ip, str)]
     if not addresses:

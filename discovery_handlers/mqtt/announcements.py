@@ -80,6 +80,10 @@ class RefusedMessage(ValueError):
     """A message that changes nothing, and why."""
 
 
+class DeviceCapReached(RefusedMessage):
+    """A new device when ``maxDevices`` devices are already known."""
+
+
 def env_name(text: str) -> str:
     """``MQTT_<TEXT>`` as an environment variable name."""
     cleaned = re.sub(r"[^A-Z0-9_]", "_", text.upper())
@@ -282,7 +286,7 @@ class DeviceTable:
         if clash is not None:
             raise RefusedMessage(f"id {announcement.id!r} is already announced on {clash}")
         if topic not in self.by_topic and len(self.by_topic) >= self.max_devices:
-            raise RefusedMessage(f"more than maxDevices ({self.max_devices}) devices")
+            raise DeviceCapReached(f"more than maxDevices ({self.max_devices}) devices")
         if self.by_topic.get(topic) == announcement:
             return False
         self.by_topic[topic] = announcement

@@ -30,8 +30,9 @@ from discovery_handlers.base import (
     DiscoveryHandler,
     DiscoveryProperties,
     InvalidDiscoveryDetailsError,
+    ProblemReporter,
 )
-from discovery_handlers.mqtt.announcements import DeviceTable, RefusedMessage
+from discovery_handlers.mqtt.announcements import DeviceCapReached, DeviceTable, RefusedMessage
 from discovery_handlers.mqtt.details import MqttDetails, parse_details, warnings
 
 log = logging.getLogger("discovery_handlers.mqtt")
@@ -96,6 +97,7 @@ class MqttHandler(DiscoveryHandler):
             )
         table = DeviceTable(details.max_devices, details.format)
         refused = _RateLimitedLog()
+        problems = ProblemReporter(log)
         try:
             async with aiomqtt.Client(
                 details.host,
@@ -132,7 +134,7 @@ class MqttHandler(DiscoveryHandler):
                                 message = await anext(messages)
                         except TimeoutError:
                             break
-                        changed |= self._apply(table, message, refused)
+                        changed |= self._apply(table, message, refused, problems)
                         wait = COALESCE  # more of a burst, then yield
                     for topic in table.watched_availability_topics() - subscribed:
                         await client.subscribe(topic, qos=1)
@@ -146,7 +148,9 @@ class MqttHandler(DiscoveryHandler):
             ) from None
 
     @staticmethod
-    def _apply(table: DeviceTable, message: Any, refused: _RateLimitedLog) -> bool:
+    def _apply(
+        table: DeviceTable, message: Any, refused: _RateLimitedLog, problems: ProblemReporter
+    ) -> bool:
         topic = str(message.topic)
         payload = message.payload
         if isinstance(payload, str):
@@ -155,6 +159,16 @@ class MqttHandler(DiscoveryHandler):
             payload = b"" if payload is None else str(payload).encode()
         try:
             return table.apply(topic, bytes(payload))
+        except DeviceCapReached:
+            # a log line and an Event (then again only every few minutes while it lasts)
+            problems.report(
+                "cap",
+                "DeviceCapReached",
+                f"mqtt: more than maxDevices ({table.max_devices}) devices are announced; "
+                "the others are refused (raise maxDevices in discoveryDetails, or remove "
+                "announcements)",
+            )
+            return False
         except RefusedMessage as why:
             refused.warning("mqtt: message on %r refused: %s", topic[:200], why)
             return False
