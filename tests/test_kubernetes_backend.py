@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -383,7 +383,7 @@ async def fix_after_an_invalid_edit(
 
 
 async def test_kubectl_shows_instance_printer_columns(api: ApiServerDouble, tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl", path=str(Path(os.sys.executable).parent)) or shutil.which(
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
         "kubectl"
     )
     if kubectl is None:
