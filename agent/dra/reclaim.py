@@ -12,9 +12,16 @@ DRA checkpoint and, when needed, the ResourceClaim in the API:
   it, same uid, allocated with this slot's device: in use (kubelet retries the prepare);
 * **stale** — the claim is prepared on other slots, or its ResourceClaim is gone, replaced,
   deallocated or no longer allocated this device;
-* **untraceable** — the checkpoint does not know the claim (lost or unreadable checkpoint):
-  never freed by the agent (the API cannot be searched by uid without listing every claim),
-  reported once with the slot so an operator can free it.
+* **untraceable** — the checkpoint does not know the claim (lost or unreadable checkpoint,
+  or a slot written by another agent): never freed here, reported once with the slot so an
+  operator can free it. Whether such a claim is gone from the API cannot be established:
+  the slot holds only the claim's uid, a ``GET`` needs its namespace and name (which only
+  the lost checkpoint had), and finding a uid means listing every ResourceClaim of the
+  cluster, which the agent's RBAC does not allow (``resourceclaims``: ``get`` only). Freeing
+  on a guess could give a device in use to a second claim. kubelet still frees most of them:
+  it keeps its own record and calls ``NodeUnprepareResources`` when the claim's pod ends,
+  and :meth:`DraState.unprepare` frees every ``D:<uid>:<node>`` slot of a claim the
+  checkpoint does not know (docs/dra.md, "Slots nobody uses any more").
 
 A stale slot is freed once it has been seen stale for ``grace`` seconds (two looks, like the
 device-plugin reclaimer) and was not granted again meanwhile; the claim's *preparing* record
