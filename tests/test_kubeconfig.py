@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 import yaml
 
+from agent.kube.client import DEFAULT_TIMEOUT, KubeClient
 from agent.kube.credentials import StaticCredentials, TokenFileCredentials
 from agent.kube.errors import ConfigError, TransportError
-from agent.kube.exec_credential import ExecCredentials, ExecSpec
+from agent.kube.exec_credential import EXEC_SHARE, EXEC_TIMEOUT, ExecCredentials, ExecSpec
 from agent.kube.kubeconfig import load_config, load_incluster, load_kubeconfig
 from agent.kube.tls import TlsSettings, make_ssl_context
 
@@ -465,7 +466,7 @@ async def test_exec_plugin_that_hangs_is_killed(tmp_path: Path) -> None:
     plugin(tmp_path, "import time; print(os.getpid(), flush=True); time.sleep(30)")
     spec = ExecSpec(str(tmp_path / "plugin.py"), (), (), "client.authentication.k8s.io/v1")
     credentials = ExecCredentials(spec, timeout=1.0)
-    with pytest.raises(TransportError, match="no answer within 1s"):
+    with pytest.raises(TransportError, match="no answer within 1.0s"):
         await credentials.get()
     # a cancelled request does not leave the plugin running either
     task = asyncio.ensure_future(ExecCredentials(spec, timeout=30).get())
@@ -482,6 +483,33 @@ async def test_exec_plugin_that_hangs_is_killed(tmp_path: Path) -> None:
     assert len(runs(tmp_path)) == 2
     for run in runs(tmp_path):
         assert not Path(f"/proc/{run['pid']}").exists()
+
+
+async def test_exec_plugin_gets_less_time_than_the_request(tmp_path: Path) -> None:
+    """Before: the plugin had 60 s inside a request of 30 s, so a slow plugin ended as the
+    request's anonymous "no answer within 30s". Its limit now derives from the time the
+    request has left: the error names the plugin, and it is killed."""
+    plugin(tmp_path, "import time; time.sleep(30)")
+    exec_spec = {"apiVersion": "client.authentication.k8s.io/v1", "command": "./plugin.py"}
+    config = load_kubeconfig([write(tmp_path / "kc", kubeconfig(user={"exec": exec_spec}))])
+    client = KubeClient(config, timeout=2.0)
+    try:
+        with pytest.raises(TransportError) as caught:
+            await client.get("/api/v1/namespaces")
+    finally:
+        await client.close()
+    assert "exec credential plugin" in str(caught.value)
+    assert f"no answer within {2.0 * EXEC_SHARE:.1f}s" in str(caught.value)
+    (run,) = runs(tmp_path)
+    assert not Path(f"/proc/{run['pid']}").exists()
+
+
+def test_exec_run_limit_follows_the_request() -> None:
+    spec = ExecSpec("x", (), (), "client.authentication.k8s.io/v1")
+    assert ExecCredentials(spec).run_limit(30.0) == 30.0 * EXEC_SHARE < 30.0
+    assert ExecCredentials(spec).run_limit(None) == EXEC_TIMEOUT < DEFAULT_TIMEOUT
+    assert ExecCredentials(spec, timeout=1.0).run_limit(30.0) == 1.0
+    assert ExecCredentials(spec).run_limit(-1.0) == 0.0
 
 
 async def test_exec_plugin_not_installed_shows_the_hint(tmp_path: Path) -> None:

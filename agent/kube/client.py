@@ -141,7 +141,7 @@ class KubeClient:
                 while True:
                     async with self._slots:
                         for attempt in (1, 2):
-                            auth = await self.config.credentials.get()
+                            auth = await self.config.credentials.get(deadline - loop.time())
                             conn, response = await self._exchange(method, target, payload, auth)
                             data = await self._read_all(conn, method, target)
                             if self._retry_unauthorized(response, attempt):
@@ -220,7 +220,7 @@ class KubeClient:
             async with asyncio.timeout(self.timeout):
                 while True:
                     for attempt in (1, 2):
-                        auth = await self.config.credentials.get()
+                        auth = await self.config.credentials.get(head_deadline - loop.time())
                         conn, response = await self._exchange("GET", target, None, auth)
                         if response.status < 400:
                             break

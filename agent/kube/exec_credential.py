@@ -25,10 +25,12 @@ from agent.kube.errors import ConfigError, TransportError
 
 API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
 # Credentials are fetched inside a request, so a plugin can never take longer than the
-# request's own timeout (30 s, agent.kube.client.DEFAULT_TIMEOUT); a longer limit here was a
-# promise the request never kept. A plugin that needs more (an interactive login) cannot
-# serve an agent anyway.
-EXEC_TIMEOUT = 25.0
+# request's own timeout; a longer limit here was a promise the request never kept (it was
+# 60 s against 30 s). The plugin gets this share of the time the request has left: its own
+# "no answer" error, naming the plugin, comes first, with time left to send the request.
+EXEC_SHARE = 0.8
+# when the caller names no deadline: the share of the client's default 30 s
+EXEC_TIMEOUT = 24.0
 EXPIRY_MARGIN = 10.0  # refresh this many seconds before the credential expires
 
 
@@ -85,7 +87,8 @@ def parse_exec_spec(
 class ExecCredentials(Credentials):
     """Runs the plugin when there is no cached credential or it is about to expire."""
 
-    def __init__(self, spec: ExecSpec, *, timeout: float = EXEC_TIMEOUT) -> None:
+    def __init__(self, spec: ExecSpec, *, timeout: float | None = None) -> None:
+        """``timeout``: an upper bound of its own for each run (else only the request's)."""
         self.spec = spec
         self._timeout = timeout
         self._lock = asyncio.Lock()
@@ -93,19 +96,24 @@ class ExecCredentials(Credentials):
         self._expires: float | None = None  # time.time() value
         self.runs = 0
 
-    async def get(self) -> Auth:
+    async def get(self, within: float | None = None) -> Auth:
         async with self._lock:
             if self._auth is None or (
                 self._expires is not None and time.time() >= self._expires - EXPIRY_MARGIN
             ):
-                self._auth, self._expires = await self._run()
+                self._auth, self._expires = await self._run(self.run_limit(within))
             return self._auth
+
+    def run_limit(self, within: float | None) -> float:
+        """Seconds a run may take when the request has ``within`` seconds left."""
+        derived = EXEC_TIMEOUT if within is None else max(within, 0.0) * EXEC_SHARE
+        return derived if self._timeout is None else min(self._timeout, derived)
 
     def invalidate(self) -> bool:
         self._auth = None
         return True
 
-    async def _run(self) -> tuple[Auth, float | None]:
+    async def _run(self, limit: float) -> tuple[Auth, float | None]:
         spec = self.spec
         info: dict[str, Any] = {
             "apiVersion": spec.api_version,
@@ -116,31 +124,36 @@ class ExecCredentials(Credentials):
             info["spec"]["cluster"] = dict(spec.cluster)
         env = {**os.environ, **dict(spec.env), "KUBERNETES_EXEC_INFO": json.dumps(info)}
         self.runs += 1
+        # one deadline for starting and running the plugin: on a loaded node the start alone
+        # may take a while, and the request's own deadline comes soon after
+        deadline = asyncio.get_running_loop().time() + limit
+        too_slow = f"exec credential plugin {spec.command}: no answer within {limit:.1f}s"
         try:
-            process = await asyncio.create_subprocess_exec(
-                spec.command,
-                *spec.args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=env,
-            )
+            async with asyncio.timeout_at(deadline):
+                process = await asyncio.create_subprocess_exec(
+                    spec.command,
+                    *spec.args,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                )
         except OSError as error:
             hint = f" ({spec.install_hint.strip()})" if spec.install_hint else ""
             raise TransportError(
                 f"exec credential plugin {spec.command}: {error.strerror or error}{hint}"
             ) from error
+        except TimeoutError as error:
+            raise TransportError(too_slow) from error
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout_at(deadline):
                 stdout, stderr = await process.communicate()
         except BaseException as error:  # timed out, or the request was cancelled
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
             if isinstance(error, TimeoutError):
-                raise TransportError(
-                    f"exec credential plugin {spec.command}: no answer within {self._timeout:g}s"
-                ) from error
+                raise TransportError(too_slow) from error
             raise
         if process.returncode != 0:
             tail = stderr.decode("utf-8", "replace").strip()[-500:]
