@@ -218,3 +218,97 @@ async def test_a_hello_on_another_interface_is_not_heard(link: Link) -> None:
         finally:
             await collector.close()
             await elsewhere.stop(bye=False)
+
+
+HANDLER_WITH_DEFAULT_INTERFACES = """
+import asyncio, json, sys
+from discovery_handlers.onvif import OnvifHandler
+from discovery_handlers.onvif.multicast import resolve_interfaces
+
+async def main():
+    print(json.dumps([i.label for i in resolve_interfaces([])]), flush=True)
+    async for devices in OnvifHandler(ipv6=False).discover(sys.argv[1], {}):
+        print(json.dumps(sorted(d.properties["ONVIF_DEVICE_UUID"] for d in devices)), flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def two_links() -> Iterator[tuple[str, list[Link]]]:
+    """A namespace for the handler, joined by a veth pair each to two camera namespaces on
+    different subnets (no default route anywhere): (handler namespace, [link A, link B])."""
+    tag = f"{os.getpid() % 100000}"
+    handler_ns = f"akri-onvif-h{tag}"
+    created = subprocess.run(["ip", "netns", "add", handler_ns], capture_output=True, text=True)
+    if created.returncode != 0:
+        pytest.skip(f"cannot create a network namespace: {created.stderr.strip()}")
+    made = [handler_ns]
+    links = []
+    try:
+        _ip("link", "set", "lo", "up", namespace=handler_ns)
+        for index, subnet in enumerate(("10.231.78", "10.231.79")):
+            camera_ns = f"akri-onvif-c{index}{tag}"
+            subprocess.run(["ip", "netns", "add", camera_ns], check=True, capture_output=True)
+            made.append(camera_ns)
+            host_end, camera_end = f"adh{index}{tag}", f"adc{index}{tag}"
+            _ip("link", "add", host_end, "netns", handler_ns, "type", "veth",
+                "peer", "name", camera_end, "netns", camera_ns)  # fmt: skip
+            _ip("addr", "add", f"{subnet}.1/24", "dev", host_end, namespace=handler_ns)
+            _ip("link", "set", host_end, "up", namespace=handler_ns)
+            _ip("addr", "add", f"{subnet}.2/24", "dev", camera_end, namespace=camera_ns)
+            _ip("link", "set", camera_end, "up", namespace=camera_ns)
+            _ip("link", "set", "lo", "up", namespace=camera_ns)
+            links.append(Link(camera_ns, host_end))
+        # a third veth end, up but without an address (like a pod's host end): not chosen
+        _ip("link", "add", f"adx{tag}", "type", "veth", "peer", "name", f"ady{tag}",
+            namespace=handler_ns)  # fmt: skip
+        _ip("link", "set", f"adx{tag}", "up", namespace=handler_ns)
+        _ip("link", "set", f"ady{tag}", "up", namespace=handler_ns)
+        yield handler_ns, links
+    finally:
+        for namespace in made:
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, check=False)
+
+
+async def test_default_interfaces_are_every_multicast_capable_one(
+    two_links: tuple[str, list[Link]],
+) -> None:
+    """No ``interfaces`` in discoveryDetails: the handler probes and listens on both veth
+    links (cameras on two subnets, no default route), not on lo or an address-less veth."""
+    import json
+
+    handler_ns, (link_a, link_b) = two_links
+    async with cameras(link_a) as started:
+        first = await start_camera(link_a, "10.231.78.2", "02:00:00:00:05:01", started)
+        second = await start_camera(link_b, "10.231.79.2", "02:00:00:00:05:02", started)
+        text = (
+            "discoveryTimeoutSeconds: 1\nprobeIntervalSeconds: 3600\n"
+            f'uuids: {{action: Include, items: ["{first}", "{second}"]}}\n'
+        )
+        handler = await asyncio.create_subprocess_exec(
+            "ip", "netns", "exec", handler_ns,
+            sys.executable, "-c", HANDLER_WITH_DEFAULT_INTERFACES, text,
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert handler.stdout is not None
+            line = await asyncio.wait_for(handler.stdout.readline(), 20)
+            chosen = json.loads(line) if line else line
+            assert chosen == sorted([link_a.host_interface, link_b.host_interface]), chosen
+            seen: list[str] = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while set(seen) != {first, second}:
+                remaining = deadline - loop.time()
+                assert remaining > 0, f"both cameras not found; last list: {seen}"
+                with contextlib.suppress(TimeoutError):
+                    line = await asyncio.wait_for(handler.stdout.readline(), remaining)
+                    if not line:
+                        assert handler.stderr is not None
+                        raise AssertionError((await handler.stderr.read()).decode()[-2000:])
+                    seen = json.loads(line)
+        finally:
+            if handler.returncode is None:
+                handler.kill()
+                await handler.wait()

@@ -444,3 +444,22 @@ def test_credentials_json_list_forms_and_order() -> None:
 )
 def test_malformed_credentials_are_skipped(properties: dict[str, bytes | None]) -> None:
     assert len(CredentialStore.from_properties(properties)) == 0
+
+
+def test_default_interfaces_are_the_multicast_capable_ones() -> None:
+    from discovery_handlers.onvif.multicast import Link, default_links, resolve_interfaces
+
+    lo = Link("lo", 1, up=True, multicast=False, loopback=True, has_ipv4=True)
+    eth0 = Link("eth0", 2, up=True, multicast=True, loopback=False, has_ipv4=True)
+    eth1 = Link("eth1", 3, up=True, multicast=True, loopback=False, has_ipv4=True)
+    down = Link("eth2", 4, up=False, multicast=True, loopback=False, has_ipv4=True)
+    nomc = Link("tun0", 5, up=True, multicast=False, loopback=False, has_ipv4=True)
+    veth = Link("veth1", 6, up=True, multicast=True, loopback=False, has_ipv4=False)
+    mclo = Link("lo", 1, up=True, multicast=True, loopback=True, has_ipv4=True)
+    assert default_links([lo, eth0, eth1, down, nomc, veth]) == [eth0, eth1]
+    assert default_links([lo, veth, down]) == [veth]  # IPv6-only links, if nothing better
+    assert default_links([mclo, down]) == [mclo]  # a loopback only when nothing else
+    assert default_links([lo, down, nomc]) == []
+    labels = [i.label for i in resolve_interfaces([], lambda: [lo, eth0, eth1, veth])]
+    assert labels == ["eth0", "eth1"]
+    assert [(i.label, i.index) for i in resolve_interfaces([], lambda: [lo])] == [("default", 0)]

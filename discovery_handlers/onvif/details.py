@@ -7,7 +7,7 @@
     discoveryTimeoutSeconds: 1                      # default 1: how long a Probe collects answers
     # ours (Akri ignores them):
     probeIntervalSeconds: 10                        # default 10: time between Probes
-    interfaces: [eth0]                              # default: the kernel's default route
+    interfaces: [eth0]                              # default: all multicast-capable
 
 ``action`` defaults to ``Include``. ``interfaces`` names network interfaces (or their IPv4
 addresses) on which to send Probes and listen for Hello/Bye.

@@ -137,7 +137,7 @@ class OnvifHandler(DiscoveryHandler):
         await sockets.start()
         log.info(
             "onvif: discovering on %s (probe every %gs, window %gs, %d credential(s))",
-            ", ".join(details.interfaces) or "the default interface",
+            ", ".join(sockets.interfaces),
             details.probe_interval,
             details.discovery_timeout,
             len(credentials),

@@ -49,11 +49,87 @@ class Interface:
     ipv4: str = "0.0.0.0"
 
 
-def resolve_interfaces(names: Sequence[str]) -> list[Interface]:
-    """Interfaces from names or IPv4 addresses; ``[]`` means the default interface.
+@dataclass(frozen=True)
+class Link:
+    """What the default choice needs to know about a network interface."""
+
+    name: str
+    index: int
+    up: bool
+    multicast: bool
+    loopback: bool
+    has_ipv4: bool
+
+
+def default_links(links: Sequence[Link]) -> list[Link]:
+    """The interfaces to use when none are configured (the issue's "all multicast-capable"):
+    every interface that is up and multicast-capable, not a loopback, with an IPv4 address;
+    failing that, such interfaces without IPv4; failing that, multicast-capable loopbacks;
+    ``[]`` leaves the choice to the kernel (its default route).
+
+    Why an IPv4 address: on a Kubernetes node most interfaces are the host ends of pod veth
+    pairs (up, multicast-capable, no address): cameras are not behind them, and a socket can
+    join a group on at most ``net.ipv4.igmp_max_memberships`` (20) interfaces."""
+    usable = [link for link in links if link.up and link.multicast]
+    outward = [link for link in usable if not link.loopback]
+    for choice in ([link for link in outward if link.has_ipv4], outward):
+        if choice:
+            return choice
+    return [link for link in usable if link.loopback]
+
+
+# from linux/sockios.h and linux/if.h
+_SIOCGIFFLAGS = 0x8913
+_SIOCGIFADDR = 0x8915
+_IFF_UP = 0x1
+_IFF_LOOPBACK = 0x8
+_IFF_MULTICAST = 0x1000
+
+
+def system_links() -> list[Link]:
+    """This network namespace's interfaces (ioctl on a socket: the namespace of the caller,
+    unlike /sys/class/net, which shows the one sysfs was mounted in)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    import fcntl
+
+    links = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for index, name in socket.if_nameindex():
+            request = struct.pack("16sH14s", name.encode()[:15], 0, b"")
+            try:
+                flags = struct.unpack_from("H", fcntl.ioctl(sock, _SIOCGIFFLAGS, request), 16)[0]
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                fcntl.ioctl(sock, _SIOCGIFADDR, request)
+                has_ipv4 = True
+            except OSError:  # EADDRNOTAVAIL: no IPv4 address
+                has_ipv4 = False
+            links.append(
+                Link(
+                    name,
+                    index,
+                    up=bool(flags & _IFF_UP),
+                    multicast=bool(flags & _IFF_MULTICAST),
+                    loopback=bool(flags & _IFF_LOOPBACK),
+                    has_ipv4=has_ipv4,
+                )
+            )
+    return links
+
+
+def resolve_interfaces(
+    names: Sequence[str], links: Callable[[], Sequence[Link]] = system_links
+) -> list[Interface]:
+    """Interfaces from names or IPv4 addresses; ``[]`` means every multicast-capable one
+    (:func:`default_links`), or the kernel's default route if there is none.
     Raises OSError for an unknown interface name."""
     if not names:
-        return [Interface("default", 0)]
+        chosen = default_links(links())
+        if not chosen:
+            return [Interface("default", 0)]
+        return [Interface(link.name, link.index) for link in chosen]
     result = []
     for name in names:
         try:
@@ -123,10 +199,12 @@ class WsDiscoverySockets:
         self._probers: list[tuple[asyncio.DatagramTransport, Any, str]] = []
         self._listeners: list[asyncio.DatagramTransport] = []
         self._warned: set[str] = set()
+        self.interfaces: list[str] = []  # labels of the interfaces in use, after start()
 
     async def start(self) -> None:
         """Open the sockets (raises OSError if no Probe socket at all can be opened)."""
         interfaces = resolve_interfaces(self.interface_names)
+        self.interfaces = [interface.label for interface in interfaces]
         loop = asyncio.get_running_loop()
         for interface in interfaces:
             with contextlib.suppress(OSError):
@@ -204,19 +282,34 @@ class WsDiscoverySockets:
                         )
                         joined += 1
                     except OSError as error:
-                        if error.errno != errno.EADDRINUSE:  # already joined: fine
+                        if error.errno == errno.EADDRINUSE:  # already joined: fine
+                            joined += 1
+                        elif len(interfaces) == 1:
                             raise
+                        else:  # e.g. over net.ipv4.igmp_max_memberships: the others still
+                            log.warning(
+                                "onvif: cannot hear Hello/Bye on %s: %s", interface.label, error
+                            )
+                if not joined:
+                    raise OSError(errno.EADDRNOTAVAIL, "no interface could join the group")
             else:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 sock.bind(("::", self.port))
                 group = socket.inet_pton(socket.AF_INET6, MULTICAST_IPV6)
                 for interface in interfaces:
-                    sock.setsockopt(
-                        socket.IPPROTO_IPV6,
-                        socket.IPV6_JOIN_GROUP,
-                        group + struct.pack("@I", interface.index),
-                    )
-                    joined += 1
+                    try:
+                        sock.setsockopt(
+                            socket.IPPROTO_IPV6,
+                            socket.IPV6_JOIN_GROUP,
+                            group + struct.pack("@I", interface.index),
+                        )
+                        joined += 1
+                    except OSError as error:
+                        if len(interfaces) == 1:
+                            raise
+                        log.debug("onvif: no IPv6 Hello/Bye on %s: %s", interface.label, error)
+                if not joined:
+                    raise OSError(errno.EADDRNOTAVAIL, "no interface could join the group")
             label = f"listener/{'v4' if family == socket.AF_INET else 'v6'}"
             transport, _ = await loop.create_datagram_endpoint(
                 lambda: _Protocol(self.on_message, label), sock=sock
