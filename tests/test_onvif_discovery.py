@@ -553,3 +553,35 @@ async def test_cameras_not_offered_give_an_event_without_credentials(
     finally:
         await manager.close()
         await store.close()
+
+
+def test_the_helm_charts_onvif_configuration_loads_unchanged() -> None:
+    """Akri's chart, rendered with its defaults (onvif.configuration.enabled=true): valid
+    against our Configuration CRD, accepted by our model and by the handler (no warnings),
+    and every filter the chart writes is Akri's 'Exclude nothing'."""
+    from tests.test_crds import (
+        CONFIGURATION_CRD,
+        cel_violations,
+        load_crd,
+        schema_errors,
+        schema_of,
+        spec_only,
+        unknown_fields,
+    )
+
+    text = (FIXTURES / "helm-onvif-configuration.yaml").read_text()
+    (document,) = [d for d in yaml.safe_load_all(text) if d]
+    schema = schema_of(load_crd(CONFIGURATION_CRD))
+    assert schema_errors(document, schema) == []
+    assert unknown_fields(spec_only(document), schema) == []
+    assert cel_violations(document, schema) == []
+    configuration = parse_configuration(document)
+    assert configuration.name == "akri-onvif" and configuration.capacity == 1
+    assert configuration.discovery_handler.name == "onvif"
+    details_text = configuration.discovery_handler.discovery_details
+    assert details_text.startswith("ipAddresses: \n")  # as the template writes it
+    assert OnvifHandler().validate(details_text) == []
+    parsed = parse_details(details_text)
+    for kind in (parsed.ip_addresses, parsed.mac_addresses, parsed.scopes, parsed.uuids):
+        assert kind is not None and kind.action is Action.EXCLUDE and kind.items == ()
+    assert parsed.discovery_timeout == 1 and parsed.interfaces == ()
