@@ -182,6 +182,23 @@ def claim_ref(
     return (namespace, uid or f"uid-{name}", name)
 
 
+MARKER = "marker.example.com"
+
+
+async def watcher_caught_up(kubelet: DraKubeletDouble, base: Path) -> None:
+    """Proof that the plugin watcher has completed whole passes over the registry since this
+    call (instead of sleeping and hoping it did): a marker plugin appears and is registered
+    in one pass, vanishes and is deregistered in a later one. Passes run one after another,
+    so every registration attempt of the earlier pass (all sockets then present) is done."""
+    marker = FakeDraPlugin(base, MARKER)
+    await marker.start()
+    try:
+        await kubelet.wait_for_registration(MARKER)
+    finally:
+        await marker.stop()
+    await kubelet.wait_for_deregistration(MARKER)
+
+
 # --------------------------------------------------------------------------------------------
 # Plugin watcher
 # --------------------------------------------------------------------------------------------
@@ -196,8 +213,8 @@ async def test_registration_sequence_and_endpoint(base: Path, plugin: FakeDraPlu
         assert registration.endpoint == str(plugin.dra_socket)
         assert registration.socket == plugin.registry_socket
         assert registration.supported_versions == (DRA_V1, DRA_V1BETA1)
-        await asyncio.sleep(0.3)  # no re-registration while the socket stays
-        assert plugin.log == ["GetInfo", "Notify(True)"]
+        await watcher_caught_up(kubelet, base)
+        assert plugin.log == ["GetInfo", "Notify(True)"]  # no re-registration: socket stayed
 
 
 @pytest.mark.parametrize(
@@ -270,7 +287,7 @@ async def test_dot_sockets_ignored_and_late_sockets_found(base: Path) -> None:
         async with DraKubeletDouble(base / "registry", "node-a") as kubelet:
             await late.start()
             await kubelet.wait_for_registration("late.example.com", timeout=3)
-            await asyncio.sleep(0.2)
+            await watcher_caught_up(kubelet, base)
             assert hidden.log == []
             assert kubelet.drivers() == ["late.example.com"]
     finally:
@@ -303,13 +320,22 @@ async def test_reregistration_within_wipe_delay_keeps_slices(base: Path) -> None
     api.create(resource_slice("a-1", pool="node-a", devices=["d0"], node_name="node-a"))
     fake = FakeDraPlugin(base)
     await fake.start()
-    async with DraKubeletDouble(base / "registry", "node-a", api, wipe_delay=0.5) as kubelet:
+    # a wipe delay a loaded machine re-registers well within (the old 0.5 s plus a sleep of
+    # 0.7 s failed whenever the re-registration itself took longer than 0.5 s)
+    async with DraKubeletDouble(base / "registry", "node-a", api, wipe_delay=2.0) as kubelet:
         await kubelet.wait_for_registration(DRIVER)
         await fake.stop()
         await kubelet.wait_for_deregistration(DRIVER, timeout=2)
         await fake.start()
         await kubelet.wait_for_registration(DRIVER, timeout=2)
-        await asyncio.sleep(0.7)
+        # a marker driver deregistered after ours has its wipe run: ours was due earlier
+        await watcher_caught_up(kubelet, base)
+        await kubelet.wait_for(
+            lambda: any(driver == MARKER for driver, _names in kubelet.wiped),
+            timeout=10,
+            what="the marker's wipe",
+        )
+        assert [driver for driver, _names in kubelet.wiped] == [MARKER]
         assert api.get(SLICES, "a-1") is not None
     await fake.stop()
 
