@@ -8,7 +8,9 @@ test time, nothing imported from the agent), which can also misbehave on purpose
 
 from __future__ import annotations
 
+import re
 import shutil
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -269,3 +271,82 @@ def test_endpoints_outside_the_directory_are_refused(setup: Setup) -> None:
     assert client.wait_exit(10) == 3
     agent.wait_for_log("registration refused: handler protoOnly: socket .* is outside")
     assert setup.instances() == {}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_with_pod_ip_the_handler_serves_on_a_network_port_and_registers_it(
+    setup: Setup,
+) -> None:
+    """Like Akri's handlers in a pod: ``POD_IP`` set → ``Discover`` on ``$POD_IP:--port`` and a
+    ``NETWORK`` registration ``http://$POD_IP:port`` (loopback is an address of this node)."""
+    agent = setup.agent(EXAMPLE)
+    agent.wait_for_log("registration served on")
+    port = free_port()
+    handler = AgentProcess(
+        [
+            "debugEcho",
+            *("--discovery-handlers-dir", str(setup.dir), "--port", str(port)),
+            *("--debug-echo-availability-file", str(setup.base / "avail")),
+        ],
+        command="handler",
+        env={"POD_IP": "127.0.0.1"},
+        label="akri handler debugEcho (POD_IP)",
+    )
+    setup.processes.append(handler)
+    endpoint = f"http://127.0.0.1:{port}"
+    handler.wait_for_log(f"handler debugEcho serves Discover at {re.escape(endpoint)}")
+    handler.wait_for_log("registered debugEcho with the agent")
+    agent.wait_for_log(f"discovery handler debugEcho registered at {re.escape(endpoint)}")
+    assert not (setup.dir / "debugEcho.sock").exists()
+    poll_until(
+        lambda: ids(setup.instances(), "DEBUG_ECHO_DESCRIPTION") == {"foo0", "foo1"},
+        timeout=10,
+        message=setup.logs,
+    )
+
+
+def discover_status(target: str, details: str) -> Any:
+    """The status a ``Discover`` call with ``details`` ends with (read within 10 s)."""
+    import grpc
+
+    from agent.protos.akri.discovery.v0 import discovery_pb2, discovery_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        stub = discovery_pb2_grpc.DiscoveryHandlerStub(channel)
+        call = stub.Discover(discovery_pb2.DiscoverRequest(discovery_details=details), timeout=10)
+        try:
+            for _response in call:
+                pass
+        except grpc.RpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("name", ["udev", "onvif", "mdns", "mqtt"])
+def test_each_embedded_handler_runs_as_an_external_one(setup: Setup, name: str) -> None:
+    """``akri handler NAME`` starts and answers ``Discover`` on ``<dir>/NAME.sock`` (no agent
+    needed: it keeps trying to register). The directory comes from Akri's variable
+    ``DISCOVERY_HANDLERS_DIRECTORY``. Unparseable discoveryDetails are refused by the handler
+    itself (INVALID_ARGUMENT, before anything is probed or a broker is dialled), which proves
+    that the named handler serves the socket."""
+    import grpc
+
+    handler = AgentProcess(
+        [name],
+        command="handler",
+        env={"DISCOVERY_HANDLERS_DIRECTORY": str(setup.dir)},
+        label=f"akri handler {name}",
+    )
+    setup.processes.append(handler)
+    socket_path = setup.dir / f"{name}.sock"
+    handler.wait_for_log(f"handler {name} serves Discover at {re.escape(str(socket_path))}")
+    status = discover_status(f"unix://{socket_path}", "{ not: [yaml")
+    assert status == grpc.StatusCode.INVALID_ARGUMENT, handler.describe()
+    assert handler.running
+    assert handler.stop() == 0
+    assert not socket_path.exists()

@@ -46,6 +46,18 @@ def test_akri_variable_fallbacks() -> None:
     assert s.node_name == "ours"
 
 
+def test_the_handler_directory_falls_back_to_akri_s_variable() -> None:
+    """--discovery-handlers-dir, then AKRI_DISCOVERY_HANDLERS_DIR, then Akri's
+    DISCOVERY_HANDLERS_DIRECTORY, then /var/lib/akri."""
+    assert settings([], {}).discovery_handlers_dir == Path("/var/lib/akri")
+    akri = {"DISCOVERY_HANDLERS_DIRECTORY": "/akri/dh"}
+    assert settings([], akri).discovery_handlers_dir == Path("/akri/dh")
+    ours = {**akri, "AKRI_DISCOVERY_HANDLERS_DIR": "/ours/dh"}
+    assert settings([], ours).discovery_handlers_dir == Path("/ours/dh")
+    flag = ["--discovery-handlers-dir", "/flag/dh"]
+    assert settings(flag, ours).discovery_handlers_dir == Path("/flag/dh")
+
+
 @pytest.mark.parametrize(
     ("env", "needle"),
     [
