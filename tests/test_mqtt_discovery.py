@@ -319,6 +319,73 @@ def test_an_agent_makes_instances_from_announcements(broker: Broker, tmp_path: P
         agent.cleanup()
 
 
+def test_an_agent_keeps_instances_while_the_broker_is_down_and_recovers(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """mosquitto stopped under a running agent: the handler fails (it does not report an
+    empty list), so the Instance stays, not even marked offline, although the offline grace
+    is 0 here (an outage taken for "no devices" would delete it at once). When the broker is
+    back the handler reconnects and new announcements become Instances again."""
+    asyncio.run(publish(broker, "akri/devices/a", json.dumps({"id": "sensor-a"})))
+    config = tmp_path / "mqtt.yaml"
+    config.write_text(
+        "apiVersion: akri.sh/v0\nkind: Configuration\nmetadata: {name: sensors}\nspec:\n"
+        "  discoveryHandler:\n    name: mqtt\n    discoveryDetails: |\n"
+        f"      broker: {{host: 127.0.0.1, port: {broker.port}}}\n"
+        "      topics: ['akri/devices/#']\n  capacity: 1\n"
+    )
+    state = tmp_path / "state"
+    agent = AgentProcess(
+        ["--local", "--no-debug-echo", "--state-dir", str(state), "--config", str(config),
+         "--node-name", "n1", "--discovery-handlers-dir", str(tmp_path / "dh"),
+         "--shared-offline-grace", "0"],
+        label="agent (mqtt outage)",
+    )  # fmt: skip
+
+    def instance_ids() -> dict[str, str]:
+        return {
+            name: instance["spec"]["brokerProperties"].get("MQTT_TOPIC", "")
+            for name, instance in instance_files(state).items()
+        }
+
+    def marked_offline() -> list[str]:
+        return [
+            name
+            for name, instance in instance_files(state).items()
+            if "akri.sh/offline" in (instance["metadata"].get("annotations") or {})
+        ]
+
+    try:
+        (first,) = poll_until(instance_ids, timeout=15, message=agent.describe)
+        outage = agent.mark()
+        broker.stop()
+        failed = r"handler mqtt failed: BrokerUnavailableError"
+        agent.wait_for_log(failed, timeout=15, since=outage)
+        # and a reconnect attempt during the outage failed too (backoff 1 s, then 2 s)
+        retried = len(agent.matching(failed, since=outage))
+        poll_until(
+            lambda: len(agent.matching(failed, since=outage)) > retried,
+            timeout=15,
+            message=agent.describe,
+        )
+        assert list(instance_ids()) == [first], agent.describe()
+        assert marked_offline() == [], agent.describe()
+        back = agent.mark()
+        broker.start()  # persistence keeps the retained announcement
+        agent.wait_for_log(r"mqtt: connected to 127\.0\.0\.1", timeout=30, since=back)
+        agent.wait_for_log(r"mqtt reports 1 device", timeout=15, since=back)
+        asyncio.run(publish(broker, "akri/devices/b", json.dumps({"id": "sensor-b"})))
+        poll_until(
+            lambda: sorted(instance_ids().values()) == ["akri/devices/a", "akri/devices/b"],
+            timeout=15,
+            message=agent.describe,
+        )
+        assert first in instance_ids() and marked_offline() == []
+        assert agent.stop() == 0
+    finally:
+        agent.cleanup()
+
+
 async def test_tls_with_a_test_ca(tmp_path: Path) -> None:
     from tests.test_kubeconfig import make_certs
 
