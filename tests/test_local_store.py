@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from agent.store.base import (
     NotFoundError,
     StoreError,
 )
-from agent.store.local import LocalInstanceStore, read_state_dir
+from agent.store.local import COUNTER_FILE, LocalInstanceStore, read_state_dir
 
 KEY = ObjectKey("default", "cfg-abcdef")
 
@@ -202,12 +203,25 @@ async def test_own_burst_of_writes_never_rereads_the_directory(tmp_path: Path) -
         real_rescan(publish=publish)
 
     store._rescan = counting_rescan  # type: ignore[method-assign]
+    polled = asyncio.Event()
+    real_poll = store._poll_once
+
+    def signalling_poll() -> None:
+        real_poll()
+        polled.set()
+
+    store._poll_once = signalling_poll  # type: ignore[method-assign]
     try:
         for index in range(300):
             await store.create(make(f"burst-{index}", capacity=1))
             if index % 10 == 0:
                 await asyncio.sleep(0)  # let the poll run mid-burst, as it does in the agent
-        await asyncio.sleep(0.2)
+        # a poll that runs from now on comes after every poll the burst woke (they run one
+        # at a time), so it proves the burst was looked at; touching the counter (its value
+        # is still our own last write) makes sure one runs
+        polled.clear()
+        os.utime(tmp_path / "state" / COUNTER_FILE)
+        await asyncio.wait_for(polled.wait(), 10)
         assert rescans == 0
         # and another process's write is still noticed
         other = LocalInstanceStore(tmp_path / "state", poll_interval=0.05, durable=False)

@@ -114,16 +114,29 @@ async def test_properties_resolved_and_re_resolved_on_change(
                 api.apply(secret("creds", user="rotated-value"))
                 await eventually(lambda: len(handler.seen) == 2, what="re-resolved")
                 assert handler.seen[1]["user"] == b"rotated-value"
-                # an unrelated write to the same Secret (same values) does not restart
+                # an unrelated write to the same Secret (same values) does not restart:
+                reads_of_last = len(api.requests_for("get", "secrets", name="absent"))
                 same = secret("creds", user="rotated-value")
                 same["metadata"]["labels"] = {"x": "y"}
                 api.apply(same)
-                await asyncio.sleep(0.5)
-                assert len(handler.seen) == 2
+                # the agent re-read the properties after that write ("absent" is read last)
+                await eventually(
+                    lambda: len(api.requests_for("get", "secrets", name="absent")) > reads_of_last,
+                    what="the properties re-checked",
+                )
+                # ... and a later real change is the next restart, so that write made none
+                api.apply(secret("creds", user="third-value"))
+                await eventually(lambda: len(handler.seen) >= 3, what="re-resolved again")
+                assert [seen["user"] for seen in handler.seen] == [
+                    b"admin-secret-value",
+                    b"rotated-value",
+                    b"third-value",
+                ]
             finally:
                 await node.stop()
         logged = "\n".join(r.getMessage() for r in caplog.records)
-        assert "admin-secret-value" not in logged and "rotated-value" not in logged
+        for value in ("admin-secret-value", "rotated-value", "third-value"):
+            assert value not in logged
 
 
 async def test_missing_required_secret_is_an_event_and_retried(tmp_path: Path) -> None:
