@@ -364,9 +364,14 @@ async def test_reregistration_closes_old_stream(
     assert kubelet.endpoint(RESOURCE) == "new.sock"
     assert kubelet.devices(RESOURCE) == {"b": H, "c": H}
     await old.stop()
-    await asyncio.sleep(0.1)
-    assert kubelet.connected(RESOURCE) and kubelet.allocatable(RESOURCE) == 2
+    # a later update on the new stream reaches the kubelet: it still listens to the new
+    # plugin after the old one went away (instead of sleeping and hoping)
+    new.update([("b", H), ("c", U)])
+    await kubelet.wait_for(lambda: kubelet.healthy_devices(RESOURCE) == {"b"}, 2)
+    assert kubelet.connected(RESOURCE) and not kubelet.endpoint_stopped(RESOURCE)
+    assert kubelet.endpoint(RESOURCE) == "new.sock" and kubelet.allocatable(RESOURCE) == 1
     assert new.open_streams == 1
+    assert [end for end in kubelet.stream_ends if end[1] == "new.sock"] == []
 
 
 async def test_kubelet_mode_old_stream_end_disconnects_new_client(
