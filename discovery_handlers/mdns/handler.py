@@ -1,11 +1,15 @@
 """``MdnsHandler``: browse DNS-SD service types with multicast DNS and yield the full list.
 
 ``zeroconf``'s asyncio API: an ``AsyncServiceBrowser`` tells us when a service instance is
-added, updated (address or TXT changed) or removed (goodbye packet, or its records' TTL ran
-out); each added or updated instance is resolved (``AsyncServiceInfo``, under
-``resolveTimeoutSeconds``) and kept while it passes the filters. No polling: the browser's own
-re-queries follow RFC 6762's backoff. The first list waits a moment for the answers to the
-first queries (quiet for :data:`SETTLE_QUIET` s, at most :data:`SETTLE_MAX` s).
+added, updated (address or TXT changed) or removed (goodbye packet, or its PTR record's TTL
+ran out); each added or updated instance is resolved (``AsyncServiceInfo``, under
+``resolveTimeoutSeconds``) and kept while it passes the filters. zeroconf stretches PTR TTLs
+to at least 1125 s, so a kept service is also asked again when its SRV or address records
+expire, and is gone if it no longer answers; an update is resolved again after RFC 6762's 1 s
+cache-flush delay, so a changed address replaces the old one (docs/mdns.md). No polling:
+the browser's own re-queries follow RFC 6762's backoff. The first list waits a moment for
+the answers to the first queries (quiet for :data:`SETTLE_QUIET` s, at most
+:data:`SETTLE_MAX` s).
 
 Under a flood of announcements what is kept stays bounded: only services that pass the
 filters are kept, and at most ``2 * maxDevices`` service instances are kept or being resolved
