@@ -151,7 +151,10 @@ async def test_requests_are_the_ones_the_agent_always_sent(
     )
     events = watch_events(stream, "secret")
     task = asyncio.ensure_future(anext(events))
-    await asyncio.sleep(0.2)
+    for _ in range(500):  # until the watch reached the server (bounded: 5 s)
+        if api.requests_for(verb="watch"):
+            break
+        await asyncio.sleep(0.01)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
         await task

@@ -192,9 +192,13 @@ async def test_api_server_unreachable_for_30s_then_converges(
     try:
         await eventually(lambda: len(instances(api)) == 2)
         outage = api.go_offline_for(30)
-        await asyncio.sleep(0.5)
+        informer = node.store._instance_informer
+        await eventually(lambda: not informer.connected.is_set(), what="the watch lost")
         node.offline()  # devices vanish while the API is down
-        await asyncio.sleep(2)
+        runner = node.manager.runners[ObjectKey("default", "echo")]
+        await eventually(
+            lambda: runner.devices_by_instance == {}, what="the vanished devices planned for"
+        )
         # the agent keeps its state: the cache still has both instances
         assert len(node.store.list_cached()) == 2
         await outage
@@ -246,8 +250,12 @@ async def test_api_server_restart_and_watch_410_relist(
             ),
             what="relisted state in the cache",
         )
-        await asyncio.sleep(0.5)
-        # the relist was not mistaken for new devices: no duplicate creates, nothing undone
+        # one whole reconcile pass on the relisted cache ...
+        runner = node.manager.runners[ObjectKey("default", "echo")]
+        runner.reconciled.clear()
+        runner.wake()
+        await asyncio.wait_for(runner.reconciled.wait(), 10)
+        # ... did not mistake the relist for new devices: no duplicate creates, nothing undone
         assert len(api.requests_for(verb="create", resource="instances")) == creates_before
         assert len(instances(api)) == 2
         assert "node-x" in (api.get("instances.akri.sh", name, "default") or {})["spec"]["nodes"]
