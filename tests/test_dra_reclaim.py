@@ -8,19 +8,24 @@ claim's slot free.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from agent.deviceplugin.reclaimer import HeldSlot
 from agent.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
-from agent.dra.reclaim import ClaimSlotState, claim_slots_in, classify
+from agent.dra.reclaim import ClaimSlotState, DraReclaimer, claim_slots_in, classify
 from agent.ledger.decisions import Owner, held_count
+from agent.ledger.ledger import SlotLedger
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.store.local import LocalInstanceStore
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import DpNode, api_instances, start_dp_node
 from tests.dra_kubelet import DraKubeletDouble
@@ -223,3 +228,56 @@ async def test_a_restart_takes_a_prepared_claims_slot_back(
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+# -- quiet when idle (issue 17) --------------------------------------------------------------
+
+
+class _Counted:
+    """An ``asyncio.sleep`` stand-in that counts calls and sets ``slept``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.slept = asyncio.Event()
+
+    async def sleep(self, _seconds: float) -> None:
+        self.calls += 1
+        self.slept.set()
+        await asyncio.Future()  # park: one pass is all this test needs
+
+
+async def test_no_pass_and_no_timer_while_this_node_holds_no_claim_slot(tmp_path: Path) -> None:
+    """It used to wake every second even with nothing held; now an Instance event that
+    gives this node a ``D:`` slot is what starts the passes."""
+    store = LocalInstanceStore(tmp_path / "state")
+    await store.start()
+    await store.create(Instance("cam-8120fe", "cam", 2, nodes=("node-a",)))
+    state = SimpleNamespace(ledger=SlotLedger(store, "node-a"), node="node-a")
+    timer = _Counted()
+
+    async def no_claims(_namespace: str, _name: str) -> None:
+        return None
+
+    reclaimer = DraReclaimer(
+        state,  # type: ignore[arg-type]
+        store.subscribe_instances,
+        no_claims,
+        store.get_cached,
+        sleep=timer.sleep,
+    )
+    task = asyncio.create_task(reclaimer.run())
+    try:
+        await asyncio.wait_for(reclaimer.idle.wait(), 10)
+        assert timer.calls == 0 and reclaimer.passes == 0
+        current = store.get_cached(KEY)
+        assert current is not None
+        await store.update(
+            current.evolve(device_usage={**current.device_usage, "cam-8120fe-0": "D:u1:node-a"})
+        )
+        await asyncio.wait_for(timer.slept.wait(), 10)
+        assert reclaimer.passes == 1 and not reclaimer.idle.is_set()
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await store.close()

@@ -136,6 +136,7 @@ class DraReclaimer:
         self._reported: set[tuple[ObjectKey, str, str]] = set()
         self.freed = 0
         self.passes = 0
+        self.idle = asyncio.Event()  # set while waiting for this node to hold a D: slot
 
     def resync(self) -> None:
         """Which Instances are served changed: rebuild the index."""
@@ -145,7 +146,8 @@ class DraReclaimer:
             self._subscription = None
 
     async def run(self) -> None:
-        """A pass every ``interval`` seconds (cheap while nothing is held)."""
+        """A pass every ``interval`` seconds while this node holds a ``D:`` slot; none at all
+        while it holds none (it waits for the Instance event that gives it one)."""
         try:
             while True:
                 try:
@@ -154,11 +156,32 @@ class DraReclaimer:
                     raise
                 except Exception:
                     log.exception("DRA slot reclaim pass failed")
+                if not self.index:
+                    await self._wait_for_held()
+                    continue
                 await self._sleep(self.interval)
         finally:
             if self._subscription is not None:
                 self._subscription.close()
                 self._subscription = None
+
+    async def _wait_for_held(self) -> None:
+        """Until an Instance event gives this node a ``D:`` slot (or the index is rebuilt)."""
+        if self._subscription is None:
+            self.index.clear()
+            self._subscription = self._events()
+        subscription = self._subscription
+        self.idle.set()
+        try:
+            while not self.index and subscription is self._subscription:
+                try:
+                    event = await anext(subscription)
+                except StopAsyncIteration:
+                    self._subscription = None
+                    return
+                self.index.apply(event)
+        finally:
+            self.idle.clear()
 
     async def _refresh_index(self) -> None:
         if self._subscription is None:
