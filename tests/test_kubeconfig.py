@@ -23,7 +23,12 @@ from agent.kube.client import DEFAULT_TIMEOUT, KubeClient
 from agent.kube.credentials import StaticCredentials, TokenFileCredentials
 from agent.kube.errors import ConfigError, TransportError
 from agent.kube.exec_credential import EXEC_SHARE, EXEC_TIMEOUT, ExecCredentials, ExecSpec
-from agent.kube.kubeconfig import load_config, load_incluster, load_kubeconfig
+from agent.kube.kubeconfig import (
+    MAX_KUBECONFIG_BYTES,
+    load_config,
+    load_incluster,
+    load_kubeconfig,
+)
 from agent.kube.tls import TlsSettings, make_ssl_context
 
 # --- certificates (openssl CLI) ---------------------------------------------------------------
@@ -523,6 +528,26 @@ async def test_exec_plugin_not_installed_shows_the_hint(tmp_path: Path) -> None:
     ).credentials
     with pytest.raises(TransportError, match=r"install it from example\.com"):
         await credentials.get()
+
+
+def test_an_alias_bomb_kubeconfig_is_refused_with_a_short_message(tmp_path: Path) -> None:
+    """Before: ``yaml.safe_load`` without a limit: 200 bytes of nested aliases expand to
+    10^9 values (memory exhausted before any error)."""
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    for index in range(1, 9):
+        previous, name = chr(96 + index), chr(97 + index)
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{previous}"] * 10) + "]")
+    path = tmp_path / "kc"
+    path.write_text("\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match=r"too large: .*aliases") as caught:
+        load_kubeconfig([path])
+    assert len(str(caught.value)) < 300
+    path.write_text("clusters: []\n---\nclusters: []\n")
+    with pytest.raises(ConfigError, match="one YAML document, found 2"):
+        load_kubeconfig([path])
+    path.write_bytes(b"#" * (MAX_KUBECONFIG_BYTES + 1))
+    with pytest.raises(ConfigError, match="too large"):
+        load_kubeconfig([path])
 
 
 # --- malformed settings: ConfigError naming file and field ---------------------------------

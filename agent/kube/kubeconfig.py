@@ -35,6 +35,8 @@ from agent.kube.proxy import Proxy, parse_proxy_url, proxy_from_environment
 from agent.kube.tls import TlsSettings, make_ssl_context
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# kubeconfigs with many contexts and embedded certificates stay far below this
+MAX_KUBECONFIG_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -359,11 +361,19 @@ def _read(path: Path, where: str) -> bytes:
 def _load_yaml(path: Path) -> Mapping[str, Any]:
     import yaml  # only needed outside a pod
 
+    from discovery_handlers.details import YamlLimitError, safe_load_all_limited, yaml_problem
+
     text = _read(path, "kubeconfig").decode("utf-8", "replace")
     try:
-        doc = yaml.safe_load(text)
+        # limited: a few hundred bytes of nested aliases expand to gigabytes
+        docs = list(safe_load_all_limited(text, max_bytes=MAX_KUBECONFIG_BYTES))
+    except YamlLimitError as error:
+        raise ConfigError(f"{path}: too large: {error}") from error
     except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML: {error}") from error
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(error)}") from error
+    if len(docs) > 1:
+        raise ConfigError(f"{path}: a kubeconfig is one YAML document, found {len(docs)}")
+    doc = docs[0] if docs else None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
