@@ -144,6 +144,23 @@ async def test_a_cluster_without_dra_is_a_clear_error_naming_the_flag(
     assert len(api.requests_for("list", "resourceslices")) == 1  # not waited for
 
 
+async def test_an_unreadable_node_is_logged_not_swallowed(
+    api: ApiServerDouble, client: KubeClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: any error reading the Node was dropped silently; the slices then lacked the
+    owner reference that removes them with the Node, and nothing said why."""
+    api.fail(403, verb="get", resource="nodes", times=None)
+    slices = publisher(client)
+    with caplog.at_level(logging.WARNING, logger="agent.dra.publisher"):
+        await slices.start()
+    try:
+        (warning,) = [m for m in caplog.messages if "cannot read Node" in m]
+        assert "cannot read Node node-a (ApiError: HTTP 403" in warning
+        assert "without an owner reference" in warning
+    finally:
+        await slices.close()
+
+
 # -- the store: no server at all, and credentials refused -----------------------------------------
 
 
