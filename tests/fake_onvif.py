@@ -35,6 +35,7 @@ from defusedxml import ElementTree as SafeElementTree
 
 from discovery_handlers.onvif.wsdiscovery import (
     MULTICAST_IPV4,
+    MULTICAST_IPV6,
     NETWORK_WSDL,
     PORT,
     SOAP_ENV,
@@ -79,6 +80,7 @@ class FakeCamera:
     http_host: str = "127.0.0.1"
     http_port: int = 0  # 0: any free port
     interface: str = "127.0.0.1"  # IPv4 address of the multicast interface
+    ipv6_interface: str | None = None  # also WS-Discovery on ff02::c over this interface (name)
     scopes: tuple[str, ...] = (
         "onvif://www.onvif.org/type/video_encoder",
         "onvif://www.onvif.org/name/FakeCam",
@@ -94,6 +96,8 @@ class FakeCamera:
     _runner: Any = None
     _udp: Any = None
     _sender: Any = None
+    _udp6: Any = None
+    _sender6: Any = None
     _ids: Any = field(default_factory=itertools.count)
 
     @property
@@ -101,7 +105,8 @@ class FakeCamera:
         """The device service URL announced."""
         if self.xaddr_override is not None:
             return self.xaddr_override
-        return f"http://{self.http_host}:{self.http_port}{PATH}"
+        host = f"[{self.http_host}]" if ":" in self.http_host else self.http_host
+        return f"http://{host}:{self.http_port}{PATH}"
 
     # -- SOAP ----------------------------------------------------------------------------
 
@@ -130,6 +135,12 @@ class FakeCamera:
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+        if self._udp6 is not None:
+            self._udp6.close()
+            self._udp6 = None
+        if self._sender6 is not None:
+            self._sender6.close()
+            self._sender6 = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -264,6 +275,10 @@ class FakeCamera:
         if self._sender is not None:
             with contextlib.suppress(OSError):
                 self._sender.sendto(payload, (MULTICAST_IPV4, PORT))
+        if self._sender6 is not None and self.ipv6_interface is not None:
+            index = socket.if_nametoindex(self.ipv6_interface)
+            with contextlib.suppress(OSError):
+                self._sender6.sendto(payload, (MULTICAST_IPV6, PORT, 0, index))
 
     async def _start_udp(self) -> None:
         loop = asyncio.get_running_loop()
@@ -296,6 +311,23 @@ class FakeCamera:
                 self.transport.sendto(camera.probe_matches(message.message_id), addr)
 
         self._udp, _ = await loop.create_datagram_endpoint(Listener, sock=sock)
+        if self.ipv6_interface is not None:
+            index = socket.if_nametoindex(self.ipv6_interface)
+            sock6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+            sock6.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock6.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock6.bind(("::", PORT))
+            group = socket.inet_pton(socket.AF_INET6, MULTICAST_IPV6)
+            sock6.setsockopt(
+                socket.IPPROTO_IPV6, socket.IPV6_JOIN_GROUP, group + struct.pack("@I", index)
+            )
+            sock6.setblocking(False)
+            self._udp6, _ = await loop.create_datagram_endpoint(Listener, sock=sock6)
+            sender6 = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
+            sender6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_IF, index)
+            sender6.setblocking(False)
+            self._sender6 = sender6
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_UDP)
         sender.setsockopt(
             socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(self.interface)
@@ -324,6 +356,7 @@ async def _main(args: argparse.Namespace) -> None:
         http_host=args.http_host,
         http_port=args.http_port,
         interface=_interface_address(args.interface),
+        ipv6_interface=args.ipv6_interface,
         scopes=tuple(args.scope) or FakeCamera.scopes,
         ip=args.ip,
         mac=args.mac,
@@ -344,6 +377,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--uuid", help="endpoint uuid (default: random)")
     parser.add_argument("--interface", default="127.0.0.1", help="multicast interface (name/IPv4)")
+    parser.add_argument(
+        "--ipv6-interface", help="also answer and announce on ff02::c over this interface"
+    )
     parser.add_argument("--http-host", default="127.0.0.1", help="address to serve SOAP on")
     parser.add_argument("--http-port", type=int, default=0, help="port (default: any free)")
     parser.add_argument("--scope", action="append", default=[], help="a scope (repeatable)")

@@ -312,3 +312,73 @@ async def test_default_interfaces_are_every_multicast_capable_one(
             if handler.returncode is None:
                 handler.kill()
                 await handler.wait()
+
+
+V6_HOST = "fd00:a7::1"
+V6_CAMERAS = ("fd00:a7::2", "fd00:a7::3")
+
+
+def _tentative(interface: str, namespace: str | None = None) -> bool:
+    command = ["ip", "-6", "addr", "show", "dev", interface, "tentative"]
+    if namespace is not None:
+        command = ["ip", "netns", "exec", namespace, *command]
+    return bool(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+
+
+async def start_ipv6_camera(
+    link: Link, address: str, into: list[CameraProcess], uuid: str | None = None
+) -> str:
+    """A fake camera that speaks WS-Discovery over ff02::c on its veth end only (its IPv4
+    group membership is on the namespace's lo, which no Probe from the link reaches) and
+    serves SOAP on ``address``."""
+    uuid = uuid or str(uuid_module.uuid4())
+    camera_interface = link.host_interface.replace("aoh", "aoc", 1)
+    process = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", link.namespace,
+        sys.executable, "-m", "tests.fake_onvif", "--uuid", uuid, "--interface", "127.0.0.1",
+        "--ipv6-interface", camera_interface, "--http-host", address, "--http-port", "8080",
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    into.append(CameraProcess(uuid, address, process))
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 20)
+    assert line.startswith(b"fake camera"), line
+    return uuid
+
+
+async def test_ipv6_probe_and_hello_across_a_veth_link(link: Link) -> None:
+    """WS-Discovery over IPv6 (``[ff02::c]:3702``): a camera found by the Probe and one by
+    its Hello, SOAP to their IPv6 addresses; the same handler with IPv6 off finds neither
+    (so IPv4 did not carry them)."""
+    camera_interface = link.host_interface.replace("aoh", "aoc", 1)
+    _ip("-6", "addr", "add", f"{V6_HOST}/64", "dev", link.host_interface, "nodad")
+    for address in V6_CAMERAS:
+        _ip("-6", "addr", "add", f"{address}/64", "dev", camera_interface, "nodad",
+            namespace=link.namespace)  # fmt: skip
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    # the link-local addresses finish duplicate address detection (a state, not a delay)
+    while _tentative(link.host_interface) or _tentative(camera_interface, link.namespace):
+        assert loop.time() < deadline, "IPv6 addresses still tentative"
+        await asyncio.sleep(0.1)
+    async with cameras(link) as started:
+        first = await start_ipv6_camera(link, V6_CAMERAS[0], started)
+        second_uuid = str(uuid_module.uuid4())
+        v4_only = Collector(OnvifHandler(ipv6=False), details(link, first, second_uuid))
+        try:
+            assert await v4_only.wait_for(lambda d: True) == []  # the first round's list
+        finally:
+            await v4_only.close()
+        collector = Collector(OnvifHandler(), details(link, first, second_uuid))
+        try:
+            (device,) = await collector.wait_for(lambda d: uuids_of(d) == {first})
+            assert device.properties["ONVIF_DEVICE_SERVICE_URL"] == (
+                f"http://[{V6_CAMERAS[0]}]:8080/onvif/device_service"
+            )
+            # the next Probe is an hour away: only the Hello on ff02::c can bring it
+            await start_ipv6_camera(link, V6_CAMERAS[1], started, uuid=second_uuid)
+            await collector.wait_for(lambda d: uuids_of(d) == {first, second_uuid})
+            await started[-1].stop(bye=True)  # Bye on ff02::c: gone at once
+            await collector.wait_for(lambda d: uuids_of(d) == {first})
+        finally:
+            await collector.close()
