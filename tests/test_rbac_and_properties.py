@@ -72,7 +72,7 @@ def secret(name: str, **data: str) -> dict[str, Any]:
     }
 
 
-PROPS = [
+PROPS: list[dict[str, Any]] = [
     {"name": "literal", "value": "plain"},
     {"name": "user", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "user"}}},
     {"name": "mode", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}},
