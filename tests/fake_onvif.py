@@ -267,6 +267,10 @@ class FakeCamera:
             self._header("ProbeMatches", relates_to),
         )
 
+    def hello(self) -> bytes:
+        """The Hello this camera would multicast (for tests that send it themselves)."""
+        return self._hello_or_bye(Kind.HELLO)
+
     def announce(self) -> None:
         """Multicast a Hello."""
         self._multicast(self._hello_or_bye(Kind.HELLO))

@@ -555,6 +555,63 @@ async def test_cameras_not_offered_give_an_event_without_credentials(
         await store.close()
 
 
+async def test_a_flood_of_fake_cameras_gives_a_bounded_number_of_events(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Hellos with 30 random uuids, each naming a closed port (every query fails at once):
+    each fake camera is logged (debug beyond the budget) but at most BUDGET of them become
+    warnings and Events in the budget window, not one Event per uuid."""
+    from discovery_handlers.base import BUDGET, report_problems_to
+    from discovery_handlers.onvif.wsdiscovery import MULTICAST_IPV4, PORT
+
+    caplog.set_level("DEBUG", logger="discovery_handlers.onvif")
+    events: list[tuple[str, str]] = []
+
+    async def record(reason: str, message: str) -> None:
+        events.append((reason, message))
+
+    report_problems_to(record)  # as the agent does for the task that runs discover()
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    fakes = [
+        FakeCamera(uuid=new_uuid(), xaddr_override=f"http://127.0.0.1:{dead_port}/onvif/x{i}")
+        for i in range(30)
+    ]
+    assert len(fakes) > 2 * BUDGET
+    collector = Collector(OnvifHandler(), details(*(f.uuid for f in fakes)))
+
+    def not_offered() -> set[str]:
+        return {
+            fake.uuid
+            for fake in fakes
+            for record in caplog.records
+            if f"not offering camera {fake.uuid}" in record.getMessage()
+        }
+
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        await collector.wait_for(lambda d: d == [])  # listening, first round over
+        sender.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1"))
+        for fake in fakes:
+            sender.sendto(fake.hello(), (MULTICAST_IPV4, PORT))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE
+        while len(not_offered()) < len(fakes):
+            assert loop.time() < deadline, f"only {len(not_offered())} fake cameras were asked"
+            await asyncio.sleep(0.05)
+        for _ in range(3):  # the Event tasks started by the last reports run
+            await asyncio.sleep(0)
+        assert len(events) == BUDGET, events
+        warnings = [
+            r for r in caplog.records if r.levelname == "WARNING" and "not offering" in r.message
+        ]
+        assert len(warnings) == BUDGET
+    finally:
+        sender.close()
+        await collector.close()
+
+
 def test_the_helm_charts_onvif_configuration_loads_unchanged() -> None:
     """Akri's chart, rendered with its defaults (onvif.configuration.enabled=true): valid
     against our Configuration CRD, accepted by our model and by the handler (no warnings),

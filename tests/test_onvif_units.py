@@ -463,3 +463,43 @@ def test_default_interfaces_are_the_multicast_capable_ones() -> None:
     labels = [i.label for i in resolve_interfaces([], lambda: [lo, eth0, eth1, veth])]
     assert labels == ["eth0", "eth1"]
     assert [(i.label, i.index) for i in resolve_interfaces([], lambda: [lo])] == [("default", 0)]
+
+
+async def test_problem_reporter_budget_and_summary() -> None:
+    """Many distinct devices: BUDGET reports (log at warning + Event) a window, the rest
+    at debug only; when the window ends, one summary Event with how many were held back;
+    the per-device limit still holds; after close() no more Events."""
+    import asyncio
+    import logging
+
+    from discovery_handlers.base import ProblemReporter, report_problems_to
+
+    events: list[tuple[str, str]] = []
+    summary = asyncio.Event()
+
+    async def record(reason: str, message: str) -> None:
+        events.append((reason, message))
+        if reason == "DeviceProblemsSuppressed":
+            summary.set()
+
+    report_problems_to(record)
+    now = [1000.0]
+    logger = logging.getLogger("discovery_handlers.onvif")
+    reporter = ProblemReporter(logger, budget=3, window=0.2, every=300, clock=lambda: now[0])
+    reported = [reporter.report(f"cam-{i}", "R", f"cam-{i} fails") for i in range(25)]
+    assert reported == [True] * 3 + [False] * 22
+    reporter.report("cam-9", "R", "cam-9 fails")  # held back twice: counted once
+    await asyncio.wait_for(summary.wait(), 10)  # the window's timer (real time)
+    assert [reason for reason, _ in events] == ["R"] * 3 + ["DeviceProblemsSuppressed"]
+    assert "22 more device(s) not offered" in events[-1][1]
+    assert events[-1][1].startswith("onvif: ")
+    # a new window: held-back devices get their own report; reported ones stay quiet
+    now[0] += 1
+    assert reporter.report("cam-10", "R", "cam-10 fails")
+    assert not reporter.report("cam-0", "R", "cam-0 fails")  # per device: every 300 s
+    await asyncio.sleep(0)  # its Event is sent
+    reporter.close()
+    assert not reporter.report("cam-11", "R", "cam-11 fails")
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert [reason for reason, _ in events] == ["R"] * 3 + ["DeviceProblemsSuppressed", "R"]

@@ -248,6 +248,7 @@ class MdnsHandler(DiscoveryHandler):
                 await browser.async_cancel()
             with contextlib.suppress(Exception):
                 await zc.async_close()
+            problems.close()  # no Events from a stopped discovery
 
     def _devices(
         self, services: dict[str, Service], details: MdnsDetails, problems: ProblemReporter

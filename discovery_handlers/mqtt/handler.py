@@ -146,6 +146,8 @@ class MqttHandler(DiscoveryHandler):
             raise BrokerUnavailableError(
                 f"mqtt broker {details.host}:{details.port}: {error}"
             ) from None
+        finally:
+            problems.close()  # no Events from a stopped discovery
 
     @staticmethod
     def _apply(

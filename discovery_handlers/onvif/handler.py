@@ -150,6 +150,7 @@ class OnvifHandler(DiscoveryHandler):
                     yield devices
         finally:
             sockets.close()
+            session.problems.close()  # no Events from a stopped discovery
 
 
 class _Session:
