@@ -127,19 +127,27 @@ def test_other_users_are_not_matched() -> None:
 
 def test_an_update_may_not_take_over_a_slice_the_agent_may_not_write() -> None:
     """Before: only the new object was checked, so an agent could rewrite another node's
-    slice (or a shared slice not listing its node) into one of its own."""
+    slice (or a shared slice it does not publish) into one of its own."""
     allowed, message = admit("UPDATE", node_slice("node-a"), old=node_slice("node-b"))
     assert not allowed
     assert message == (
         "the Akri agent on node 'node-a' may not take over a ResourceSlice of node 'node-b'"
     )
+    # a node-local slice stays its node's, even rewritten into a shared pool node-a publishes
+    allowed, message = admit("UPDATE", shared_slice("node-a"), old=node_slice("node-b"))
+    assert not allowed and "a ResourceSlice of node 'node-b'" in message
+    # node-d is listed in the new selector but node-a sorts before it: not the publisher
     allowed, message = admit(
-        "UPDATE", shared_slice("node-a", "node-b"), old=shared_slice("node-b", "node-c")
+        "UPDATE",
+        shared_slice("node-a", "node-d"),
+        old=shared_slice("node-b", "node-c"),
+        node="node-d",
     )
     assert not allowed
     assert message == (
-        "the Akri agent on node 'node-a' may not take over a shared ResourceSlice whose "
-        "nodeSelector does not list its node"
+        "the Akri agent on node 'node-d' may not take over a shared ResourceSlice whose "
+        "nodeSelector does not list its node, unless the new nodeSelector makes it the "
+        "pool's publisher (its smallest node name)"
     )
     foreign = node_slice("node-a")
     foreign["spec"]["driver"] = "gpu.example.com"
@@ -147,6 +155,30 @@ def test_an_update_may_not_take_over_a_slice_the_agent_may_not_write() -> None:
         False,
         "the Akri agent may only write ResourceSlices of driver akri.sh",
     )
+
+
+def test_the_new_publisher_of_a_shared_pool_may_adopt_its_slices() -> None:
+    """desired_pools makes min(nodes) the publisher: Instance nodes [node-b, node-c] were
+    published by node-b; node-a discovers the device too, becomes the publisher, and adopts
+    the slice with an UPDATE whose old version lists only node-b and node-c. Before: refused,
+    so the pool was stuck at its old content."""
+    assert admit(
+        "UPDATE", shared_slice("node-a", "node-b", "node-c"), old=shared_slice("node-b", "node-c")
+    ) == (True, "")
+    # the old nodes all lost the device: the pool moves to node-a alone
+    assert admit("UPDATE", shared_slice("node-a"), old=shared_slice("node-b", "node-c")) == (
+        True,
+        "",
+    )
+    # a DELETE has no new object: only a node the slice lists may delete it (the publisher
+    # rewrites a surplus slice it adopted before deleting it)
+    allowed, message = admit("DELETE", shared_slice("node-b", "node-c"))
+    assert not allowed and "nodeSelector does not list its node" in message
+    adopted = shared_slice("node-a", "node-b", "node-c")
+    assert admit("DELETE", adopted) == (True, "")
+    # the publisher rule does not let a CREATE through for a pool not listing the node
+    allowed, _ = admit("CREATE", shared_slice("node-b", "node-c"))
+    assert not allowed
 
 
 def test_an_update_between_slices_the_agent_may_write_is_allowed() -> None:

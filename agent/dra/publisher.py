@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Sequence
 from typing import Any
 
 from agent.dra.slices import (
@@ -43,6 +43,9 @@ VERSION = "v1"
 PLURAL = "resourceslices"
 POOL_LABEL = "akri.sh/pool"
 WATCH_TIMEOUT = 290
+# answers that waiting will not change: forbidden (RBAC, the slice admission policy), invalid
+REFUSED = frozenset({400, 403, 422})
+MAX_REPORTED_REFUSALS = 1024  # (pool, status, reason) already logged; forgotten when full
 
 
 def _label_value(text: str) -> str:
@@ -109,6 +112,8 @@ class SlicePublisher:
         self._informer = Informer("resourceslices", self._list, self._watch, self._on_event)
         self._node_uid: str | None = None
         self._reported_drops: set[str] = set()
+        self._reported_refusals: set[tuple[str, int, str]] = set()
+        self.refused_writes = 0  # pool writes the API server refused (403/400/422), skipped
         # per Instance: (resourceVersion, offline) -> its slice devices; a sync with 1000
         # Instances otherwise rebuilds 4000 attribute maps for every Instance event
         self._devices: dict[str, tuple[tuple[str, bool], Sequence[dict[str, Any]]]] = {}
@@ -224,7 +229,9 @@ class SlicePublisher:
         for obj in self._informer.cache.values():
             by_pool.setdefault(_pool_of(obj), []).append(obj)
         for index, (pool, specs) in enumerate(pools):
-            await self._sync_pool(pool, specs, by_pool.get(pool.name, []))
+            await self._refusal_tolerant(
+                pool.name, self._sync_pool(pool, specs, by_pool.get(pool.name, []))
+            )
             if index % YIELD_EVERY_POOLS == YIELD_EVERY_POOLS - 1:
                 # an unchanged pool costs a comparison and no I/O: let the loop breathe
                 await asyncio.sleep(0)
@@ -241,8 +248,37 @@ class SlicePublisher:
                 and any(self.node in _selected_nodes(o) for o in objs)
             )
             if (local_of_this_node and name != self.node) or shared_orphan:
-                for obj in objs:
-                    await self._delete(obj)
+                await self._refusal_tolerant(name, self._delete_all(objs))
+
+    async def _delete_all(self, objs: list[Obj]) -> None:
+        for obj in objs:
+            await self._delete(obj)
+
+    async def _refusal_tolerant(self, pool: str, write: Awaitable[None]) -> None:
+        """Run one pool's writes. A write the API server refuses for good (403: RBAC or the
+        ResourceSlice admission policy; 400/422: invalid) is logged once per pool and reason,
+        counted, and skipped: before, it aborted the sync of every pool after it, and the
+        retry loop then refused the same write again for ever. The next sync tries again."""
+        try:
+            await write
+        except ApiError as error:
+            if error.status not in REFUSED:
+                raise
+            self.refused_writes += 1
+            key = (pool, error.status, error.reason)
+            if key in self._reported_refusals:
+                return
+            if len(self._reported_refusals) >= MAX_REPORTED_REFUSALS:
+                self._reported_refusals.clear()
+            self._reported_refusals.add(key)
+            log.error(
+                "the API server refused writing ResourceSlice pool %s (%d %s): %s; the other "
+                "pools are published",
+                pool,
+                error.status,
+                error.reason,
+                str(error)[:500],
+            )
 
     def _desired(
         self, instances: list[Instance], offline: Collection[str]
@@ -278,6 +314,11 @@ class SlicePublisher:
         generation = max((_generation(o) for o in existing), default=0)
         generation += 1
         for obj in existing[count:]:
+            if self._foreign(obj):
+                adopted = await self._adopt(obj, specs[0])
+                if adopted is None:
+                    continue
+                obj = adopted
             await self._delete(obj)
         for index, spec in enumerate(specs):
             full = {
@@ -292,6 +333,33 @@ class SlicePublisher:
                 await self._update(existing[index], full)
             else:
                 await self._create(pool, full)
+
+    def _foreign(self, obj: Obj) -> bool:
+        """A shared slice whose nodeSelector does not list this node: the pool's publisher
+        before it changed (the admission policy lets this node rewrite it, not delete it)."""
+        return not (obj.get("spec") or {}).get("nodeName") and self.node not in _selected_nodes(obj)
+
+    async def _adopt(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
+        """Rewrite a surplus slice of an adopted shared pool to the pool's new nodeSelector
+        (content and generation unchanged), so that it may be deleted: a DELETE carries no new
+        object, and deploy/base/resourceslice-policy.yaml lets only a node a shared slice lists
+        delete it. Returns the stored slice, or None when it changed or went meanwhile."""
+        body = dict(obj)
+        body["spec"] = {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
+        try:
+            updated = await self._client.replace(
+                resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),
+                body,
+                request_timeout=30,
+            )
+        except ApiError as error:
+            if error.status in (404, 409):
+                self.trigger()
+                return None
+            raise
+        self.writes += 1
+        self._informer.apply_local(RawEvent("MODIFIED", updated))
+        return updated
 
     def _metadata(self, pool: Pool) -> dict[str, Any]:
         metadata: dict[str, Any] = {
