@@ -24,6 +24,7 @@ from discovery_handlers.onvif.filters import (
     passes,
 )
 from discovery_handlers.onvif.handler import OnvifHandler, offered_device
+from discovery_handlers.onvif.multicast import Link
 from discovery_handlers.onvif.wsdiscovery import (
     MAX_MESSAGE_BYTES,
     Kind,
@@ -457,7 +458,9 @@ def test_default_interfaces_are_the_multicast_capable_ones() -> None:
     veth = Link("veth1", 6, up=True, multicast=True, loopback=False, has_ipv4=False)
     mclo = Link("lo", 1, up=True, multicast=True, loopback=True, has_ipv4=True)
     assert default_links([lo, eth0, eth1, down, nomc, veth]) == [eth0, eth1]
-    assert default_links([lo, veth, down]) == [veth]  # IPv6-only links, if nothing better
+    bare = Link("ens4", 7, up=True, multicast=True, loopback=False, has_ipv4=False)
+    assert default_links([lo, bare, veth, down]) == [bare]  # address-less, if nothing better
+    assert default_links([lo, veth, down]) == []  # never a pod's veth
     assert default_links([mclo, down]) == [mclo]  # a loopback only when nothing else
     assert default_links([lo, down, nomc]) == []
     labels = [i.label for i in resolve_interfaces([], lambda: [lo, eth0, eth1, veth])]
@@ -503,3 +506,89 @@ async def test_problem_reporter_budget_and_summary() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
     assert [reason for reason, _ in events] == ["R"] * 3 + ["DeviceProblemsSuppressed", "R"]
+
+
+def _link(name: str, index: int, *, v4: bool = False, v6: bool = False, **flags: bool) -> Link:
+    return Link(
+        name,
+        index,
+        up=flags.get("up", True),
+        multicast=flags.get("multicast", True),
+        loopback=name == "lo",
+        has_ipv4=v4,
+        has_routable_ipv6=v6,
+    )
+
+
+def test_default_interfaces_on_a_typical_node_leave_out_container_interfaces() -> None:
+    """A Kubernetes node: the uplink, a camera VLAN, a bond, and the interfaces docker and
+    the CNI plugins made (bridges with IPv4 addresses among them): only the node's own
+    interfaces are chosen, so no pod can answer a Probe and get the credentials' digest."""
+    from discovery_handlers.onvif.multicast import container_interface, default_links
+
+    node = [
+        _link("lo", 1, v4=True, multicast=False),
+        _link("eth0", 2, v4=True),
+        _link("eth0.20", 3, v4=True),  # the camera VLAN
+        _link("bond0", 4, v4=True),
+        _link("docker0", 5, v4=True),
+        _link("br-5f2c1a9e0b3d", 6, v4=True),
+        _link("cni0", 7, v4=True),
+        _link("cbr0", 8, v4=True),
+        _link("flannel.1", 9, v4=True),
+        _link("cali3f1a2b4c5d6", 10),
+        _link("vxlan.calico", 11, v4=True),
+        _link("cilium_host", 12, v4=True),
+        _link("lxc1234abcd", 13),
+        _link("veth9a8b7c6", 14),
+        _link("tunl0", 15, v4=True),
+        _link("weave", 16, v4=True),
+        _link("kube-ipvs0", 17, v4=True),
+        _link("kube-bridge", 18, v4=True),
+        _link("virbr0", 19, v4=True),
+        _link("podman0", 20, v4=True),
+        _link("genev_sys_6081", 21),
+        _link("nodelocaldns", 22, v4=True),
+    ]
+    chosen = [link.name for link in default_links(node)]
+    assert chosen == ["eth0", "eth0.20", "bond0"]
+    for link in node[4:]:
+        assert container_interface(link.name), link.name
+    for name in ("eth0", "ens192", "enp3s0", "eno1", "wlan0", "bond0", "br0", "eth0.20"):
+        assert not container_interface(name), name
+
+
+def test_default_interfaces_on_an_ipv6_only_node(caplog: pytest.LogCaptureFixture) -> None:
+    """IPv6 only: interfaces with a routable IPv6 address come before (and instead of)
+    address-less ones; IPv4 ones first when both exist; container interfaces never; and
+    no more than MAX_DEFAULT_INTERFACES are used, with a warning naming the cap."""
+    from discovery_handlers.onvif.multicast import (
+        MAX_DEFAULT_INTERFACES,
+        default_links,
+        resolve_interfaces,
+        routable_ipv6_interfaces,
+    )
+
+    proc = (
+        "00000000000000000000000000000001 01 80 10 80       lo\n"
+        "20010db8000000000000000000000002 02 40 00 80     eth0\n"
+        "fe800000000000000000000000000002 02 40 20 80     eth0\n"
+        "fe800000000000000000000000000003 03 40 20 80     ens5\n"
+        "fd000000000000000000000000000004 04 40 00 80  cni0\n"
+        "garbage\n"
+    )
+    assert routable_ipv6_interfaces(proc) == {"eth0", "cni0"}
+    pods = [_link(f"veth{i:04x}", 100 + i) for i in range(200)]
+    node = [_link("lo", 1), _link("eth0", 2, v6=True), _link("ens5", 3), *pods]
+    assert [link.name for link in default_links(node)] == ["eth0"]
+    both = [_link("eth1", 5, v6=True), _link("eth2", 6, v4=True), _link("ens5", 3)]
+    assert [link.name for link in default_links(both)] == ["eth2", "eth1"]
+    # many address-less, non-container interfaces (no better choice): capped
+    many = [_link(f"ens{i}", 10 + i) for i in range(40)]
+    caplog.set_level("WARNING", logger="discovery_handlers.onvif")
+    chosen = resolve_interfaces([], lambda: many)
+    assert [i.label for i in chosen] == [f"ens{i}" for i in range(MAX_DEFAULT_INTERFACES)]
+    assert any(
+        "MAX_DEFAULT_INTERFACES" in r.getMessage() and "40 interfaces" in r.getMessage()
+        for r in caplog.records
+    )

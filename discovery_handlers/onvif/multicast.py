@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fnmatch
 import ipaddress
 import logging
 import socket
@@ -59,23 +60,70 @@ class Link:
     multicast: bool
     loopback: bool
     has_ipv4: bool
+    has_routable_ipv6: bool = False  # an IPv6 address other than link-local (fe80::/10)
+
+    @property
+    def addressed(self) -> bool:
+        return self.has_ipv4 or self.has_routable_ipv6
+
+
+# Interfaces that container runtimes, CNI plugins and hypervisors create. Pods (or VMs)
+# behind them could answer a Probe or send a Hello with a real camera's uuid and their own
+# XAddr, and would then receive the WS-Security digest of that camera's credentials: they are
+# never chosen by default (name them in ``interfaces`` to use them anyway).
+CONTAINER_INTERFACE_PATTERNS = (
+    "docker*", "br-*", "cni*", "cbr0", "flannel*", "cali*", "vxlan*", "cilium*", "lxc*",
+    "veth*", "tunl*", "weave*", "vethwe*", "datapath", "kube-*", "virbr*", "vnet*", "podman*",
+    "genev_sys*", "nodelocaldns", "antrea-*", "ovn-k8s-*", "ovs-system", "gke*", "eni*",
+    "wireguard.cali", "nerdctl*",
+)  # fmt: skip
+MAX_DEFAULT_INTERFACES = 16  # group memberships are limited (net.ipv4.igmp_max_memberships)
+
+
+def container_interface(name: str) -> bool:
+    """Is ``name`` one of :data:`CONTAINER_INTERFACE_PATTERNS` (container/CNI/virtual)?"""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in CONTAINER_INTERFACE_PATTERNS)
 
 
 def default_links(links: Sequence[Link]) -> list[Link]:
-    """The interfaces to use when none are configured (the issue's "all multicast-capable"):
-    every interface that is up and multicast-capable, not a loopback, with an IPv4 address;
-    failing that, such interfaces without IPv4; failing that, multicast-capable loopbacks;
-    ``[]`` leaves the choice to the kernel (its default route).
+    """The interfaces to use when none are configured, best first (the caller keeps at most
+    :data:`MAX_DEFAULT_INTERFACES`): every interface that is up, multicast-capable, not a
+    loopback and not a container/CNI/virtual one (:func:`container_interface`), those with
+    an IPv4 or a routable IPv6 address (IPv4 first) ahead of address-less ones; failing that,
+    multicast-capable loopbacks; ``[]`` leaves the choice to the kernel (its default route).
 
-    Why an IPv4 address: on a Kubernetes node most interfaces are the host ends of pod veth
-    pairs (up, multicast-capable, no address): cameras are not behind them, and a socket can
-    join a group on at most ``net.ipv4.igmp_max_memberships`` (20) interfaces."""
+    Why addressed ones first: an address-less interface is rarely where cameras are (on an
+    IPv6-only node the uplink has a global address), and a socket can join a group on at most
+    ``net.ipv4.igmp_max_memberships`` (20) interfaces. Why not container interfaces: see
+    :data:`CONTAINER_INTERFACE_PATTERNS`."""
     usable = [link for link in links if link.up and link.multicast]
-    outward = [link for link in usable if not link.loopback]
-    for choice in ([link for link in outward if link.has_ipv4], outward):
-        if choice:
-            return choice
+    outward = [
+        link for link in usable if not link.loopback and not container_interface(link.name)
+    ]
+    addressed = [link for link in outward if link.addressed]
+    if addressed:
+        return sorted(addressed, key=lambda link: not link.has_ipv4)  # stable: kernel order
+    if outward:
+        return outward
     return [link for link in usable if link.loopback]
+
+
+def routable_ipv6_interfaces(if_inet6: str) -> set[str]:
+    """Names of the interfaces with an IPv6 address that is neither link-local nor loopback,
+    from the text of ``/proc/net/if_inet6`` (address, index, prefix length, scope, flags,
+    name per line)."""
+    names = set()
+    for line in if_inet6.splitlines():
+        fields = line.split()
+        if len(fields) != 6:
+            continue
+        try:
+            address = ipaddress.IPv6Address(int(fields[0], 16))
+        except ValueError:
+            continue
+        if not (address.is_link_local or address.is_loopback):
+            names.add(fields[5])
+    return names
 
 
 # from linux/sockios.h and linux/if.h
@@ -93,6 +141,11 @@ def system_links() -> list[Link]:
         return []
     import fcntl
 
+    try:  # /proc/net is the caller's namespace's (a link to /proc/self/net)
+        with open("/proc/net/if_inet6", encoding="ascii", errors="replace") as file:
+            with_ipv6 = routable_ipv6_interfaces(file.read())
+    except OSError:  # IPv6 disabled
+        with_ipv6 = set()
     links = []
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         for index, name in socket.if_nameindex():
@@ -114,6 +167,7 @@ def system_links() -> list[Link]:
                     multicast=bool(flags & _IFF_MULTICAST),
                     loopback=bool(flags & _IFF_LOOPBACK),
                     has_ipv4=has_ipv4,
+                    has_routable_ipv6=name in with_ipv6,
                 )
             )
     return links
@@ -122,13 +176,23 @@ def system_links() -> list[Link]:
 def resolve_interfaces(
     names: Sequence[str], links: Callable[[], Sequence[Link]] = system_links
 ) -> list[Interface]:
-    """Interfaces from names or IPv4 addresses; ``[]`` means every multicast-capable one
-    (:func:`default_links`), or the kernel's default route if there is none.
+    """Interfaces from names or IPv4 addresses; ``[]`` means the default choice
+    (:func:`default_links`, at most :data:`MAX_DEFAULT_INTERFACES`), or the kernel's default
+    route if nothing qualifies.
     Raises OSError for an unknown interface name."""
     if not names:
         chosen = default_links(links())
         if not chosen:
             return [Interface("default", 0)]
+        if len(chosen) > MAX_DEFAULT_INTERFACES:
+            log.warning(
+                "onvif: %d interfaces qualify by default; using the first %d (%s), the cap "
+                "MAX_DEFAULT_INTERFACES: set interfaces in discoveryDetails to choose",
+                len(chosen),
+                MAX_DEFAULT_INTERFACES,
+                ", ".join(link.name for link in chosen[:MAX_DEFAULT_INTERFACES]),
+            )
+            chosen = chosen[:MAX_DEFAULT_INTERFACES]
         return [Interface(link.name, link.index) for link in chosen]
     result = []
     for name in names:
