@@ -19,10 +19,20 @@ slots of this node's running containers free:
   holds *some* slot of that Instance as ``C:<vdev>:<node>`` (which slot does not matter; the
   ledger takes a free one). A container with several virtual devices does not say which vdev
   went to which Instance: they are paired in sorted order, which is harmless since all of
-  them are released together when the container ends; an entry already represented in the
-  Instance by any of its vdevs is left alone. An Instance without broker properties gives
-  its containers no env var and cannot be recognised (docs/slot-model.md);
+  them are released together when the container ends; the evidence names every vdev of the
+  container (``SlotsInUse.represented_by``), and the ledger leaves an entry alone that the
+  version it writes over already holds under any of them. An Instance without broker
+  properties gives its containers no env var and cannot be recognised
+  (docs/slot-model.md);
 * DRA slots from this node's DRA checkpoint (prepared claims on slots of that Instance).
+
+None of it depends on the Instance's current ``deviceUsage`` (only on its namespace, name and
+Configuration name): the ledger may apply it to a newer version than the one it was asked
+for (re-created meanwhile), and decides on that version what is already held.
+
+Without the pod-resources socket, and for the configuration-level part always, the
+checkpoint file is read on every question but parsed only when its bytes changed
+(:class:`CheckpointCache`): an agent starting with 1000 Instances parses it once.
 """
 
 from __future__ import annotations
@@ -35,7 +45,6 @@ from agent.deviceplugin.kubelet_state import (
     KubeletState,
     parse_checkpoint_allocations,
     read_checkpoint_bytes,
-    read_kubelet_checkpoint,
 )
 from agent.deviceplugin.views import configuration_resource, instance_resource
 from agent.ledger.decisions import Owner, SlotsInUse
@@ -49,44 +58,62 @@ class DraEvidence(Protocol):
     def in_use(self, instance: Instance) -> dict[str, str]: ...
 
 
-class CheckpointAllocations:
-    """The checkpoint's entries with their ``AllocResp`` digests: the file is read on every
-    call, parsed again only when its bytes changed (at start, one parse serves every
-    Instance)."""
+class CheckpointCache:
+    """kubelet's checkpoint, parsed: its entries with their ``AllocResp`` digests, and the
+    device ids per resource. The file is read on every call (a container allocated a moment
+    ago must be seen), parsed again only when its bytes changed."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._raw: bytes | None = None
         self._entries: list[CheckpointAllocation] = []
+        self._assigned: dict[str, frozenset[str]] = {}
+        self.parses = 0  # how often the file was parsed (tests)
 
-    def current(self) -> list[CheckpointAllocation]:
+    def _refresh(self) -> None:
         """Raises :class:`agent.deviceplugin.kubelet_state.KubeletStateError`."""
         raw = read_checkpoint_bytes(self.path)
-        if raw != self._raw:
-            self._entries = parse_checkpoint_allocations(raw) if raw is not None else []
-            self._raw = raw
+        if raw == self._raw:
+            return
+        entries = parse_checkpoint_allocations(raw) if raw is not None else []
+        assigned: dict[str, set[str]] = {}
+        for entry in entries:
+            assigned.setdefault(entry.resource, set()).update(entry.device_ids)
+        self.parses += raw is not None
+        self._entries = entries
+        self._assigned = {resource: frozenset(ids) for resource, ids in assigned.items()}
+        self._raw = raw
+
+    def current(self) -> list[CheckpointAllocation]:
+        """The entries now. Raises ``KubeletStateError``."""
+        self._refresh()
         return self._entries
+
+    def assigned(self) -> dict[str, frozenset[str]]:
+        """Device ids per resource now (every container, init ones included). Raises
+        ``KubeletStateError``."""
+        self._refresh()
+        return self._assigned
 
 
 def configuration_level_in_use(
     instance: Instance, node: str, allocations: list[CheckpointAllocation]
-) -> tuple[str, ...]:
-    """``C:<vdev>:<node>`` values of the configuration-level containers that use ``instance``
-    (pure; see the module docstring)."""
+) -> dict[str, frozenset[str]]:
+    """``C:<vdev>:<node>`` values of the configuration-level containers that use ``instance``,
+    each with every value its container may be held under (pure; see the module docstring).
+    Only the Instance's name and Configuration name are read: whether such a container is
+    already held is decided on the version the ledger writes over."""
     resource = configuration_resource(instance.configuration_name)
     digest = digest_of_instance(instance.name).upper()
-    held = set(instance.device_usage.values())
-    values: list[str] = []
+    values: dict[str, frozenset[str]] = {}
     for entry in allocations:
         if entry.resource != resource or digest not in entry.digests or not entry.device_ids:
             continue
         vdevs = sorted(entry.device_ids)
         candidates = [Owner.configuration_level(vdev, node).value for vdev in vdevs]
-        if held.intersection(candidates):
-            continue  # this container is already represented in the Instance
         position = sorted(entry.digests).index(digest)
-        values.append(candidates[min(position, len(candidates) - 1)])
-    return tuple(values)
+        values[candidates[min(position, len(candidates) - 1)]] = frozenset(candidates)
+    return values
 
 
 class NodeEvidence:
@@ -96,22 +123,22 @@ class NodeEvidence:
         self.node = node
         self.kubelet = kubelet
         self.dra: DraEvidence | None = None
-        self._allocations = CheckpointAllocations(kubelet.checkpoint) if kubelet else None
+        self.checkpoint = CheckpointCache(kubelet.checkpoint) if kubelet else None
 
     async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
         result: dict[str, str] = {}
-        anywhere: tuple[str, ...] = ()
+        anywhere: dict[str, frozenset[str]] = {}
         if self.kubelet is not None:
+            assert self.checkpoint is not None
             if self.kubelet.available():
                 assigned = (await self.kubelet.view_after(not_before)).in_use
             else:
-                assigned = read_kubelet_checkpoint(self.kubelet.checkpoint)
+                assigned = self.checkpoint.assigned()
             for device_id in assigned.get(instance_resource(instance.name), frozenset()):
                 if parse_slot_id(instance.name, device_id) is not None:
                     result[device_id] = self.node
-            assert self._allocations is not None
             # read after the view above: a container allocated before it is in the file
-            anywhere = configuration_level_in_use(instance, self.node, self._allocations.current())
+            anywhere = configuration_level_in_use(instance, self.node, self.checkpoint.current())
         if self.dra is not None:
             result.update(self.dra.in_use(instance))
-        return SlotsInUse(result, anywhere)
+        return SlotsInUse(result, tuple(anywhere), anywhere)

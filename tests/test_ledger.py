@@ -378,3 +378,83 @@ async def test_join_redecides_the_adoption_after_a_conflict(
     assert result.adopted == ()
     assert result.conflicts == (SlotConflict(f"{NAME}-0", "node-a", "node-b"),)
     assert (await stores[1].get(KEY)).device_usage[f"{NAME}-0"] == "node-b"
+
+
+# -- evidence gathered on one version, written over another ---------------------------------------
+
+
+def cl_checkpoint(path: Path, vdev: str, digest: str) -> None:
+    """kubelet's checkpoint with one configuration-level container on ``vdev`` whose
+    Allocate answer names the Instance with ``digest`` (env ``P`` and ``P_<DIGEST>``)."""
+    import base64
+    import json
+
+    from agent.protos.deviceplugin.v1beta1 import api_pb2
+
+    envs = {"P": "x", f"P_{digest.upper()}": "x"}
+    alloc = base64.b64encode(api_pb2.ContainerAllocateResponse(envs=envs).SerializeToString())
+    entry = {
+        "PodUID": "pod",
+        "ContainerName": "c",
+        "ResourceName": "akri.sh/cam",
+        "DeviceIDs": {"-1": [vdev]},
+        "AllocResp": alloc.decode(),
+    }
+    path.write_text(json.dumps({"Data": {"PodDeviceEntries": [entry]}, "Checksum": 0}))
+
+
+async def test_join_adopts_on_an_instance_recreated_during_the_evidence_read(
+    stores: list[LocalInstanceStore], tmp_path: Path
+) -> None:
+    """node-a holds a slot of the shared Instance as ``C:cam-0:node-a`` (version u1). Its
+    first join at start reads kubelet's evidence on u1, where that container is already
+    represented; meanwhile the Instance is deleted and node-b re-creates it with every slot
+    free (u2). The join's write lands on u2: it must take a slot for the container there,
+    or node-b hands out the slot the container uses."""
+    from agent.deviceplugin.kubelet_state import KubeletState
+    from agent.evidence import NodeEvidence
+
+    name, value = "cam-8120fe", "C:cam-0:node-a"
+    key = ObjectKey("default", name)
+    free = {f"{name}-0": "", f"{name}-1": ""}
+    old = Instance(
+        name=name,
+        configuration_name="cam",
+        capacity=2,
+        nodes=("node-a", "node-b"),
+        shared=True,
+        device_usage={**free, f"{name}-1": value},
+    )
+    u1 = await stores[0].create(old)
+    checkpoint = tmp_path / "kubelet_internal_checkpoint"
+    cl_checkpoint(checkpoint, "cam-0", "8120fe")
+    kubelet = KubeletState(tmp_path / "no-pod-resources.sock", checkpoint)
+    node_evidence = NodeEvidence("node-a", kubelet)
+    recreated: list[Instance] = []
+
+    class RecreatedWhileReading:
+        async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+            found = await node_evidence.in_use(instance, not_before)
+            if recreated:
+                return found
+            assert instance.uid == u1.uid  # the evidence was read on u1
+            await stores[1].delete(key)
+            recreated.append(
+                await stores[1].create(old.evolve(nodes=("node-b",), device_usage=free, uid=None))
+            )
+            return found
+
+    ledger = SlotLedger(stores[0], "node-a", evidence=RecreatedWhileReading())
+    result = await ledger.join_instance(
+        key,
+        lambda inst: None if "node-a" in inst.nodes else inst.evolve(nodes=(*inst.nodes, "node-a")),
+        check_evidence=True,
+    )
+    assert recreated and recreated[0].uid != u1.uid
+    stored = await stores[0].get(key)
+    assert stored.uid == recreated[0].uid and stored.nodes == ("node-b", "node-a")
+    assert list(stored.device_usage.values()).count(value) == 1, stored.device_usage
+    assert result.instance.uid == stored.uid and result.adopted == ((f"{name}-1", value),)
+    # and on the version it was read for, the represented container is not taken twice
+    again = await ledger.join_instance(key, lambda inst: None, check_evidence=True)
+    assert again.adopted == ()

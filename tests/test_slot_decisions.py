@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.deviceplugin.kubelet_state import parse_checkpoint_allocations
+from agent.deviceplugin.kubelet_state import instance_digests, parse_checkpoint_allocations
 from agent.evidence import configuration_level_in_use
 from agent.ledger.decisions import (
     Drain,
@@ -434,21 +434,48 @@ def test_configuration_level_evidence_finds_the_instance_by_its_env_var_digest()
             ("akri.sh/mic", ["mic-0"], {"DESC_8120FE": "x"}),  # another configuration
         )
     )
-    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ("C:cam-1:node-a",)
-    assert configuration_level_in_use(cam("a19705"), "node-a", allocations) == ("C:cam-0:node-a",)
-    assert configuration_level_in_use(cam("ffffff"), "node-a", allocations) == ()
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == {
+        "C:cam-1:node-a": frozenset({"C:cam-1:node-a"})
+    }
+    assert list(configuration_level_in_use(cam("a19705"), "node-a", allocations)) == [
+        "C:cam-0:node-a"
+    ]
+    assert configuration_level_in_use(cam("ffffff"), "node-a", allocations) == {}
 
 
 def test_configuration_level_evidence_pairs_a_containers_vdevs_once() -> None:
     """Two vdevs, two Instances in one container: paired in sorted order; an entry already
-    held in the Instance under any of its vdevs is not added again."""
+    held in the Instance under any of its vdevs is not added again — decided by the ledger on
+    the version it writes over, since the evidence names the container's whole group."""
     allocations = parse_checkpoint_allocations(
-        checkpoint(("akri.sh/cam", ["cam-3", "cam-2"], {"P_A19705": "a", "P_8120FE": "b"}))
+        checkpoint(
+            ("akri.sh/cam", ["cam-3", "cam-2"], {"P": "a", "P_A19705": "a", "P_8120FE": "b"})
+        )
     )
-    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ("C:cam-2:node-a",)
-    assert configuration_level_in_use(cam("a19705"), "node-a", allocations) == ("C:cam-3:node-a",)
+    group = frozenset({"C:cam-2:node-a", "C:cam-3:node-a"})
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == {
+        "C:cam-2:node-a": group
+    }
+    assert configuration_level_in_use(cam("a19705"), "node-a", allocations) == {
+        "C:cam-3:node-a": group
+    }
     represented = cam("8120fe", s0="C:cam-3:node-a")
-    assert configuration_level_in_use(represented, "node-a", allocations) == ()
+    # the evidence does not depend on the version it was asked for
+    found = configuration_level_in_use(represented, "node-a", allocations)
+    assert found == {"C:cam-2:node-a": group}
+    in_use = SlotsInUse(anywhere=tuple(found), represented_by=found)
+    assert decide_adopt(represented, in_use).adopted == ()
+    adoption = decide_adopt(cam("8120fe"), in_use)  # e.g. re-created meanwhile: all free
+    assert adoption.adopted == (("cam-8120fe-1", "C:cam-2:node-a"),)
+
+
+def test_adopt_leaves_a_container_alone_that_another_of_its_vdevs_holds() -> None:
+    """Pure: the group check runs on the version being replaced."""
+    value, other = "C:cam-2:node-a", "C:cam-3:node-a"
+    in_use = SlotsInUse(anywhere=(value,), represented_by={value: frozenset({value, other})})
+    assert decide_adopt(inst(capacity=2, s0=other), in_use).adopted == ()
+    assert decide_adopt(inst(capacity=2, s0=value), in_use).adopted == ()
+    assert decide_adopt(inst(capacity=2), in_use).adopted == ((f"{NAME}-1", value),)
 
 
 def test_configuration_level_evidence_ignores_what_it_cannot_read() -> None:
@@ -460,4 +487,23 @@ def test_configuration_level_evidence_ignores_what_it_cannot_read() -> None:
         )
     )
     assert [a.digests for a in allocations] == [frozenset()] * 3
-    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == ()
+    assert configuration_level_in_use(cam("8120fe"), "node-a", allocations) == {}
+
+
+def test_a_property_name_ending_in_six_hex_digits_is_no_digest() -> None:
+    """Allocate sets every property K as K and K_<DIGEST>: ``SERIAL_123456`` (a property of
+    its own, set as itself and as ``SERIAL_123456_8120FE``) names no Instance ``123456``."""
+    envs = {
+        "SERIAL_123456": "s",
+        "SERIAL_123456_8120FE": "s",
+        "DESC": "d",
+        "DESC_8120FE": "d",
+        "ONLY_ABCDEF": "no ONLY",
+    }
+    assert instance_digests(envs) == {"8120FE"}
+    allocations = parse_checkpoint_allocations(checkpoint(("akri.sh/cam", ["cam-0"], envs)))
+    assert allocations[0].digests == frozenset({"8120FE"})
+    assert configuration_level_in_use(cam("123456"), "node-a", allocations) == {}
+    assert list(configuration_level_in_use(cam("8120fe"), "node-a", allocations)) == [
+        "C:cam-0:node-a"
+    ]

@@ -31,7 +31,7 @@ import json
 import re
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,13 +79,27 @@ _DIGEST_SUFFIX = re.compile(r"_([0-9A-F]{6})$")
 @dataclass(frozen=True)
 class CheckpointAllocation:
     """One ``PodDeviceEntries`` item: the devices of one resource given to one container, and
-    the Instance digests its ``AllocResp`` env var names end in (``K_<DIGEST>``, see
-    :mod:`agent.deviceplugin.container_env`): for a configuration-level resource, the
-    Instances behind its virtual devices."""
+    the Instance digests its ``AllocResp`` env var names end in (``K_<DIGEST>`` next to ``K``,
+    see :mod:`agent.deviceplugin.container_env` and :func:`instance_digests`): for a
+    configuration-level resource, the Instances behind its virtual devices."""
 
     resource: str
     device_ids: frozenset[str]
     digests: frozenset[str]
+
+
+def instance_digests(env_names: Collection[str]) -> set[str]:
+    """The Instance digests a container's env var names stand for. Our Allocate sets every
+    broker property ``K`` twice, as ``K`` and ``K_<DIGEST>``; a name merely *ending* in ``_``
+    and six hex digits (``SERIAL_123456``) is a property of its own, so a suffix counts only
+    when the name without it is set too."""
+    names = set(env_names)
+    digests: set[str] = set()
+    for name in names:
+        match = _DIGEST_SUFFIX.search(name)
+        if match is not None and name[: match.start()] in names:
+            digests.add(match.group(1))
+    return digests
 
 
 def parse_checkpoint_allocations(raw: bytes) -> list[CheckpointAllocation]:
@@ -111,10 +125,7 @@ def parse_checkpoint_allocations(raw: bytes) -> list[CheckpointAllocation]:
             except (binascii.Error, ValueError, DecodeError):
                 response = None
             if response is not None:
-                for name in response.envs:
-                    match = _DIGEST_SUFFIX.search(name)
-                    if match is not None:
-                        digests.add(match.group(1))
+                digests = instance_digests(response.envs)
         result.append(
             CheckpointAllocation(
                 entry["ResourceName"],

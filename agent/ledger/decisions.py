@@ -314,10 +314,18 @@ class SlotsInUse:
 
     ``slots``: slot id -> value, where the slot is known (an instance-level device id, a DRA
     claim's device). ``anywhere``: values that hold *some* slot of the Instance, which one
-    kubelet cannot tell (configuration-level virtual devices: ``C:<vdev>:<node>``)."""
+    kubelet cannot tell (configuration-level virtual devices: ``C:<vdev>:<node>``).
+    ``represented_by``: for an ``anywhere`` value, every value its container may already be
+    held under (the ``C:<vdev>:<node>`` of each of its virtual devices; a value missing here
+    stands for itself).
+
+    Nothing here depends on an Instance version: the evidence may be gathered on one version
+    and applied to another (a re-created Instance, a conflict retry), and
+    :func:`decide_adopt` compares it with the version it replaces."""
 
     slots: Mapping[str, str] = field(default_factory=dict)
     anywhere: tuple[str, ...] = ()
+    represented_by: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.slots) or bool(self.anywhere)
@@ -356,7 +364,8 @@ def decide_adopt(instance: Instance, in_use: SlotsInUse) -> Adoption:
     * a known slot that is free (or absent: beyond the capacity, it then drains) gets the
       value; one already holding that value is left alone; one held by anything else is a
       :class:`SlotConflict` and is **not** taken (the other holder may be a live container);
-    * an ``anywhere`` value already held by some slot is left alone; otherwise it takes the
+    * an ``anywhere`` value whose container is already held by some slot (under that value
+      or any other of its ``represented_by`` group) is left alone; otherwise it takes the
       highest free slot while the held count is below the capacity, else it is a conflict.
 
     Values that are not held values and ids that are not slots of ``instance`` are ignored."""
@@ -375,8 +384,11 @@ def decide_adopt(instance: Instance, in_use: SlotsInUse) -> Adoption:
         usage[slot] = value
         adopted.append((slot, value))
     for value in sorted(set(in_use.anywhere)):
-        if not _is_held_value(value) or value in usage.values():
+        if not _is_held_value(value):
             continue
+        group = in_use.represented_by.get(value, frozenset()) | {value}
+        if not group.isdisjoint(usage.values()):
+            continue  # this container is already represented in the Instance
         held = len(usage) - operator.countOf(usage.values(), "")
         # the highest free slot: which one does not matter to a CL container, and an IL
         # container of another node, which this node cannot see, more likely sits low
