@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from agent.deviceplugin.kubelet_state import KubeletStateError
 from agent.discovery import runner as runner_module
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.ledger.decisions import SlotsInUse
+from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration, parse_configuration
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
@@ -434,6 +437,67 @@ async def test_another_namespace_s_draining_instance_does_not_take_the_owner_s_o
         )
         assert manager.offline_instances() == frozenset()
         assert manager.device_for(served.name) == Device("d1")
+    finally:
+        await manager.close()
+        await store.close()
+
+
+class BrokenForOneInstance:
+    """This node's evidence for the first Instance it is asked about cannot be read (e.g. a
+    half-written kubelet checkpoint) while ``broken``; the others read fine."""
+
+    def __init__(self) -> None:
+        self.broken = True
+        self.victim: str | None = None
+        self.asked: list[str] = []
+
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        self.asked.append(instance.name)
+        if self.victim is None:
+            self.victim = instance.name
+        if self.broken and instance.name == self.victim:
+            raise KubeletStateError("kubelet checkpoint is not JSON: truncated")
+        return SlotsInUse()
+
+
+async def test_unreadable_evidence_for_one_instance_holds_back_only_that_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: the evidence error left ``reconcile_once`` and no Instance of the
+    Configuration was created, joined or resized while it lasted. Now that one Instance is
+    left untouched (logged once a minute), the others go on, and it is retried."""
+    monkeypatch.setattr(runner_module, "EVIDENCE_RETRY", (0.01, 0.05))
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    evidence = BrokenForOneInstance()
+    ledger = SlotLedger(store, "node-a", evidence=evidence)
+    manager = DiscoveryManager(store, registry, "node-a", ledger=ledger)
+    await manager.start()
+    key = ObjectKey("default", "cfg")
+    try:
+        with caplog.at_level(logging.ERROR, logger="agent.discovery"):
+            added = ConfigurationEvent(EventType.ADDED, key, cfg())
+            await manager.handle_configuration_event(added)
+            await handler.queue.put([Device("d1"), Device("d2")])
+            await until(lambda: len(instances(store)) == 1)
+            victim = evidence.victim
+            assert victim is not None and instances(store)[0].name != victim
+            # the other one is still resized while the victim waits
+            await manager.handle_configuration_event(
+                ConfigurationEvent(EventType.MODIFIED, key, cfg(capacity=3))
+            )
+            await until(lambda: instances(store)[0].capacity == 3)
+            await until(lambda: evidence.asked.count(victim) >= 4)  # retried by itself
+            assert store.get_cached(ObjectKey("default", victim)) is None
+            lines = [r for r in caplog.records if "cannot be read now" in r.getMessage()]
+            assert len(lines) == 1 and victim in lines[0].getMessage()
+            evidence.broken = False
+            await until(lambda: store.get_cached(ObjectKey("default", victim)) is not None)
+        created = store.get_cached(ObjectKey("default", victim))
+        assert created is not None and created.capacity == 3
     finally:
         await manager.close()
         await store.close()

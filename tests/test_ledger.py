@@ -458,3 +458,37 @@ async def test_join_adopts_on_an_instance_recreated_during_the_evidence_read(
     # and on the version it was read for, the represented container is not taken twice
     again = await ledger.join_instance(key, lambda inst: None, check_evidence=True)
     assert again.adopted == ()
+
+
+async def test_evidence_parses_an_unchanged_checkpoint_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the pod-resources socket every Instance's evidence reads the checkpoint; an
+    agent starting with many Instances must not parse the same file for each of them (before:
+    twice per Instance). A changed file is parsed again."""
+    from agent.deviceplugin import kubelet_state
+    from agent.deviceplugin.kubelet_state import KubeletState
+    from agent.evidence import NodeEvidence
+
+    parsed: list[int] = []
+    real = kubelet_state._checkpoint_entries
+
+    def counting(raw: bytes) -> list[dict[str, object]]:
+        parsed.append(len(raw))
+        return real(raw)
+
+    monkeypatch.setattr(kubelet_state, "_checkpoint_entries", counting)
+    checkpoint = tmp_path / "kubelet_internal_checkpoint"
+    cl_checkpoint(checkpoint, "cam-0", "8120fe")
+    evidence = NodeEvidence("node-a", KubeletState(tmp_path / "absent.sock", checkpoint))
+    found = []
+    for digest in ["8120fe", *(f"{n:06x}" for n in range(100))]:
+        instance = Instance(name=f"cam-{digest}", configuration_name="cam", capacity=1)
+        found.append(await evidence.in_use(instance, 0.0))
+    assert len(parsed) == 1
+    assert found[0].anywhere == ("C:cam-0:node-a",) and not any(found[1:])
+    cl_checkpoint(checkpoint, "cam-1", "8120fe")
+    again = await evidence.in_use(
+        Instance(name="cam-8120fe", configuration_name="cam", capacity=1), 0.0
+    )
+    assert len(parsed) == 2 and again.anywhere == ("C:cam-1:node-a",)

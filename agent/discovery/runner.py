@@ -38,7 +38,7 @@ from agent.discovery.properties import (
     references,
     resolve_properties,
 )
-from agent.ledger.ledger import SlotLedger
+from agent.ledger.ledger import EvidenceUnavailableError, SlotLedger
 from agent.model.configuration import Configuration
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
@@ -60,6 +60,8 @@ log = logging.getLogger("agent.discovery")
 
 MAX_HANDLER_BACKOFF = 60.0
 MAX_RECONCILE_BACKOFF = 30.0
+EVIDENCE_RETRY = (0.5, 30.0)  # first and longest wait before retrying unreadable evidence
+EVIDENCE_LOG_INTERVAL = 60.0  # one log line per Instance at most this often
 
 
 class NamespaceInstances(Mapping[str, Instance]):
@@ -119,6 +121,11 @@ class ConfigurationRunner:
         self.reconciled = asyncio.Event()
         # name -> uid of the Instance this runner last joined checking kubelet's evidence
         self._evidence_checked: dict[str, str | None] = {}
+        # name -> when its unreadable evidence was last logged; the names whose create or
+        # join waits for evidence in this pass, and the wait before the next try
+        self._evidence_logged: dict[str, float] = {}
+        self._evidence_waiting: set[str] = set()
+        self._evidence_retry = EVIDENCE_RETRY[0]
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
         # for metrics and status: starting, ok, failed (last list kept), invalid
@@ -385,12 +392,15 @@ class ConfigurationRunner:
         for name in sorted(newly_offline):
             await self._mark_offline(name)
         settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
+        self._evidence_waiting = set()
         for desired in plan.upserts:
-            self.draining.pop(desired.name, None)
+            was_draining = self.draining.pop(desired.name, None)
             if self._is_settled(desired):
                 settled[desired.name] = self._settled[desired.name]
                 continue
             stored = await self._upsert(desired)
+            if desired.name in self._evidence_waiting and was_draining is not None:
+                self.draining[desired.name] = was_draining  # untouched: still draining
             if stored is not None:
                 settled[desired.name] = (
                     stored,
@@ -410,7 +420,14 @@ class ConfigurationRunner:
         if offline != self.offline:
             self.offline = offline
             self._on_offline_change()
-        return plan.next_deadline
+        for name in [n for n in self._evidence_logged if n not in self._evidence_waiting]:
+            del self._evidence_logged[name]
+        if not self._evidence_waiting:
+            self._evidence_retry = EVIDENCE_RETRY[0]
+            return plan.next_deadline
+        retry = self._clock() + self._evidence_retry
+        self._evidence_retry = min(self._evidence_retry * 2, EVIDENCE_RETRY[1])
+        return retry if plan.next_deadline is None else min(retry, plan.next_deadline)
 
     def _is_settled(self, desired: DesiredInstance) -> bool:
         """True when the cached Instance, the device and the Configuration are the very ones
@@ -429,7 +446,28 @@ class ConfigurationRunner:
 
     async def _upsert(self, desired: DesiredInstance) -> Instance | None:
         """Create or join the Instance; returns it when this node's part is now as
-        ``desired`` and nothing was written (a no-op worth remembering), else None."""
+        ``desired`` and nothing was written (a no-op worth remembering), else None.
+
+        When this node's evidence (what its containers use) cannot be read, the Instance is
+        left untouched — no create, no join, no slot change — the other Instances go on, and
+        this one is tried again after a backoff (logged at most once a minute)."""
+        try:
+            return await self._create_or_join(desired)
+        except EvidenceUnavailableError as error:
+            self._evidence_waiting.add(desired.name)
+            now = self._clock()
+            last = self._evidence_logged.get(desired.name)
+            if last is None or now - last >= EVIDENCE_LOG_INTERVAL:
+                self._evidence_logged[desired.name] = now
+                log.error(
+                    "%s; not creating or joining it (no slot changed) until it can be read: "
+                    "retrying in %.1fs",
+                    error,
+                    self._evidence_retry,
+                )
+            return None
+
+    async def _create_or_join(self, desired: DesiredInstance) -> Instance | None:
         shared = self.handler.shared
         key = ObjectKey(self.configuration.namespace, desired.name)
         for _ in range(5):

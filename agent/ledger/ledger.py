@@ -65,6 +65,19 @@ class SlotRefusedError(Exception):
         super().__init__(message)
 
 
+class EvidenceUnavailableError(Exception):
+    """This node's evidence could not be had (kubelet's ``List`` failed, its checkpoint is
+    unreadable, ...): nothing was written; the creation or join is to be retried later."""
+
+    def __init__(self, instance: ObjectKey, cause: Exception) -> None:
+        self.instance = instance
+        self.cause = cause
+        super().__init__(
+            f"what this node uses in instance {instance} cannot be read now: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
 class SlotEvidence(Protocol):
     """What this node's kubelet and DRA driver say is in use, for an Instance being created or
     joined."""
@@ -161,10 +174,10 @@ class SlotLedger:
     # -- discovery: create, change, leave ------------------------------------------------------
     async def create_instance(self, instance: Instance) -> Instance:
         """Create ``instance`` (its ``deviceUsage`` is decided here): every slot free except
-        those the evidence shows this node using. Raises :class:`AlreadyExistsError`."""
+        those the evidence shows this node using. Raises :class:`AlreadyExistsError`, or
+        :class:`EvidenceUnavailableError` (nothing written)."""
         async with self.lock_for(instance.key):
-            grants = self._granted.get(instance.key, {})
-            in_use = await self.evidence.in_use(instance, max(grants.values(), default=0.0))
+            in_use = await self._evidence_for(instance)
             usage = initial_usage(instance, in_use)
             created = await self.store.create(instance.evolve(device_usage=usage))
         held = {slot: value for slot, value in usage.items() if value}
@@ -193,7 +206,11 @@ class SlotLedger:
         evidence shows in use (:func:`decide_adopt`): the node that (re-)created the Instance
         saw only its own containers. A slot the evidence shows in use that someone else holds
         is logged and reported (Event ``SlotConflict``), never taken. Raises
-        :class:`NotFoundError`, or what the evidence raises."""
+        :class:`NotFoundError`, or :class:`EvidenceUnavailableError` (nothing written).
+
+        The evidence is read on the cached version and may be written over a newer one (a
+        conflict, or the Instance re-created meanwhile): it does not depend on the version
+        (:class:`SlotsInUse`), and what is already held is decided on the version replaced."""
         async with self.lock_for(key):
             current = self.store.get_cached(key)
             if current is None:
@@ -211,8 +228,12 @@ class SlotLedger:
         return result
 
     async def _evidence_for(self, instance: Instance) -> SlotsInUse:
+        """Raises :class:`EvidenceUnavailableError` (whatever the evidence failed with)."""
         grants = self._granted.get(instance.key, {})
-        return await self.evidence.in_use(instance, max(grants.values(), default=0.0))
+        try:
+            return await self.evidence.in_use(instance, max(grants.values(), default=0.0))
+        except Exception as error:
+            raise EvidenceUnavailableError(instance.key, error) from error
 
     async def _join(
         self,
