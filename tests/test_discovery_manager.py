@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from agent.deviceplugin.kubelet_state import KubeletStateError
+from agent.deviceplugin.reclaimer import HeldIndex
 from agent.discovery import runner as runner_module
 from agent.discovery.manager import DiscoveryManager, GraceSettings
+from agent.discovery.ownership import ServedInstances
 from agent.ledger.decisions import SlotsInUse
 from agent.ledger.ledger import SlotLedger
 from agent.model.configuration import Configuration, parse_configuration
@@ -498,6 +500,75 @@ async def test_unreadable_evidence_for_one_instance_holds_back_only_that_one(
             await until(lambda: store.get_cached(ObjectKey("default", victim)) is not None)
         created = store.get_cached(ObjectKey("default", victim))
         assert created is not None and created.capacity == 3
+    finally:
+        await manager.close()
+        await store.close()
+
+
+def dated_file(path: Path, namespace: str, created: str) -> Path:
+    path.write_text(
+        "apiVersion: akri.sh/v0\nkind: Configuration\n"
+        f"metadata: {{name: cam, namespace: {namespace}, creationTimestamp: '{created}'}}\n"
+        "spec: {discoveryHandler: {name: scripted}, capacity: 1}\n"
+    )
+    return path
+
+
+async def test_a_displaced_configuration_s_instances_drain_and_go(tmp_path: Path) -> None:
+    """``default/cam`` runs here with an Instance whose slot a live container holds; then
+    ``other/cam`` (the older Configuration) gets an Instance too and takes the name (rule 2).
+    Before: the runner was stopped and nothing ever looked at its Instance again — no
+    retirement, and the reclaimers saw only the owner's Instances — so the slot was never
+    freed and the Instance never went. Now it drains (the reclaimers see it), then goes."""
+    state = tmp_path / "state"
+    seed = LocalInstanceStore(state)
+    await seed.start()
+    held = await seed.create(
+        Instance(
+            name="cam-111111",
+            configuration_name="cam",
+            capacity=1,
+            nodes=("node-a",),
+            device_usage={"cam-111111-0": "node-a"},
+        )
+    )
+    await seed.close()
+    mine = dated_file(tmp_path / "a.yaml", "default", "2024-01-01T00:00:00Z")
+    theirs = dated_file(tmp_path / "b.yaml", "other", "2020-01-01T00:00:00Z")
+    store = LocalInstanceStore(state, [mine, theirs], poll_interval=0.05)
+    await store.start()
+    registry = HandlerRegistry()
+    registry.register(ScriptedHandler())
+    manager = DiscoveryManager(store, registry, "node-a")
+    served = ServedInstances(store, manager.ownership)
+    await manager.start()
+    displaced = ObjectKey("default", "cam")
+    try:
+        # only default has Instances: it owns the name (rule 1) and runs
+        await until(lambda: set(manager.runners) == {displaced})
+        assert served.get(held.name) is not None and served.served(held)
+        await store.create(
+            Instance(name="cam-222222", namespace="other", configuration_name="cam", capacity=1)
+        )
+        await until(lambda: set(manager.runners) == {ObjectKey("other", "cam")})
+        assert manager.ownership.owner("cam") == "other"
+        # held: draining, not left; the device plugins do not serve it, the reclaimers see it
+        await until(lambda: "node-a" in (store.get_cached(held.key) or held).draining_nodes)
+        draining = store.get_cached(held.key)
+        assert draining is not None and draining.nodes == ("node-a",)
+        assert draining.device_usage == held.device_usage
+        assert manager.draining() == {held.key: ("cam-111111-0",)}
+        assert served.get(held.name) is None and served.served(draining)
+        index = HeldIndex("node-a", served.served)  # the device-plugin reclaimer's view
+        index.update(draining)
+        assert [h.slot for h in index] == ["cam-111111-0"]
+        assert held.name not in manager.offline_instances()  # not the owner's name to hide
+        # its container ends: the reclaimer frees the slot, and the node leaves (the last
+        # one: the Instance is deleted)
+        freed = await manager.ledger.release_slots(held.key, {"cam-111111-0": "node-a"})
+        assert freed == ("cam-111111-0",)
+        await until(lambda: store.get_cached(held.key) is None)
+        await until(lambda: displaced not in manager.retirements)
     finally:
         await manager.close()
         await store.close()

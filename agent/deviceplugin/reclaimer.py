@@ -13,7 +13,10 @@ kubelet says which device IDs are assigned to containers, per resource: its pod-
 DRA slots (``D:…``) belong to the DRA driver (:mod:`agent.dra.reclaim`) and are never
 touched here. If the pod-resources socket is missing, reclaim is off and the log says so once.
 Only Instances served on this node (their Configuration name's owner namespace,
-:mod:`agent.discovery.ownership`) are considered: ``akri.sh/<name>`` is node-global.
+:mod:`agent.discovery.ownership`) are considered: ``akri.sh/<name>`` is node-global — plus
+another namespace's Instances while a node drains them (their Configuration lost the name
+while its containers ran): a slot is freed only when kubelet assigns its device id to no
+container at all, which stays safe whichever namespace the container came from.
 
 kubelet restarts. While kubelet restarts, ``List`` can answer before it has re-admitted its
 pods. A restart seen by the device-plugin manager (``kubelet_restarted``) or a new

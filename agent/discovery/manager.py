@@ -13,7 +13,10 @@ holds none of its slots). Invalid input never costs a slot:
   retired — unless a Configuration source cannot be read at all (it may define them), in
   which case nothing is taken for an orphan until it can;
 * a Configuration whose name another namespace owns (kubelet and DRA names are node-global,
-  see :mod:`agent.discovery.ownership`) is refused and starts once the name is free.
+  see :mod:`agent.discovery.ownership`) is refused and starts once the name is free; its
+  Instances on this node — e.g. when the name moved to the other namespace while it ran —
+  are retired (draining while this node holds slots in them), since nothing here serves them
+  any more and their slots must be freed when their containers end.
 """
 
 from __future__ import annotations
@@ -277,9 +280,9 @@ class DiscoveryManager:
 
     async def _stop_displaced(self, keys: list[ObjectKey]) -> None:
         """Stop the runners of Configurations whose (node-global) name another namespace
-        now owns, so that two namespaces never run discovery for one name. Their Instances
-        stay as they are (a runner's stop never leaves or deletes); they start again when
-        the name is theirs."""
+        now owns, so that two namespaces never run discovery for one name, and retire their
+        Instances on this node (:meth:`_refuse`); they start again when the name is
+        theirs."""
         async with self._lock:
             for key in keys:
                 runner = self.runners.get(key)
@@ -412,24 +415,31 @@ class DiscoveryManager:
 
     async def _refuse(self, configuration: Configuration) -> None:
         """Refuse a Configuration whose name another namespace owns; stop its runner if it
-        ran (the name moved to the other namespace)."""
+        ran (the name moved to the other namespace), and retire its Instances on this node:
+        nothing serves them here any more, and a slot held in one would otherwise never be
+        freed (the reclaimers free it once its container ends; the Instance drains until
+        then and this node leaves it after). It runs again, taking them over, once the name
+        is its own."""
         key = configuration.key
         owner = self.ownership.owner(configuration.name)
         runner = self.runners.pop(key, None)
         if runner is not None:
             log.warning(
-                "configuration %s: stopping discovery: %s/%s now owns the name %r; its "
-                "instances are left as they are",
+                "configuration %s: stopping discovery: %s/%s now owns the name %r; %s leaves "
+                "its instances as soon as it holds none of their slots",
                 key,
                 owner,
                 configuration.name,
                 configuration.name,
+                self.node,
             )
             await runner.stop()
+        self._retire(key, f"the name {configuration.name!r} belongs to namespace {owner!r}")
         message = (
             f"the name {configuration.name!r} is in use by the Configuration in namespace "
             f"{owner!r}: kubelet resource names (akri.sh/<name>) and DRA device names are "
-            f"node-global, so {key} is not run; it starts by itself once {owner}/"
+            f"node-global, so {key} is not run and {self.node} leaves its instances once "
+            f"none of their slots is in use; it starts by itself once {owner}/"
             f"{configuration.name} and its instances are gone"
         )
         self.refused[key] = configuration

@@ -13,9 +13,13 @@ Configuration of the same name would produce the same names (Instance names are
 
 The other namespace's Configuration is refused (log line + Event naming the owner) and waits:
 it starts by itself once the owner's Configuration is deleted and its Instances are gone.
-Every agent applies the same rule to the same API objects, so all nodes agree. The device
-plugins, the DRA driver and the reclaimers only ever see the owner's Instances
-(:class:`ServedInstances`), looked up by the global name.
+Its Instances that list this node are retired like a deleted Configuration's (this node
+drains them while it holds slots in them, then leaves): nothing here serves them any more,
+and slots held in them must still be freed once their containers end. Every agent applies
+the same rule to the same API objects, so all nodes agree. The device plugins and the DRA
+driver only ever see the owner's Instances (:class:`ServedInstances`), looked up by the
+global name; the reclaimers also see another namespace's *draining* Instances, since only
+they can free the slots that keep a retiring node in them.
 """
 
 from __future__ import annotations
@@ -113,20 +117,30 @@ class Ownership:
 
 class ServedInstances:
     """The store's Instances as the node-global names see them: only the owner namespace's,
-    looked up by bare name. Used by the device plugins, the DRA driver and the reclaimers."""
+    looked up by bare name (:meth:`get`, :meth:`of_configuration`, :meth:`all`: the device
+    plugins and the DRA driver). The reclaimers ask :meth:`served`, which also admits
+    another namespace's draining Instances."""
 
     def __init__(self, store: InstanceStore, ownership: Ownership) -> None:
         self.store = store
         self.ownership = ownership
 
-    def served(self, instance: Instance) -> bool:
+    def owned(self, instance: Instance) -> bool:
         """Whether ``instance`` belongs to its Configuration name's owner."""
         return self.ownership.owns(instance.configuration_key)
+
+    def served(self, instance: Instance) -> bool:
+        """Whether the reclaimers look at ``instance``: the owner's Instances, and any
+        Instance a node drains — e.g. one of a namespace that lost the name while its
+        containers ran (docs/slot-model.md, "Namespaces"). Reclaiming such a slot is safe
+        although kubelet's ids are node-global: a slot is freed only when no container on
+        this node is assigned its device id at all, whichever namespace it came from."""
+        return self.owned(instance) or bool(instance.draining_nodes)
 
     def get(self, name: str) -> Instance | None:
         """The served Instance called ``name``, or None."""
         for instance in self.store.instances_named(name):
-            if self.served(instance):
+            if self.owned(instance):
                 return instance
         return None
 
@@ -139,5 +153,5 @@ class ServedInstances:
 
     def all(self) -> list[Instance]:
         """Every served Instance, sorted by name."""
-        instances = [i for i in self.store.list_cached() if self.served(i)]
+        instances = [i for i in self.store.list_cached() if self.owned(i)]
         return sorted(instances, key=lambda i: i.name)
