@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,29 +21,47 @@ import pytest
 from agent.external.endpoints import Endpoint
 from agent.external.handler import ExternalHandler
 from agent.external.wire import response_from_devices
-from discovery_handlers.base import Device
+from agent.protos.akri.discovery.v0 import discovery_pb2 as pb
+from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
 
 END = object()  # ends the current stream
 GARBAGE = object()  # one message that is no DiscoverResponse
 
 
 class ScriptedEndpoint:
-    """A ``v0.DiscoveryHandler`` whose newest stream sends what the test puts in ``queue``
-    (each stream has its own queue: a stream the agent dropped cannot take the next item)."""
+    """A ``v0.DiscoveryHandler`` whose newest stream for some ``discoveryDetails`` sends what
+    the test puts in ``queues[details]`` (``queue`` for details ``""``); each stream has its
+    own queue: a stream the agent dropped cannot take the next item. ``script(details, n)``
+    says how the n-th stream for those details starts: items put on its queue first, or a
+    status it is refused with."""
 
     def __init__(self, socket: Path) -> None:
         self.socket = socket
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queues: dict[str, asyncio.Queue[Any]] = {"": asyncio.Queue()}
+        self.script: Callable[[str, int], Sequence[Any] | grpc.StatusCode] = lambda _d, _n: ()
         self.discovers = 0
+        self.dials: dict[str, int] = {}
         self.discovered = asyncio.Event()
         self._server: grpc.aio.Server | None = None
 
+    @property
+    def queue(self) -> asyncio.Queue[Any]:
+        return self.queues[""]
+
     async def start(self) -> None:
         async def discover(request: bytes, context: Any) -> AsyncIterator[bytes]:
+            details = pb.DiscoverRequest.FromString(request).discovery_details
             self.discovers += 1
-            queue = self.queue if self.discovers == 1 else asyncio.Queue()
-            self.queue = queue
+            n = self.dials[details] = self.dials.get(details, 0) + 1
             self.discovered.set()
+            script = self.script(details, n)
+            if isinstance(script, grpc.StatusCode):
+                await context.abort(script, f"refused for details {details!r}")
+            first = n == 1 and details in self.queues
+            queue = self.queues[details] if first else asyncio.Queue()
+            self.queues[details] = queue
+            for item in script:
+                queue.put_nowait(item)
             while True:
                 item = await queue.get()
                 if item is END:
@@ -83,8 +101,8 @@ def registration(socket: Path) -> Endpoint:
 class Lists:
     """The merged lists one ``discover()`` yields, read one by one with a bound."""
 
-    def __init__(self, handler: ExternalHandler) -> None:
-        self._lists = handler.discover("", {})
+    def __init__(self, handler: ExternalHandler, details: str = "") -> None:
+        self._lists = handler.discover(details, {})
 
     async def next(self, within: float = 10.0) -> list[str]:
         async with asyncio.timeout(within):
@@ -101,6 +119,14 @@ class Lists:
 async def dialled(endpoint: ScriptedEndpoint) -> None:
     async with asyncio.timeout(10):
         await endpoint.discovered.wait()
+
+
+async def dials(endpoint: ScriptedEndpoint, count: int, details: str = "") -> None:
+    """Until the endpoint has had ``count`` streams for ``details``."""
+    async with asyncio.timeout(10):
+        while endpoint.dials.get(details, 0) < count:
+            endpoint.discovered.clear()
+            await endpoint.discovered.wait()
 
 
 def devices(*ids: str) -> list[Device]:
@@ -196,4 +222,116 @@ async def test_a_cut_off_endpoint_keeps_its_last_good_list(
         assert "not a DiscoverResponse" in reports[0][2]
     await endpoint.queue.put(devices("c"))
     assert await lists.next() == ["c"]  # no empty list in between
+    await lists.close()
+
+
+# -- review of 3b02c53: every failure counts towards the window, per Configuration -----------
+
+
+@pytest.mark.parametrize("bad", ["hung", "garbage", "flood"])
+async def test_an_endpoint_cut_off_at_every_dial_loses_its_list_after_the_window(
+    endpoint: ScriptedEndpoint, bad: str
+) -> None:
+    # a hung handler accepts Discover and never answers (a cut-off at the first-list timeout);
+    # a flooder sends good lists before each cut-off: neither may keep its devices forever
+    handler = ExternalHandler(
+        "scripted", False, first_list_timeout=0.1, cut_off_pause=0.05, reconnect_window=0.6
+    )
+    later: dict[str, Sequence[Any]] = {
+        "hung": (),
+        "garbage": (GARBAGE,),
+        "flood": [devices("a")] * 150,  # over the burst of 100
+    }
+    endpoint.script = lambda _details, n: later[bad] if n > 1 else ()
+    handler.add(registration(endpoint.socket))
+    lists = Lists(handler)
+    await endpoint.queue.put(devices("a"))
+    assert await lists.next() == ["a"]
+    await endpoint.queue.put(END)  # the first failure: the window starts
+    assert await lists.next(within=20) == []  # old code: kept forever
+    assert handler.cut_off_count >= 2  # it was dialled and cut off again meanwhile
+    # the endpoint answered: only this Configuration's stream stopped
+    assert "scripted@" + str(endpoint.socket) in handler.endpoints
+    await lists.close()
+
+
+@pytest.mark.parametrize(
+    "status",
+    [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT],
+)
+async def test_one_configuration_the_handler_rejects_leaves_the_others_streams_alone(
+    endpoint: ScriptedEndpoint, status: grpc.StatusCode
+) -> None:
+    handler = ExternalHandler("scripted", False, reconnect_window=0.5)
+    uid = "scripted@" + str(endpoint.socket)
+    # the handler serves details "bad" once, then refuses them (a raise in its Discover is
+    # UNKNOWN); details "" are served all along
+    endpoint.script = lambda details, n: status if details == "bad" and n > 1 else ()
+    handler.add(registration(endpoint.socket))
+    good = Lists(handler)
+    await endpoint.queue.put(devices("a"))
+    assert await good.next() == ["a"]
+    endpoint.queues["bad"] = asyncio.Queue()
+    bad = Lists(handler, "bad")
+    await endpoint.queues["bad"].put(devices("x"))
+    assert await bad.next() == ["x"]
+    await endpoint.queues["bad"].put(END)
+    if status == grpc.StatusCode.INVALID_ARGUMENT:
+        with pytest.raises(InvalidDiscoveryDetailsError):
+            await bad.next()  # the Configuration waits for an edit
+    else:
+        assert await bad.next(within=20) == []  # past the window: gone for "bad" only
+        assert endpoint.dials["bad"] >= 2
+    assert uid in handler.endpoints  # old code: forgotten, for every Configuration
+    await endpoint.queue.put(devices("a", "b"))
+    assert await good.next() == ["a", "b"]  # the same stream, no empty list in between
+    assert endpoint.dials[""] == 1
+    if status != grpc.StatusCode.INVALID_ARGUMENT:
+        # a registration (the handler restarted, fixed) dials the stopped stream again
+        endpoint.script = lambda _details, _n: ()
+        following = asyncio.create_task(bad.next())
+        handler.add(registration(endpoint.socket))
+        await dials(endpoint, endpoint.dials["bad"] + 1, "bad")
+        await endpoint.queues["bad"].put(devices("y"))
+        assert await following == ["y"]
+    await bad.close()
+    await good.close()
+
+
+async def test_a_handler_ending_its_stream_after_each_list_is_redialled_with_a_growing_backoff(
+    endpoint: ScriptedEndpoint,
+) -> None:
+    # the handler's waits are recorded instead of slept, on a clock the test moves: the
+    # backoff is read exactly, without timing anything
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+        await asyncio.sleep(0)
+
+    now = [0.0]
+    handler = ExternalHandler(
+        "scripted",
+        False,
+        reconnect_window=30,
+        reconnect_backoff=0.25,
+        max_reconnect_backoff=5,
+        stable_after=10,
+        clock=lambda: now[0],
+        sleep=record,
+    )
+    # streams 1-7 send one list and end; stream 8 stays
+    endpoint.script = lambda _details, n: [devices("a"), END] if n < 8 else ()
+    handler.add(registration(endpoint.socket))
+    lists = Lists(handler)
+    assert await lists.next() == ["a"]
+    await dials(endpoint, 8)
+    # each list used to start the backoff over: 0.25 s between dials, forever
+    assert waits == [0.25, 0.5, 1, 2, 4, 5, 5]
+    # a stream that stayed up stable_after starts it over
+    now[0] += 10
+    await endpoint.queue.put(END)
+    await dials(endpoint, 9)
+    assert waits[7:] == [0.25]
+    assert "scripted@" + str(endpoint.socket) in handler.endpoints
     await lists.close()

@@ -8,19 +8,33 @@ new list of an endpoint replaces that endpoint's part of the merged list.
 
 A failing endpoint is not an empty list (issue 11): an endpoint's last list stays in the
 merged list while its stream is down — broken or ended (the process was killed, restarted,
-upgraded by a rolling update of its DaemonSet), cut off, or being replaced by a
-re-registration — until the endpoint sends a list again. Only an endpoint that does not come
-back within ``reconnect_window`` of its stream breaking (it is dialled again meanwhile, with a
-doubling backoff) is forgotten: then, and only then, its devices leave the list and follow the
-Configuration's offline grace. A forgotten endpoint is dialled again when it registers again
-(a restarted handler does).
+upgraded by a rolling update of its DaemonSet), failed, cut off, or being replaced by a
+re-registration — until the endpoint sends a list again. It is dialled again meanwhile (a
+doubling backoff that starts over only after a stream stayed up ``stable_after``, so a handler
+that ends its stream after each list is not redialled four times a second). When it has not
+reported within ``reconnect_window`` of its first failure, its list goes and its devices follow
+the Configuration's offline grace. Who loses it depends on the last failure:
+
+- the endpoint cannot be reached (``UNAVAILABLE``: the socket is gone, the connection refused
+  or reset): it is forgotten by the handler, for every Configuration, until it registers again
+  (a restarted handler does);
+- the endpoint answered this Configuration's ``Discover`` with an error status, ended the
+  stream, or was cut off: only this Configuration's stream stops (other Configurations'
+  streams to the endpoint may be healthy; one Configuration's details must not take the
+  endpoint from the others). It is dialled again when the endpoint registers again or the
+  Configuration changes.
+
+Lists sent by a stream that is then cut off do not count as the endpoint being back unless
+that stream stayed up a whole window: a handler that floods, or sends one good list and then
+garbage, at every dial would otherwise keep its devices forever.
 
 An endpoint that misbehaves — a message that is not a ``DiscoverResponse``, a list over the
 report bounds or with duplicate ids, a message over the size limit, a flood of lists, no first
-list within ``first_list_timeout`` — is cut off: its stream is closed, a log line and an Event
-say why, and it is not dialled again for a pause that doubles with each cut-off (a
-re-registration does not shorten it). What it sent before it broke the rule is kept, as for a
-broken stream. Other endpoints and other handlers go on unaffected.
+list within ``first_list_timeout`` — is cut off: that stream is closed, a log line and an Event
+say why, and that Configuration's stream is not dialled again for a pause that doubles with each
+of its cut-offs (a re-registration does not shorten it). What it sent before it broke the rule
+is kept, as for a failed stream. Other Configurations' streams, other endpoints and other
+handlers go on unaffected.
 """
 
 from __future__ import annotations
@@ -29,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from agent.discovery.limits import ReportRejectedError
@@ -49,6 +63,7 @@ SETTLE = 1.0  # seconds the first merged list waits for every endpoint's first l
 RECONNECT_WINDOW = 60.0  # seconds a broken endpoint keeps its list while it is dialled again
 RECONNECT_BACKOFF = 0.25  # first wait between those dials (doubling...)
 MAX_RECONNECT_BACKOFF = 5.0  # ...up to this)
+STABLE_AFTER = 10.0  # a stream up this long starts the backoff over when it ends
 CUT_OFF_PAUSE = 30.0  # first pause after a cut-off (doubling, up to MAX_CUT_OFF_PAUSE)
 MAX_CUT_OFF_PAUSE = 600.0
 FLOOD_RATE = 20.0  # lists per second an endpoint may send on average...
@@ -62,8 +77,26 @@ class CutOffError(Exception):
     """An endpoint broke a rule; it is cut off."""
 
 
-class _Gone(Exception):
-    """An endpoint cannot be reached any more."""
+class _Unreachable(Exception):
+    """The endpoint cannot be reached (``UNAVAILABLE``): a problem of the endpoint, for every
+    Configuration."""
+
+
+class _Failed(Exception):
+    """The endpoint answered this ``Discover`` with an error status: a problem of this call
+    (this Configuration's details, say), not of the endpoint."""
+
+
+@dataclass
+class _StreamState:
+    """One endpoint's stream for one ``discover()``. It outlives a re-registration of the
+    endpoint: registering again neither restarts the window nor shortens a pause (a handler
+    that re-registers whenever its stream is dropped would otherwise be kept forever)."""
+
+    backoff: float
+    down_since: float | None = None  # the first failure since the endpoint last reported
+    paused_until: float = 0.0  # end of the cut-off pause
+    cut_offs: int = 0
 
 
 @dataclass
@@ -94,7 +127,11 @@ class ExternalHandler(DiscoveryHandler):
         first_list_timeout: float = FIRST_LIST_TIMEOUT,
         cut_off_pause: float = CUT_OFF_PAUSE,
         reconnect_window: float = RECONNECT_WINDOW,
+        reconnect_backoff: float = RECONNECT_BACKOFF,
+        max_reconnect_backoff: float = MAX_RECONNECT_BACKOFF,
+        stable_after: float = STABLE_AFTER,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self._shared = shared
@@ -102,12 +139,14 @@ class ExternalHandler(DiscoveryHandler):
         self.first_list_timeout = first_list_timeout
         self.cut_off_pause = cut_off_pause
         self.reconnect_window = reconnect_window
+        self.reconnect_backoff = reconnect_backoff
+        self.max_reconnect_backoff = max_reconnect_backoff
+        self.stable_after = stable_after
         self._clock = clock
+        self._sleep = sleep
         self.endpoints: dict[str, Endpoint] = {}
         self._changed = asyncio.Event()
         self._version = 0
-        self._paused_until: dict[str, float] = {}  # uid -> end of its cut-off pause
-        self._cut_offs: dict[str, int] = {}
         self.cut_off_count = 0
 
     @property
@@ -143,12 +182,11 @@ class ExternalHandler(DiscoveryHandler):
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _cut_off(self, endpoint: Endpoint, why: str) -> None:
-        count = self._cut_offs.get(endpoint.uid, 0) + 1
-        self._cut_offs[endpoint.uid] = count
+    def _cut_off(self, endpoint: Endpoint, state: _StreamState, why: str) -> None:
+        state.cut_offs += 1
         self.cut_off_count += 1
-        pause = min(MAX_CUT_OFF_PAUSE, self.cut_off_pause * 2 ** (count - 1))
-        self._paused_until[endpoint.uid] = self._clock() + pause
+        pause = min(MAX_CUT_OFF_PAUSE, self.cut_off_pause * 2 ** (state.cut_offs - 1))
+        state.paused_until = self._clock() + pause
         message = (
             f"discovery handler {self.name} at {endpoint.endpoint} cut off: {why}; it is not "
             f"dialled again for {pause:.0f}s (its last good list, if any, is kept meanwhile)"
@@ -162,6 +200,7 @@ class ExternalHandler(DiscoveryHandler):
     ) -> AsyncIterator[list[Device]]:
         lists: dict[str, list[Device]] = {}
         streams: dict[str, tuple[Endpoint, asyncio.Task[None]]] = {}
+        states: dict[str, _StreamState] = {}
         news = asyncio.Event()
         failures: list[BaseException] = []
 
@@ -183,16 +222,21 @@ class ExternalHandler(DiscoveryHandler):
                     del streams[uid]
                     if uid not in self.endpoints:
                         publish(uid, None)  # forgotten: its devices follow the offline grace
+                        states.pop(uid, None)
                     # else registered again (a restarted handler): its last list stays
                     # until the new stream sends one
             for uid, endpoint in self.endpoints.items():
                 if uid not in streams:
-                    # an endpoint registered again while its last list is kept is down until
-                    # its new stream sends a list
-                    down = self._clock() if uid in lists else None
+                    # (a stream that stopped stays in ``streams``, done, until the endpoint
+                    # registers again)
+                    state = states.setdefault(uid, _StreamState(self.reconnect_backoff))
+                    if state.down_since is None and uid in lists:
+                        # registered again while its last list is kept: down until its new
+                        # stream sends a list
+                        state.down_since = self._clock()
                     task = asyncio.create_task(
                         self._follow(
-                            endpoint, discovery_details, discovery_properties, publish, down
+                            endpoint, discovery_details, discovery_properties, publish, state
                         ),
                         name=f"external-{uid}",
                     )
@@ -237,27 +281,28 @@ class ExternalHandler(DiscoveryHandler):
         details: str,
         properties: DiscoveryProperties,
         publish: Callable[[str, list[Device] | None], None],
-        down_since: float | None = None,
+        state: _StreamState,
     ) -> None:
-        """One endpoint's streams for one ``discover()``, dialled again after breaks. Its last
-        list stays published while it is down; it is forgotten (and its list dropped by
-        ``discover``) only when no stream sends a list within ``reconnect_window`` of the
-        break."""
-        backoff = RECONNECT_BACKOFF
+        """One endpoint's streams for one ``discover()``, dialled again after failures. Its
+        last list stays published while it is down, until ``reconnect_window`` after the
+        first failure (see the module docstring for who loses it then)."""
         while True:
-            pause = self._paused_until.get(endpoint.uid, 0.0) - self._clock()
+            pause = state.paused_until - self._clock()
             if pause > 0:
-                await asyncio.sleep(pause)
+                await self._sleep(pause)
+            dialled_at = self._clock()
+            down_before = state.down_since
+            unreachable = False
             try:
                 async for devices in self._stream(endpoint, details, properties):
-                    if down_since is not None:
+                    if state.down_since is not None:
                         log.info(
                             "discovery handler %s at %s is back: %d device(s)",
                             self.name,
                             endpoint.endpoint,
                             len(devices),
                         )
-                    down_since, backoff = None, RECONNECT_BACKOFF
+                    state.down_since = None
                     publish(endpoint.uid, devices)
                 log.warning(
                     "discovery handler %s at %s ended its stream; its last list is kept while "
@@ -265,12 +310,16 @@ class ExternalHandler(DiscoveryHandler):
                     self.name,
                     endpoint.endpoint,
                 )
+                why = "ended its stream"
             except CutOffError as error:
-                if down_since is None:
-                    down_since = self._clock()
-                self._cut_off(endpoint, str(error))
-                continue
-            except _Gone as error:
+                self._cut_off(endpoint, state, str(error))
+                if down_before is not None and self._clock() - dialled_at < self.reconnect_window:
+                    # the lists of a stream that was then cut off do not prove the endpoint
+                    # is back (a flooder sends good lists before each cut-off)
+                    state.down_since = down_before
+                why = "cut off"
+            except (_Unreachable, _Failed) as error:
+                unreachable = isinstance(error, _Unreachable)
                 log.warning(
                     "discovery handler %s at %s: %s; its last list is kept while it is dialled "
                     "again",
@@ -278,14 +327,42 @@ class ExternalHandler(DiscoveryHandler):
                     endpoint.endpoint,
                     error,
                 )
+                why = str(error)
             now = self._clock()
-            if down_since is None:
-                down_since = now
-            if now - down_since >= self.reconnect_window:
-                self.forget(endpoint.uid)
+            if state.down_since is None:
+                state.down_since = now
+            if now - state.down_since >= self.reconnect_window:
+                if unreachable:
+                    self.forget(endpoint.uid)  # every Configuration's stream to it
+                else:
+                    self._stop(endpoint, publish, why)
                 return
-            await asyncio.sleep(min(backoff, max(0.0, down_since + self.reconnect_window - now)))
-            backoff = min(MAX_RECONNECT_BACKOFF, backoff * 2)
+            if state.paused_until > now:
+                continue  # a cut-off: its pause is the wait
+            if now - dialled_at >= self.stable_after:
+                state.backoff = self.reconnect_backoff  # it was up a while: start over
+            window_left = state.down_since + self.reconnect_window - now
+            await self._sleep(min(state.backoff, max(0.0, window_left)))
+            state.backoff = min(self.max_reconnect_backoff, state.backoff * 2)
+
+    def _stop(
+        self,
+        endpoint: Endpoint,
+        publish: Callable[[str, list[Device] | None], None],
+        why: str,
+    ) -> None:
+        """This ``discover()``'s stream to a reachable endpoint gives up: its list leaves this
+        Configuration's merged list only; the endpoint stays for the others."""
+        log.warning(
+            "discovery handler %s at %s sent no list for a Configuration within %.0fs (last: "
+            "%s): that Configuration drops its devices from this endpoint (offline grace) and "
+            "dials it again when it registers again",
+            self.name,
+            endpoint.endpoint,
+            self.reconnect_window,
+            why,
+        )
+        publish(endpoint.uid, None)
 
     async def _stream(
         self, endpoint: Endpoint, details: str, properties: DiscoveryProperties
@@ -345,7 +422,9 @@ class ExternalHandler(DiscoveryHandler):
                     raise CutOffError(
                         f"sent a message over {MAX_MESSAGE_BYTES // (1024 * 1024)} MiB"
                     ) from None
-                raise _Gone(f"{code.name}: {error.details()}") from None
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    raise _Unreachable(f"{code.name}: {error.details()}") from None
+                raise _Failed(f"answered {code.name}: {error.details()}") from None
             finally:
                 call.cancel()
 
