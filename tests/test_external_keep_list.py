@@ -57,6 +57,7 @@ class ScriptedEndpoint:
             script = self.script(details, n)
             if isinstance(script, grpc.StatusCode):
                 await context.abort(script, f"refused for details {details!r}")
+                return  # (abort raises)
             first = n == 1 and details in self.queues
             queue = self.queues[details] if first else asyncio.Queue()
             self.queues[details] = queue
