@@ -322,6 +322,158 @@ async def test_a_flood_of_services_stays_bounded(publisher: Publisher, service_t
         await follower.close()
 
 
+def send_pointers(publisher: Publisher, service_type: str, instances: list[str]) -> None:
+    """Announce service instances by their PTR records only: nobody answers the queries
+    that resolve them, so each resolution takes resolveTimeoutSeconds and holds a slot."""
+    from zeroconf import const
+    from zeroconf._dns import DNSPointer
+    from zeroconf._protocol.outgoing import DNSOutgoing
+
+    out = DNSOutgoing(const._FLAGS_QR_RESPONSE | const._FLAGS_AA)
+    for instance in instances:
+        pointer = DNSPointer(
+            service_type, const._TYPE_PTR, const._CLASS_IN, 120, f"{instance}.{service_type}"
+        )
+        out.add_answer_at_time(pointer, 0)
+    publisher.zc.zeroconf.async_send(out)
+
+
+@needs_multicast
+async def test_names_the_instance_filter_excludes_take_no_slot(
+    publisher: Publisher, service_type: str
+) -> None:
+    """maxDevices 1 (two slots) and instanceNames cam-*: six announced names that fail the
+    filter (and would take the resolve timeout each) are never resolved, so the camera
+    announced after them is found and the cap is never reached."""
+    follower = Follower(
+        details(
+            service_type,
+            "maxDevices: 1\nresolveTimeoutSeconds: 3\n"
+            "instanceNames: {action: Include, items: ['cam-*']}\n",
+        )
+    )
+    try:
+        await follower.until(lambda: follower.lists, "a first (empty) list")
+        send_pointers(publisher, service_type, [f"ghost-{index}" for index in range(6)])
+        await publisher.add(service_type, "cam-real", 80)
+        await follower.until(lambda: follower.names() == {"cam-real"}, "the camera")
+        assert follower.events == []
+    finally:
+        await follower.close()
+
+
+@needs_multicast
+async def test_names_over_the_cap_are_resolved_when_a_slot_frees(
+    publisher: Publisher, service_type: str
+) -> None:
+    """maxDevices 1 (two slots): six names that never resolve fill both slots (a cap
+    Event); a real service announced meanwhile waits in the backlog (zeroconf will not
+    report it again) and is found once the stuck resolutions time out."""
+    follower = Follower(details(service_type, "maxDevices: 1\nresolveTimeoutSeconds: 3\n"))
+    try:
+        await follower.until(lambda: follower.lists, "a first (empty) list")
+        # the slots stay taken (3 rounds of 3 s) well past the late service's announcements,
+        # which could otherwise reach the browser again as "Updated"
+        send_pointers(publisher, service_type, [f"stuck-{index}" for index in range(6)])
+        await follower.until(
+            lambda: [reason for reason, _ in follower.events] == ["DeviceCapReached"],
+            "the cap Event (both slots taken)",
+        )
+        await publisher.add(service_type, "late", 80)
+        await follower.until(lambda: follower.names() == {"late"}, "the late service", 40)
+        assert "resolved when a slot frees" in follower.events[0][1]
+    finally:
+        await follower.close()
+
+
+async def test_an_expired_service_is_asked_again_before_it_is_gone() -> None:
+    """One missed answer after the records expired does not remove a live service: it is
+    asked up to RECHECK_ATTEMPTS times, with backoff, and not after it left."""
+    from discovery_handlers.mdns.handler import RECHECK_ATTEMPTS, answer_within
+
+    assert RECHECK_ATTEMPTS >= 3
+    answers: list[object | None] = [None, "info"]
+    asked = 0
+
+    async def ask() -> object | None:
+        nonlocal asked
+        asked += 1
+        return answers.pop(0) if answers else None
+
+    assert await answer_within(RECHECK_ATTEMPTS, ask, lambda: True, backoff=0.01) == "info"
+    assert asked == 2
+    asked = 0
+    assert await answer_within(RECHECK_ATTEMPTS, ask, lambda: True, backoff=0.01) is None
+    assert asked == RECHECK_ATTEMPTS
+    asked = 0
+    assert await answer_within(RECHECK_ATTEMPTS, ask, lambda: False, backoff=0.01) is None
+    assert asked == 1  # said goodbye meanwhile: not asked again
+    asked = 0
+    assert await answer_within(1, ask, lambda: True, backoff=0.01) is None
+    assert asked == 1
+
+
+def test_recheck_delay_skips_expired_records() -> None:
+    """Records already expired but not yet cleaned from the cache do not count (they gave a
+    delay of 0: a resolution every 0.2 s); never sooner than MIN_RECHECK."""
+    from discovery_handlers.mdns.handler import FALLBACK_RECHECK, MIN_RECHECK, recheck_delay
+
+    now = 1_000_000.0
+    assert recheck_delay([now - 5000, now + 30_000, now + 60_000], now) == 30.0
+    assert recheck_delay([now - 5000, now - 1], now) == MIN_RECHECK
+    assert recheck_delay([now + 100], now) == MIN_RECHECK
+    assert recheck_delay([], now) == FALLBACK_RECHECK
+
+
+def test_the_zeroconf_apis_used_exist() -> None:
+    """The calls outside zeroconf's documented API that the handler makes exist in the
+    installed zeroconf (a new release that drops them fails here, not in production)."""
+    import inspect
+
+    from zeroconf import current_time_millis
+    from zeroconf._cache import DNSCache
+    from zeroconf._dns import DNSRecord
+
+    for method in (
+        "get_by_details",
+        "get_all_by_details",
+        "current_entry_with_name_and_alias",
+        "async_remove_records",
+    ):
+        assert callable(getattr(DNSCache, method, None)), method
+    assert callable(getattr(DNSRecord, "get_expiration_time", None))
+    assert isinstance(current_time_millis(), float | int)
+    cache = DNSCache()
+    assert cache.get_by_details("x.local.", 33, 1) is None
+    assert list(cache.get_all_by_details("x.local.", 1, 1)) == []
+    assert cache.current_entry_with_name_and_alias("_x._tcp.local.", "a._x._tcp.local.") is None
+    assert len(inspect.signature(DNSRecord.get_expiration_time).parameters) == 2
+
+
+def test_a_changed_zeroconf_cache_api_degrades_to_a_fixed_recheck(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """If zeroconf's cache API changes, the handler asks again every FALLBACK_RECHECK s
+    (it never stops rechecking) and says so once."""
+    from discovery_handlers.mdns import handler
+
+    caplog.set_level("DEBUG", logger="discovery_handlers.mdns")
+    handler._private_api_warned.clear()
+
+    class Changed:
+        def get_by_details(self, name: str) -> None:  # a changed signature
+            return None
+
+    assert handler._recheck_in(object(), "a._x._tcp.local.", "a.local.") == (
+        handler.FALLBACK_RECHECK
+    )
+    assert handler._recheck_in(Changed(), "a._x._tcp.local.", "a.local.") == (
+        handler.FALLBACK_RECHECK
+    )
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "does not work as expected" in warnings[0].getMessage()
+
+
 def test_details() -> None:
     parsed = parse_details("serviceTypes: ['_http._tcp.local', '_ipp._tcp.local.']")
     assert parsed.service_types == ("_http._tcp.local.", "_ipp._tcp.local.")

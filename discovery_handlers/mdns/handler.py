@@ -11,10 +11,17 @@ the browser's own re-queries follow RFC 6762's backoff. The first list waits a m
 the answers to the first queries (quiet for :data:`SETTLE_QUIET` s, at most
 :data:`SETTLE_MAX` s).
 
-Under a flood of announcements what is kept stays bounded: only services that pass the
-filters are kept, and at most ``2 * maxDevices`` service instances are kept or being resolved
-(:data:`MAX_RESOLVING` resolutions at a time); beyond that, new service instances are ignored
-(a log line and an Event, ``DeviceCapReached``) until they announce themselves again.
+Under a flood of announcements what is kept stays bounded: a name that fails the
+``instanceNames`` filter is never resolved, only services that pass every filter are kept,
+and at most ``2 * maxDevices`` service instances are kept or being resolved
+(:data:`MAX_RESOLVING` resolutions at a time); beyond that, new names wait in a backlog (at
+most :data:`MAX_BACKLOG`, oldest first; a log line and an Event, ``DeviceCapReached``) and
+are resolved when a slot frees (zeroconf reports a name only once). A kept service whose
+records expired is gone only after :data:`RECHECK_ATTEMPTS` unanswered resolutions.
+
+zeroconf's cache is read through calls outside its documented API (``DNSCache`` lookups,
+record expiry, removing a record); if they change, a warning is logged once and a kept
+service is asked again every :data:`FALLBACK_RECHECK` s instead.
 
 ``zeroconf`` is imported only when a Configuration uses this handler.
 """
@@ -27,7 +34,7 @@ import contextlib
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from discovery_handlers.base import (
@@ -37,7 +44,7 @@ from discovery_handlers.base import (
     ProblemReporter,
 )
 from discovery_handlers.mdns.details import MdnsDetails, parse_details, warnings
-from discovery_handlers.mdns.services import Service, decode_txt, device_of, wanted
+from discovery_handlers.mdns.services import Service, decode_txt, device_of, name_wanted, wanted
 
 log = logging.getLogger("discovery_handlers.mdns")
 
@@ -49,6 +56,11 @@ MAX_LOG_KEYS = 1024  # rate-limit keys remembered (a flood of names cannot grow 
 MAX_RESOLVING = 32  # resolutions at a time (each one sends mDNS queries)
 CACHE_FLUSH_SECONDS = 1.1  # RFC 6762 §10.2: superseded records linger 1 s
 EXPIRY_MARGIN = 0.2  # seconds after a record's expiry before asking again
+MIN_RECHECK = 1.0  # seconds: never sooner (a record expired but not yet cleaned gives 0)
+FALLBACK_RECHECK = 60.0  # seconds, when zeroconf's cache cannot tell (its API changed)
+RECHECK_ATTEMPTS = 3  # unanswered resolutions before a service with expired records is gone
+RECHECK_BACKOFF = 1.0  # seconds before the second attempt, doubled before each next one
+MAX_BACKLOG = 1024  # names over the cap waiting for a slot (oldest first)
 
 
 class MdnsHandler(DiscoveryHandler):
@@ -99,6 +111,9 @@ class MdnsHandler(DiscoveryHandler):
         # ``tracked_limit`` names (the cap truncates by name, so keep some beyond it)
         services: dict[str, Service] = {}
         resolving: dict[str, asyncio.Task[None]] = {}
+        # names seen while every slot was taken: zeroconf reports a name once ("Added"), so
+        # they are resolved when a slot frees instead of being lost (name -> service type)
+        backlog: collections.OrderedDict[str, str] = collections.OrderedDict()
         tracked_limit = 2 * details.max_devices
         resolved = asyncio.Event()
         resolutions = asyncio.Semaphore(MAX_RESOLVING)
@@ -139,28 +154,41 @@ class MdnsHandler(DiscoveryHandler):
                 timer = rechecks.pop(name, None)
                 if timer is not None:
                     timer.cancel()
-                expiry = _expires_in(zc.zeroconf.cache, name, info.server)
-                if expiry is not None:
-                    rechecks[name] = loop.call_later(
-                        expiry + EXPIRY_MARGIN,
-                        events.put_nowait,
-                        (service_type, name, _EXPIRED),
-                    )
+                expiry = _recheck_in(zc.zeroconf.cache, name, info.server)
+                rechecks[name] = loop.call_later(
+                    expiry + EXPIRY_MARGIN,
+                    events.put_nowait,
+                    (service_type, name, _EXPIRED),
+                )
 
         def gone(service_type: str, name: str) -> None:
             log.info("mdns: %r does not answer now that its records expired; gone", name[:200])
             forget(name)
             # its PTR record would stay cached for up to 1125 s, and a re-announcement of
             # a cached record is no news to the browser: drop it, so a return is "Added"
-            with contextlib.suppress(Exception):
+            try:
                 cache = zc.zeroconf.cache
                 pointer = cache.current_entry_with_name_and_alias(service_type, name)
                 if pointer is not None:
                     cache.async_remove_records([pointer])
+            except (AttributeError, TypeError) as error:
+                _private_api_failed(
+                    "DNSCache.current_entry_with_name_and_alias/async_remove_records", error
+                )
+            except Exception as error:  # a courtesy to a returning service: never fatal
+                log.debug("mdns: could not drop %r's cached PTR record: %r", name[:200], error)
 
         async def resolve(service_type: str, name: str, change: object) -> None:
             try:
-                info = await resolve_once(service_type, name)
+                # a kept service whose records expired: one missed answer (a lost datagram,
+                # a busy host) is not "gone"; ask again with backoff while it is still kept
+                info = await answer_within(
+                    RECHECK_ATTEMPTS if change is _EXPIRED else 1,
+                    lambda: resolve_once(service_type, name),
+                    lambda: name in services,
+                )
+                if info is None and change is _EXPIRED and name not in services:
+                    return  # removed meanwhile (goodbye)
                 if info is None:
                     if change is _EXPIRED:
                         gone(service_type, name)
@@ -180,28 +208,44 @@ class MdnsHandler(DiscoveryHandler):
             finally:
                 resolved.set()
 
+        def tracked() -> int:
+            return len(services) + sum(1 for other in resolving if other not in services)
+
         def track(service_type: str, name: str, change: object) -> None:
+            if not name_wanted(name, service_type, details):
+                return  # filtered out by its name: not worth a resolution or a slot
             previous = resolving.pop(name, None)
             if previous is not None:
                 previous.cancel()
             elif change is _EXPIRED and name not in services:
                 return  # removed meanwhile
-            elif name not in services and len(services) + len(resolving) >= tracked_limit:
+            elif name not in services and tracked() >= tracked_limit:
+                if name not in backlog and len(backlog) < MAX_BACKLOG:
+                    backlog[name] = service_type
                 problems.report(
                     "cap",
                     "DeviceCapReached",
                     f"mdns: more than {tracked_limit} service instances (2 x maxDevices) are "
-                    "announced; ignoring new ones until they announce themselves again",
+                    f"announced; new ones wait (at most {MAX_BACKLOG}) and are resolved when "
+                    "a slot frees",
                 )
                 return
+            backlog.pop(name, None)
             task = asyncio.create_task(resolve(service_type, name, change))
             resolving[name] = task
 
             def finished(done: asyncio.Task[None]) -> None:
                 if resolving.get(name) is done:  # not replaced by a newer resolution
                     del resolving[name]
+                    if backlog:
+                        resolved.set()  # a slot may be free: the loop refills
 
             task.add_done_callback(finished)
+
+        def refill() -> None:
+            while backlog and tracked() < tracked_limit:
+                name, service_type = backlog.popitem(last=False)
+                track(service_type, name, ServiceStateChange.Added)
 
         browser = AsyncServiceBrowser(
             zc.zeroconf, list(details.service_types), handlers=[on_change]
@@ -222,11 +266,13 @@ class MdnsHandler(DiscoveryHandler):
                         service_type, name, change = got
                         if change is ServiceStateChange.Removed:
                             forget(name)
+                            backlog.pop(name, None)
                             task = resolving.pop(name, None)
                             if task is not None:
                                 task.cancel()
                         else:  # Added, Updated or its records expired: (re-)resolve
                             track(service_type, name, change)
+                    refill()
                     wait = COALESCE
                 if first:
                     # the services announced so far: their resolution (bounded) belongs in
@@ -273,18 +319,75 @@ _EXPIRED = object()  # a kept service's SRV or address records ran out of TTL
 _TYPE_A, _TYPE_AAAA, _TYPE_SRV, _CLASS_IN = 1, 28, 33, 1
 
 
-def _expires_in(cache: Any, name: str, server: str | None) -> float | None:
-    """Seconds until the first of the service's SRV and address records expires."""
+async def answer_within(
+    attempts: int,
+    ask: Callable[[], Awaitable[Any]],
+    still_wanted: Callable[[], bool],
+    backoff: float = RECHECK_BACKOFF,
+) -> Any:
+    """``ask()`` up to ``attempts`` times until it answers (not None), waiting ``backoff``
+    seconds before the second attempt and twice as long before each next one; stops early
+    (None) when ``still_wanted()`` turns false."""
+    answer = await ask()
+    for _ in range(attempts - 1):
+        if answer is not None:
+            break
+        await asyncio.sleep(backoff)
+        backoff *= 2
+        if not still_wanted():
+            return None
+        answer = await ask()
+    return answer
+
+
+def recheck_delay(expiries_ms: Sequence[float], now_ms: float) -> float:
+    """Seconds until a kept service is asked again: when the first of its cached SRV and
+    address records that has not expired yet expires (records already expired but not yet
+    cleaned from zeroconf's cache do not count), at least :data:`MIN_RECHECK`;
+    :data:`FALLBACK_RECHECK` when nothing is cached for it."""
+    if not expiries_ms:
+        return FALLBACK_RECHECK
+    future = [expiry for expiry in expiries_ms if expiry > now_ms]
+    if not future:
+        return MIN_RECHECK
+    return max(MIN_RECHECK, (min(future) - now_ms) / 1000)
+
+
+_private_api_warned: set[str] = set()
+
+
+def _private_api_failed(what: str, error: Exception) -> None:
+    """zeroconf changed an API outside its documented one: say so once per process."""
+    level = logging.DEBUG if what in _private_api_warned else logging.WARNING
+    _private_api_warned.add(what)
+    log.log(
+        level,
+        "mdns: zeroconf's %s does not work as expected (%r): services are asked again every "
+        "%g s instead of when their records expire, and one that left without goodbye may "
+        "be found late",
+        what,
+        error,
+        FALLBACK_RECHECK,
+    )
+
+
+def _recheck_in(cache: Any, name: str, server: str | None) -> float:
+    """:func:`recheck_delay` for a service, from zeroconf's cache (outside its documented
+    API: on AttributeError/TypeError, logged once, :data:`FALLBACK_RECHECK`)."""
     from zeroconf import current_time_millis
 
-    records = [cache.get_by_details(name, _TYPE_SRV, _CLASS_IN)]
-    if server:
-        records += cache.get_all_by_details(server, _TYPE_A, _CLASS_IN)
-        records += cache.get_all_by_details(server, _TYPE_AAAA, _CLASS_IN)
-    expiries = [record.get_expiration_time(100) for record in records if record is not None]
-    if not expiries:
-        return None
-    return max(0.0, float(min(expiries) - current_time_millis()) / 1000)
+    try:
+        records = [cache.get_by_details(name, _TYPE_SRV, _CLASS_IN)]
+        if server:
+            records += cache.get_all_by_details(server, _TYPE_A, _CLASS_IN)
+            records += cache.get_all_by_details(server, _TYPE_AAAA, _CLASS_IN)
+        expiries = [
+            float(record.get_expiration_time(100)) for record in records if record is not None
+        ]
+    except (AttributeError, TypeError) as error:
+        _private_api_failed("DNSCache.get_by_details/get_all_by_details", error)
+        return FALLBACK_RECHECK
+    return recheck_delay(expiries, float(current_time_millis()))
 
 
 async def _next_event(

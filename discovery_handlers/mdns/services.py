@@ -75,6 +75,18 @@ def _passes(filter_list: FilterList | None, values: Sequence[str] | None) -> boo
     return passes(filter_list, values, _glob)
 
 
+def instance_of(name: str, service_type: str) -> str:
+    """The instance label of a full service name (``<instance>.<type>``)."""
+    suffix = "." + service_type
+    return name[: -len(suffix)] if name.endswith(suffix) else name
+
+
+def name_wanted(name: str, service_type: str, details: MdnsDetails) -> bool:
+    """Does the service instance ``name`` pass the instance-name filter? The one filter
+    that can be applied before resolving (host, port and TXT need the answer)."""
+    return _passes(details.instance_names, [instance_of(name, service_type)])
+
+
 def wanted(service: Service, details: MdnsDetails) -> bool:
     """Does ``service`` pass every filter of ``details``?"""
     txt = [f"{k}={v}" for k, v in service.txt.items()]
