@@ -158,9 +158,11 @@ async def test_a_same_named_configuration_in_another_namespace_is_refused(
 async def test_the_namespace_with_instances_keeps_the_name_until_they_are_gone(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
-    """Every path sees only the owner's Instances: the device plugin, the reclaimer (its pod
-    ends: the slot is reclaimed; the other namespace's same-named Instance is never touched)
-    and deletion (the owner drains, then the other namespace's Configuration starts)."""
+    """The device plugin serves only the owner's Instances; the refused namespace's
+    same-named Instance on this node is retired — draining, its slot kept while kubelet
+    assigns that device id to a container (whichever namespace it came from), then left and
+    deleted once no container does; deletion (the owner drains, then the other namespace's
+    Configuration starts)."""
     stray = Instance(
         name="cam-8120fe",
         namespace="other",
@@ -180,13 +182,24 @@ async def test_the_namespace_with_instances_keeps_the_name_until_they_are_gone(
         await eventually(lambda: ObjectKey("other", "cam") in node.discovery.refused)
         # the plugin serves default's Instance (2 slots), never the stray one
         assert node.kubelet.capacity(IL) == 2
+        await eventually(
+            lambda: "node-a" in (instance_in(api, "cam-8120fe", "other") or stray).draining_nodes,
+            what="the stray Instance drains",
+        )
+        used = instance_in(api, "cam-8120fe")
+        assert used is not None and used.device_usage["cam-8120fe-0"] == "node-a"
+        await reclaim_passes(node, 2)  # kubelet assigns cam-8120fe-0 (to default's pod)
+        kept = instance_in(api, "cam-8120fe", "other")
+        assert kept is not None and kept.device_usage == {"cam-8120fe-0": "node-a"}
         await node.kubelet.delete_pod("default", "user")
         await eventually(
             lambda: held_count(instance_in(api, "cam-8120fe") or stray) == 0,
             what="default's slot reclaimed",
         )
-        left = instance_in(api, "cam-8120fe", "other")
-        assert left is not None and left.device_usage == {"cam-8120fe-0": "node-a"}
+        await eventually(
+            lambda: instance_in(api, "cam-8120fe", "other") is None,
+            what="the stray Instance freed, left and deleted",
+        )
         # default/cam goes: its Instance is left and deleted; then other/cam, the only
         # namespace with Instances of that name, owns it and runs
         api.delete(CONFIGURATIONS, "cam", "default")
