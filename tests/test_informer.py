@@ -4,13 +4,17 @@ never undone by an older list or watch event; every error event relists."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agent.kube import make_kube_client, resource_path
+from agent.kube.client import MAX_RETRY_AFTER
 from agent.kube.errors import ApiError
 from agent.store.informer import (
     Informer,
@@ -19,7 +23,10 @@ from agent.store.informer import (
     WatchExpiredError,
     parse_watch_line,
     retry_delay,
+    watch_events,
 )
+from tests.apiserver import ApiServerDouble
+from tests.k8s_nodes import CRDS
 
 MANAGED = [{"manager": "kubectl", "operation": "Update", "fieldsV1": {"f:spec": {}}}]
 
@@ -221,3 +228,91 @@ def test_a_watch_retry_waits_at_least_what_the_server_asked() -> None:
     assert 0.25 <= retry_delay(0.5, ApiError(503, "ServiceUnavailable", "{}")) <= 0.5
     assert 0.25 <= retry_delay(0.5, OSError("refused")) <= 0.5
     assert 15.0 <= retry_delay(30.0, throttled) <= 30.0  # a longer backoff stays
+
+
+def test_a_watch_retry_waits_no_longer_than_the_client_would() -> None:
+    """Before: a retryAfterSeconds of an hour left the cache unwatched for an hour (the
+    client caps its own waits at MAX_RETRY_AFTER)."""
+    hour = ApiError(429, "TooManyRequests", '{"details": {"retryAfterSeconds": 3600}}')
+    assert retry_delay(0.5, hour) == MAX_RETRY_AFTER
+    assert 15.0 <= retry_delay(30.0, hour) <= 30.0  # a longer own backoff stays
+
+
+async def test_a_watch_that_fails_at_once_every_time_is_relisted_with_backoff(
+    tmp_path: Path,
+) -> None:
+    """Every watch is answered 410 at once: the first relists at once, every later one in
+    a row waits (jittered, doubling from 0.5 s, capped). Before: each relisted at once, a
+    tight loop of LISTs against the API server."""
+    sleeps: list[float] = []
+    enough = asyncio.Event()
+    path = resource_path("akri.sh", "v0", "instances", "default")
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    async with ApiServerDouble(crds=CRDS) as api:
+        kube = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")), timeout=5)
+
+        async def list_fn() -> tuple[list[Obj], str]:
+            listed = await kube.list_all(path)
+            if len(api.requests_for(verb="list")) >= 7:
+                enough.set()
+            return listed
+
+        def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+            return watch_events(kube.watch(path, version, timeout_seconds=60), "instances")
+
+        api.fail(410, verb="watch", times=None)
+        informer = Informer(
+            "instances", list_fn, watch_fn, lambda e: None, max_backoff=4.0, sleep=record
+        )
+        await informer.initial_list()
+        task = asyncio.create_task(informer.run())
+        try:
+            await asyncio.wait_for(enough.wait(), 10)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await kube.close()
+        lists = len(api.requests_for(verb="list"))
+    # the initial list, one at once after the first 410, then one after each wait
+    assert lists - 2 <= len(sleeps) <= lists - 1
+    assert len(sleeps) >= 5
+    for index, seconds in enumerate(sleeps):
+        ceiling = min(0.5 * 2**index, 4.0)
+        assert ceiling / 2 <= seconds <= ceiling
+
+
+async def test_a_watch_that_expires_after_events_relists_at_once() -> None:
+    """A 410 after a watch that delivered events is the normal end of a long watch: no wait."""
+    sleeps: list[float] = []
+    lists = 0
+    done = asyncio.Event()
+
+    async def record(seconds: float) -> None:
+        sleeps.append(seconds)
+
+    async def list_fn() -> tuple[list[Obj], str]:
+        nonlocal lists
+        lists += 1
+        if lists == 5:
+            done.set()
+        await asyncio.sleep(0)  # a real list suspends: let the test see ``done``
+        return [obj("a", "1")], f"list{lists}"
+
+    async def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+        yield "BOOKMARK", {"metadata": {"resourceVersion": f"{version}-bm"}}
+        raise WatchExpiredError("410 Gone")
+
+    informer = Informer("things", list_fn, watch_fn, lambda event: None, sleep=record)
+    await informer.initial_list()
+    task = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(done.wait(), 5)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert sleeps == []

@@ -13,11 +13,20 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import yaml
 
-from agent.kube import ApiError, KubeClient, TransportError, http, make_kube_client, resource_path
+from agent.kube import (
+    ApiError,
+    KubeClient,
+    ResponseTooLargeError,
+    TransportError,
+    http,
+    make_kube_client,
+    resource_path,
+)
 from agent.kube import client as client_module
 from agent.kube.credentials import Credentials, TokenFileCredentials
 from agent.kube.kubeconfig import ClusterConfig
@@ -553,13 +562,75 @@ async def test_oversized_answers_are_refused_before_they_fill_memory(
             ("/hugechunk", "chunk of 1099511627775 bytes is over the limit"),
             ("/endless", "body is over the limit of 1000000 bytes"),
         ]:
-            with pytest.raises(TransportError, match=message):
+            # the server did answer: not a TransportError (status 0, "retry later"), since
+            # the same request would get the same answer
+            with pytest.raises(ResponseTooLargeError, match=message) as caught:
                 await client.get(path)
+            assert caught.value.status == 200
+            assert not isinstance(caught.value, TransportError)
         lines = client.stream_lines("/watch")
         assert [await anext(lines), await anext(lines)] == [b"{}", b"{}"]
         with pytest.raises(TransportError, match="a line of the stream is over the limit"):
             await anext(lines)
         assert not client._busy and not client._idle  # every refused connection was dropped
+
+
+async def test_a_list_page_over_the_body_limit_is_asked_again_smaller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20 objects of ~100 KB under a 1 MB body limit (as 500 ResourceSlices of ~400 KB are
+    under 64 MiB): the page size halves until a page fits, the same continue token kept.
+    Before: the refused page was a TransportError, which the start treats as "no answer,
+    retry" - for ever, since every retry got the same oversized page."""
+    monkeypatch.setattr(http, "MAX_BODY", 1_000_000)
+    items = [{"metadata": {"name": f"s{i:02d}"}, "pad": "x" * 100_000} for i in range(20)]
+    limits: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await read_request(reader)
+                query = parse_qs(urlsplit(head.split(" ")[1]).query)
+                limit = int(query["limit"][0])
+                start = int(query.get("continue", ["0"])[0])
+                limits.append(limit)
+                more = start + limit < len(items)
+                page = {
+                    "items": items[start : start + limit],
+                    "metadata": {
+                        "resourceVersion": "7",
+                        "continue": str(start + limit) if more else "",
+                    },
+                }
+                body = json.dumps(page).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body))
+                writer.write(body)
+                await writer.drain()
+
+    async with raw_server(handler) as client:
+        listed, version = await client.list_all("/apis/resource.k8s.io/v1/resourceslices")
+    assert [i["metadata"]["name"] for i in listed] == [f"s{i:02d}" for i in range(20)]
+    assert version == "7"
+    assert limits == [500, 250, 125, 62, 31, 15, 7, 7, 7]
+
+
+async def test_one_object_over_the_body_limit_is_a_named_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(http, "MAX_BODY", 1_000)
+    limits: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            head = await read_request(reader)
+            limits.append(int(parse_qs(urlsplit(head.split(" ")[1]).query)["limit"][0]))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n")
+            await writer.drain()
+
+    async with raw_server(handler) as client:
+        with pytest.raises(ResponseTooLargeError, match="over the limit of 1000 bytes"):
+            await client.list_all("/api/v1/things", page_size=4)
+    assert limits == [4, 2, 1]
 
 
 def test_the_size_caps_are_generous_for_kubernetes_objects() -> None:

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from agent.cli import EXIT_UNAVAILABLE, main
-from agent.dra.publisher import SlicePublisher
-from agent.kube import KubeClient, make_kube_client
+from agent.dra.publisher import SLICE_PAGE_SIZE, SlicePublisher
+from agent.kube import ApiError, KubeClient, ResponseTooLargeError, http, make_kube_client
+from agent.kube.client import MAX_RETRY_AFTER
 from agent.store.base import StoreError
-from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
+from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings, first_list
 from tests.agent_process import AgentProcess
 from tests.apiserver import ApiServerDouble
 from tests.apiserver.threaded import ThreadedApiServer
@@ -266,3 +267,57 @@ def test_an_untranslated_api_error_at_start_is_one_line_and_exit_4(
     assert code == EXIT_UNAVAILABLE
     messages = [r.getMessage() for r in caplog.records]
     assert "cannot start: Kubernetes API: HTTP 503 ServiceUnavailable: etcd is down" in messages
+
+
+# -- waits the server asks for, and answers waiting cannot change ----------------------------
+
+
+class _ListOnly:
+    """An informer whose list fails with ``errors`` in turn, then succeeds."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors = list(errors)
+
+    async def initial_list(self) -> None:
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+async def test_a_huge_retry_after_at_start_is_capped() -> None:
+    """Before: retryAfterSeconds was used as is; a bogus 3600 stalled the start an hour."""
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    hour = ApiError(503, "ServiceUnavailable", '{"details": {"retryAfterSeconds": 3600}}')
+    await first_list(_ListOnly(hour), "instances", 300.0, sleep=record)  # type: ignore[arg-type]
+    assert waits == [MAX_RETRY_AFTER]
+
+
+async def test_an_answer_over_the_body_limit_stops_the_start() -> None:
+    """Before: it was a TransportError (status 0), "no answer", retried for ever."""
+    waits: list[float] = []
+
+    async def record(seconds: float) -> None:
+        waits.append(seconds)
+
+    huge = ResponseTooLargeError(200, "GET /x: response body is over the limit of 64 bytes")
+    with pytest.raises(StoreError, match="over the client's size limit"):
+        await first_list(_ListOnly(huge), "instances", 300.0, sleep=record)  # type: ignore[arg-type]
+    assert waits == []
+
+
+async def test_the_slice_publisher_lists_in_small_pages(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """A ResourceSlice is up to ~400 KB: 500 a page (the default) could pass the 64 MiB body
+    limit."""
+    slices = publisher(client)
+    await slices.start()
+    try:
+        (listed,) = api.requests_for("list", "resourceslices")
+        assert listed.query["limit"] == str(SLICE_PAGE_SIZE)
+        assert SLICE_PAGE_SIZE * 1.5 * 1024 * 1024 <= http.MAX_BODY  # etcd's object limit
+    finally:
+        await slices.close()

@@ -43,6 +43,9 @@ VERSION = "v1"
 PLURAL = "resourceslices"
 POOL_LABEL = "akri.sh/pool"
 WATCH_TIMEOUT = 290
+# a slice holds up to 128 devices with their attributes (~400 KB; etcd allows 1.5 MiB): a
+# page of client-go's 500 could pass the client's 64 MiB body limit, 32 cannot
+SLICE_PAGE_SIZE = 32
 # answers that waiting will not change: forbidden (RBAC, the slice admission policy), invalid
 REFUSED = frozenset({400, 403, 422})
 MAX_REPORTED_REFUSALS = 1024  # (pool, status, reason) already logged; forgotten when full
@@ -161,6 +164,7 @@ class SlicePublisher:
         return await self._client.list_all(
             resource_path(GROUP, VERSION, PLURAL),
             params={"fieldSelector": f"spec.driver={DRIVER}"},
+            page_size=SLICE_PAGE_SIZE,
             request_timeout=30,
         )
 

@@ -12,12 +12,13 @@ generated client cost about 58 MB of RSS plus pydantic validation on every call.
 """
 
 from agent.kube.client import KubeClient, make_kube_client, resource_path
-from agent.kube.errors import ApiError, ConfigError, TransportError
+from agent.kube.errors import ApiError, ConfigError, ResponseTooLargeError, TransportError
 
 __all__ = [
     "ApiError",
     "ConfigError",
     "KubeClient",
+    "ResponseTooLargeError",
     "TransportError",
     "make_kube_client",
     "resource_path",

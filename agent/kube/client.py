@@ -19,8 +19,8 @@ from urllib.parse import quote, urlencode
 
 from agent import telemetry
 from agent.kube.credentials import Auth
-from agent.kube.errors import ApiError, TransportError
-from agent.kube.http import Connection, ProtocolError, Response
+from agent.kube.errors import ApiError, ResponseTooLargeError, TransportError
+from agent.kube.http import BodyTooLargeError, Connection, ProtocolError, Response
 from agent.kube.kubeconfig import ClusterConfig, load_config
 from agent.kube.tls import make_ssl_context
 
@@ -143,7 +143,7 @@ class KubeClient:
                         for attempt in (1, 2):
                             auth = await self.config.credentials.get(deadline - loop.time())
                             conn, response = await self._exchange(method, target, payload, auth)
-                            data = await self._read_all(conn, method, target)
+                            data = await self._read_all(conn, method, target, response)
                             if self._retry_unauthorized(response, attempt):
                                 continue
                             break
@@ -172,17 +172,31 @@ class KubeClient:
         """Every item of a collection, ``page_size`` at a time (``limit``/``continue``, so a
         large collection never arrives as one huge answer), and the list's resourceVersion.
         A continue token the server no longer honours (410 Expired: the snapshot was
-        compacted while paging) restarts the list from the beginning."""
+        compacted while paging) restarts the list from the beginning. A page over the body
+        limit is asked again at half the size (the same continue token: ``limit`` may change
+        from page to page); one object over the limit raises :class:`ResponseTooLargeError`."""
         for _ in range(LIST_RESTARTS):
             items: list[JSON] = []
             token: str | None = None
             try:
                 while True:
-                    page = await self.get(
-                        path,
-                        params={**(params or {}), "limit": page_size, "continue": token},
-                        request_timeout=request_timeout,
-                    )
+                    try:
+                        page = await self.get(
+                            path,
+                            params={**(params or {}), "limit": page_size, "continue": token},
+                            request_timeout=request_timeout,
+                        )
+                    except ResponseTooLargeError:
+                        if page_size <= 1:
+                            raise
+                        page_size //= 2
+                        log.warning(
+                            "GET %s: a list page was over the size limit; asking for %d "
+                            "items a page",
+                            path,
+                            page_size,
+                        )
+                        continue
                     items.extend(page.get("items") or [])
                     meta = page.get("metadata") or {}
                     token = meta.get("continue") or None
@@ -224,7 +238,7 @@ class KubeClient:
                         conn, response = await self._exchange("GET", target, None, auth)
                         if response.status < 400:
                             break
-                        data = await self._read_all(conn, "GET", target)
+                        data = await self._read_all(conn, "GET", target, response)
                         if not self._retry_unauthorized(response, attempt):
                             break
                     if response.status < 400:
@@ -370,9 +384,14 @@ class KubeClient:
                 self._discard(conn)
                 raise
 
-    async def _read_all(self, conn: Connection, method: str, target: str) -> bytes:
+    async def _read_all(
+        self, conn: Connection, method: str, target: str, response: Response
+    ) -> bytes:
         try:
             data = await conn.read_body()
+        except BodyTooLargeError as error:
+            self._discard(conn)
+            raise ResponseTooLargeError(response.status, f"{method} {target}: {error}") from error
         except _TRANSPORT_ERRORS as error:
             self._discard(conn)
             raise _transport_error(method, target, error) from error

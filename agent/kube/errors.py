@@ -64,3 +64,13 @@ class TransportError(ApiError):
 
     def __init__(self, reason: str) -> None:
         super().__init__(0, reason, "")
+
+
+class ResponseTooLargeError(ApiError):
+    """The server answered, but with a body over :data:`agent.kube.http.MAX_BODY`: refused
+    unread. Not transient — the same request gets the same answer — so it is not a
+    :class:`TransportError`: a list asks for smaller pages instead
+    (:meth:`~agent.kube.client.KubeClient.list_all`). ``status`` is the answer's HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(status, "ResponseTooLarge", message)

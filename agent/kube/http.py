@@ -24,6 +24,10 @@ class ProtocolError(Exception):
     """The server's answer is not valid HTTP/1.1."""
 
 
+class BodyTooLargeError(ProtocolError):
+    """The answer's body (or one chunk of it) is over the limit: refused before it is read."""
+
+
 @dataclass
 class Response:
     """Status line and headers (names lower-case; a repeated header keeps the last value)."""
@@ -166,7 +170,7 @@ class Connection:
         while reading."""
         limit = MAX_BODY if limit is None else limit
         if isinstance(self._framing, int) and self._framing > limit:
-            raise ProtocolError(
+            raise BodyTooLargeError(
                 f"response body of {self._framing} bytes is over the limit of {limit} bytes"
             )
         pieces: list[bytes] = []
@@ -174,7 +178,7 @@ class Connection:
         async for chunk in self.iter_body():
             size += len(chunk)
             if size > limit:
-                raise ProtocolError(f"response body is over the limit of {limit} bytes")
+                raise BodyTooLargeError(f"response body is over the limit of {limit} bytes")
             pieces.append(chunk)
         return b"".join(pieces)
 
@@ -191,7 +195,7 @@ class Connection:
                 except ValueError as error:
                     raise ProtocolError(f"bad chunk size {size_text[:20]!r}") from error
                 if size > MAX_BODY:
-                    raise ProtocolError(
+                    raise BodyTooLargeError(
                         f"chunk of {size} bytes is over the limit of {MAX_BODY} bytes"
                     )
                 if size == 0:

@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from agent.kube.client import MAX_RETRY_AFTER
 from agent.kube.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,14 @@ class Informer:
         *,
         max_backoff: float = 30.0,
         keep: Callable[[Obj], Obj] = whole,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
         self.name = name
         self._list = list_fn
         self._watch = watch_fn
         self._on_event = on_event
         self._max_backoff = max_backoff
+        self._sleep = sleep
         # what the cache holds of each object; events always carry the whole object, except
         # DELETED events made up after a relist, which carry what the cache held
         self._keep = keep
@@ -205,6 +208,10 @@ class Informer:
     async def run(self) -> None:
         """Watch forever (call :meth:`initial_list` first)."""
         backoff = 0.5
+        # error events (or 410 answers) in a row with no watch event between them: a 410
+        # after a healthy watch relists at once, but a server that errors every watch right
+        # away must not be listed in a tight loop
+        expired_in_a_row = 0
         while True:
             try:
                 if not self.resource_version:
@@ -213,6 +220,7 @@ class Informer:
                 async with contextlib.aclosing(self._watch(self.resource_version)) as events:
                     async for kind, obj in events:
                         backoff = 0.5
+                        expired_in_a_row = 0
                         version = resource_version(obj)
                         if kind == "BOOKMARK":
                             self.resource_version = version or self.resource_version
@@ -223,8 +231,20 @@ class Informer:
             except asyncio.CancelledError:
                 raise
             except WatchExpiredError as error:
-                log.info("%s watch: %s; relisting", self.name, error)
                 self.resource_version = ""
+                delay = expired_delay(expired_in_a_row, self._max_backoff)
+                expired_in_a_row += 1
+                if not delay:
+                    log.info("%s watch: %s; relisting", self.name, error)
+                    continue
+                log.warning(
+                    "%s watch: %s (%d in a row without an event); relisting in %.1fs",
+                    self.name,
+                    error,
+                    expired_in_a_row,
+                    delay,
+                )
+                await self._sleep(delay)
                 continue
             except Exception as error:
                 self.connected.clear()
@@ -236,16 +256,28 @@ class Informer:
                     error,
                     delay,
                 )
-                await asyncio.sleep(delay)
+                await self._sleep(delay)
                 backoff = min(backoff * 2, self._max_backoff)
 
 
 def retry_delay(backoff: float, error: BaseException) -> float:
     """Seconds before reconnecting a failed watch: jittered ``backoff``, but never less than
-    what the server asked for (``retryAfterSeconds`` of a 429/5xx the client gave up on)."""
+    what the server asked for (``retryAfterSeconds`` of a 429/5xx the client gave up on),
+    itself capped at :data:`~agent.kube.client.MAX_RETRY_AFTER` like the client's own waits
+    (a bogus figure of hours must not leave the cache unwatched that long)."""
     delay = random.uniform(backoff / 2, backoff)
     asked = error.retry_after if isinstance(error, ApiError) else None
-    return max(delay, asked) if asked else delay
+    return max(delay, min(asked, MAX_RETRY_AFTER)) if asked else delay
+
+
+def expired_delay(in_a_row: int, max_backoff: float) -> float:
+    """Seconds before relisting after an expired watch that is the ``in_a_row``-th (from 0)
+    with no watch event since the previous one: none for the first (a 410 after a healthy
+    watch is normal), then jittered exponential backoff from 0.5 s, capped."""
+    if in_a_row == 0:
+        return 0.0
+    backoff = min(0.5 * 2 ** min(in_a_row - 1, 16), max_backoff)
+    return random.uniform(backoff / 2, backoff)
 
 
 def parse_watch_line(raw: bytes) -> tuple[str, Obj] | None:

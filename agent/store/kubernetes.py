@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.discovery.properties import ObjectRef, PropertyResolutionError
-from agent.kube import ApiError, KubeClient, resource_path
+from agent.kube import ApiError, KubeClient, ResponseTooLargeError, resource_path
+from agent.kube.client import MAX_RETRY_AFTER
 from agent.model.configuration import (
     Configuration,
     ConfigurationError,
@@ -524,6 +525,10 @@ async def first_list(
         try:
             await informer.initial_list()
             return
+        except ResponseTooLargeError as error:
+            raise StoreError(
+                f"initial list of {what}: one object is over the client's size limit ({error})"
+            ) from error
         except ApiError as error:
             if error.status in (401, 403):
                 raise StoreError(
@@ -543,7 +548,9 @@ async def first_list(
                 reason = str(error)[:200]
             else:
                 raise _translate(error, f"initial list of {what}") from error
-            wait = error.retry_after or backoff
+            # the server's figure, but never longer than the client waits on its own
+            # requests: a bogus retryAfterSeconds of hours must not stall the start
+            wait = min(error.retry_after or backoff, MAX_RETRY_AFTER)
             backoff = min(backoff * 2, MAX_START_BACKOFF)
             log.warning("listing %s at start: %s; retrying in %.1fs", what, reason, wait)
             await sleep(wait)
