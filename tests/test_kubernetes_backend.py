@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from agent.discovery.manager import GraceSettings
 from agent.kube import make_kube_client
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.store import kubernetes as kubernetes_module
 from agent.store.base import ConflictError
 from agent.store.cas import cas_update
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
@@ -455,3 +457,78 @@ async def test_metadata_only_configuration_change_does_not_restart(
         events.close()
     finally:
         await node.stop()
+
+
+# -- Events under a flood: bounded memory, bounded requests in flight ------------------------
+
+
+class EventSink:
+    """The one client call an Event makes; ``gate`` holds every create until set."""
+
+    def __init__(self, *, held: bool = False) -> None:
+        self.created: list[str] = []
+        self.gate = asyncio.Event()
+        if not held:
+            self.gate.set()
+        self.in_flight_reached = asyncio.Event()
+        self.waiting = 0
+
+    async def create(self, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self.created.append(body["message"])
+        self.waiting += 1
+        if self.waiting == kubernetes_module.MAX_EVENTS_IN_FLIGHT:
+            self.in_flight_reached.set()
+        await self.gate.wait()
+        self.waiting -= 1
+        return body
+
+
+def event_store(sink: EventSink) -> KubernetesInstanceStore:
+    return KubernetesInstanceStore(sink, KubernetesSettings("node-a"))  # type: ignore[arg-type]
+
+
+CONFIG = {"metadata": {"name": "cams", "namespace": "default", "uid": "u1"}}
+
+
+async def test_event_sends_in_flight_are_capped(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: every Event was sent, however many were already waiting on a slow API server
+    (each its own task, each its own connection wait)."""
+    sink = EventSink(held=True)
+    store = event_store(sink)
+    cap = kubernetes_module.MAX_EVENTS_IN_FLIGHT
+    with caplog.at_level(logging.WARNING, logger="agent.store.kubernetes"):
+        tasks = [
+            asyncio.create_task(store.record_raw_configuration_event(CONFIG, "Bad", f"device {i}"))
+            for i in range(cap + 40)
+        ]
+        await asyncio.wait_for(sink.in_flight_reached.wait(), 5)
+        # the ones over the cap return at once, without a request
+        await asyncio.wait_for(asyncio.gather(*tasks[cap:]), 5)
+    assert len(sink.created) == cap
+    assert store.events_dropped == 40
+    drops = [r for r in caplog.records if "dropping new ones" in r.getMessage()]
+    assert len(drops) == 1  # logged once, not 40 times
+    sink.gate.set()
+    await asyncio.gather(*tasks[:cap])
+    await store.record_raw_configuration_event(CONFIG, "Bad", "after the flood")
+    assert sink.created[-1] == "after the flood"
+
+
+async def test_event_deduplication_forgets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: every (object, reason, message) ever sent was kept for the agent's life."""
+    now = [1000.0]
+    monkeypatch.setattr(kubernetes_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    sink = EventSink()
+    store = event_store(sink)
+    await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
+    await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
+    assert sink.created == ["device 1"]  # the same Event at most every 5 minutes
+    now[0] += kubernetes_module.EVENT_REPEAT_INTERVAL
+    await store.record_raw_configuration_event(CONFIG, "Bad", "device 2")
+    assert len(store._events_sent) == 1  # device 1's entry expired
+    await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
+    assert sink.created == ["device 1", "device 2", "device 1"]
+    # a flood of distinct messages within the window: the memory stays bounded
+    for i in range(kubernetes_module.MAX_EVENT_KEYS + 500):
+        await store.record_raw_configuration_event(CONFIG, "Bad", f"flood {i}")
+    assert len(store._events_sent) <= kubernetes_module.MAX_EVENT_KEYS

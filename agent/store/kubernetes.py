@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import json
@@ -64,6 +65,11 @@ INSTANCES = "instances"
 CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
 EVENT_REPEAT_INTERVAL = 300.0
+# Events are best effort: under a flood of distinct messages (a handler reporting thousands of
+# bad devices) neither the de-duplication memory nor the requests in flight may grow without
+# bound. Over these, the oldest memory is forgotten, and new Events are dropped and counted.
+MAX_EVENT_KEYS = 4096
+MAX_EVENTS_IN_FLIGHT = 32
 CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
 MAX_START_BACKOFF = 10.0
 TRANSIENT = (0, 429, 500, 502, 503, 504)
@@ -123,7 +129,14 @@ class KubernetesInstanceStore(InstanceStore):
             self._watcher(CONFIGURATIONS),
             self._on_configuration,
         )
-        self._events_sent: dict[tuple[str, str, str], float] = {}
+        # (object, reason, message) -> when last sent; oldest first (re-sent keys move to the
+        # end), so expired entries are dropped from the front
+        self._events_sent: collections.OrderedDict[tuple[str, str, str], float] = (
+            collections.OrderedDict()
+        )
+        self._events_in_flight = 0
+        self.events_dropped = 0  # Events not sent because MAX_EVENTS_IN_FLIGHT were pending
+        self._event_tasks: set[asyncio.Task[None]] = set()
         self.request_count = 0
 
     @property
@@ -238,9 +251,12 @@ class KubernetesInstanceStore(InstanceStore):
             if self._config_errors.get(key) != message:
                 self._config_errors[key] = message
                 log.error("invalid %s: %s", source, message)
-                asyncio.get_running_loop().create_task(
+                task = asyncio.get_running_loop().create_task(
                     self._event_for_raw(event.obj, "Configuration", "InvalidConfiguration", message)
                 )
+                # a reference, or the loop may collect the task before it runs
+                self._event_tasks.add(task)
+                task.add_done_callback(self._event_tasks.discard)
             self._publish_configuration(
                 ConfigurationEvent(EventType.MODIFIED, key, None, message, source)
             )
@@ -461,9 +477,23 @@ class KubernetesInstanceStore(InstanceStore):
         namespace = str(meta.get("namespace") or "default")
         key = (f"{kind}/{namespace}/{name}", reason, message)
         now = time.monotonic()
-        if now - self._events_sent.get(key, -EVENT_REPEAT_INTERVAL) < EVENT_REPEAT_INTERVAL:
+        sent = self._events_sent
+        while sent and (
+            len(sent) >= MAX_EVENT_KEYS or now - next(iter(sent.values())) >= EVENT_REPEAT_INTERVAL
+        ):
+            sent.popitem(last=False)  # expired (or the oldest, when full)
+        if key in sent:
+            return  # sent less than EVENT_REPEAT_INTERVAL ago
+        if self._events_in_flight >= MAX_EVENTS_IN_FLIGHT:
+            if not self.events_dropped:
+                log.warning(
+                    "%d Events are being sent already: dropping new ones (counted in "
+                    "events_dropped; logged once)",
+                    self._events_in_flight,
+                )
+            self.events_dropped += 1
             return
-        self._events_sent[key] = now
+        sent[key] = now
         timestamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
@@ -488,6 +518,7 @@ class KubernetesInstanceStore(InstanceStore):
             "count": 1,
         }
         self.request_count += 1
+        self._events_in_flight += 1
         try:
             await self._client.create(
                 resource_path("", "v1", "events", namespace),
@@ -498,6 +529,8 @@ class KubernetesInstanceStore(InstanceStore):
             log.warning(
                 "could not record event %s on %s %s/%s: %s", reason, kind, namespace, name, error
             )
+        finally:
+            self._events_in_flight -= 1
 
 
 async def first_list(
