@@ -612,6 +612,38 @@ async def test_a_flood_of_fake_cameras_gives_a_bounded_number_of_events(
         await collector.close()
 
 
+async def test_a_unicast_hello_is_not_heard() -> None:
+    """A Hello sent by unicast to the node's WS-Discovery port (as a pod could, through the
+    node's address, with a real camera's uuid and its own XAddr) is not heard: only the
+    group's datagrams on the chosen interfaces are. The multicast Hello sent after it is.
+    (The handler uses a port of its own here, so no fake camera's listener shares it.)"""
+    from discovery_handlers.onvif.wsdiscovery import MULTICAST_IPV4
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    real = FakeCamera(uuid=new_uuid(), answer_probes=False)
+    spoofed = FakeCamera(uuid=new_uuid())
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    async with cameras(real):
+        await real.start(hello=False)
+        spoofed.xaddr_override = real.xaddr  # a SOAP service that answers
+        collector = Collector(OnvifHandler(port=port, ipv6=False), details(real.uuid, spoofed.uuid))
+        try:
+            await collector.wait_for(lambda d: d == [])  # listening, first round over
+            sender.setsockopt(
+                socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton("127.0.0.1")
+            )
+            sender.sendto(spoofed.hello(), ("127.0.0.1", port))
+            sender.sendto(real.hello(), (MULTICAST_IPV4, port))
+            devices = await collector.wait_for(lambda d: real.uuid in uuids_of(d))
+            assert spoofed.uuid not in uuids_of(devices)
+            assert all(spoofed.uuid not in uuids_of(listed) for listed in collector.lists)
+        finally:
+            sender.close()
+            await collector.close()
+
+
 def test_the_helm_charts_onvif_configuration_loads_unchanged() -> None:
     """Akri's chart, rendered with its defaults (onvif.configuration.enabled=true): valid
     against our Configuration CRD, accepted by our model and by the handler (no warnings),

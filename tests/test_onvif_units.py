@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import logging
+from typing import Any
 
 import pytest
 
@@ -592,3 +594,37 @@ def test_default_interfaces_on_an_ipv6_only_node(caplog: pytest.LogCaptureFixtur
         "MAX_DEFAULT_INTERFACES" in r.getMessage() and "40 interfaces" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_probe_matches_count_only_when_they_answer_our_probes() -> None:
+    """A ProbeMatches whose RelatesTo is not one of our recent Probes' MessageIDs (sent by
+    someone who never saw a Probe, e.g. a pod guessing the probe socket's port) is
+    dropped; one answering a recent Probe is taken, in any urn:/uuid: spelling."""
+    from discovery_handlers.base import ProblemReporter
+    from discovery_handlers.onvif.handler import RECENT_PROBES, _Session
+
+    session = _Session(parse_details(""), ProblemReporter(logging.getLogger("t")))
+    camera = FakeCamera(uuid="00000000-0000-4000-8000-000000000001")
+    ours = "uuid:6d7a0f3e-2c55-4b7e-9a0e-1f2d3c4b5a69"
+
+    def matches(relates_to: str) -> Any:
+        message = parse_message(camera.probe_matches(relates_to))
+        assert message is not None
+        return message
+
+    session.receive(matches(ours), None)  # before our Probe: not ours yet
+    assert not session.pending
+    session.probed(ours)
+    session.receive(matches("uuid:" + "1" * 32), None)
+    session.receive(matches(""), None)
+    assert not session.pending
+    session.receive(matches("urn:" + ours.upper()), None)
+    assert len(session.pending) == 1
+    for index in range(RECENT_PROBES):  # later Probes push ours out
+        session.probed(f"uuid:00000000-0000-4000-8000-{index:012d}")
+    session.receive(matches(ours), None)
+    assert len(session.pending) == 1
+    hello = parse_message(camera.hello())  # Hello/Bye relate to no Probe
+    assert hello is not None
+    session.receive(hello, None)
+    assert len(session.pending) == 2

@@ -46,6 +46,7 @@ log = logging.getLogger("discovery_handlers.onvif")
 MAX_CAMERAS = 4096  # uuids tracked per Configuration (a flood of fake Hellos stops here)
 MAX_PENDING_MESSAGES = 4096
 MIN_WINDOW = 0.1
+RECENT_PROBES = 4  # ProbeMatches may relate to this many of our latest Probes
 
 
 @dataclass
@@ -167,11 +168,24 @@ class _Session:
         self.round = 0
         self.round_start = -math.inf
         self._overflow_warned = False
+        self.probe_ids: collections.deque[str] = collections.deque(maxlen=RECENT_PROBES)
 
     # -- messages ----------------------------------------------------------------------
 
+    def probed(self, message_id: str) -> None:
+        """A Probe with ``message_id`` went out: ProbeMatches relating to it are accepted."""
+        self.probe_ids.append(_message_key(message_id))
+
     def receive(self, message: Message, addr: Any) -> None:
         if message.kind is Kind.PROBE:
+            return
+        if (
+            message.kind is Kind.PROBE_MATCHES
+            and _message_key(message.relates_to) not in self.probe_ids
+        ):
+            # not an answer to one of our Probes (WS-Discovery requires RelatesTo): whoever
+            # sends it cannot have seen a Probe, which goes out on the chosen interfaces only
+            log.debug("onvif: ProbeMatches from %s not relating to our Probes; ignored", addr)
             return
         if len(self.pending) >= MAX_PENDING_MESSAGES:
             if not self._overflow_warned:
@@ -351,7 +365,9 @@ class _Session:
                 if now >= next_probe:
                     self.round += 1
                     self.round_start = now
-                    sockets.probe(build_probe(new_message_id()))
+                    message_id = new_message_id()
+                    self.probed(message_id)
+                    sockets.probe(build_probe(message_id))
                     round_end = now + window
                     next_probe = now + interval
                 self._collect()
@@ -370,6 +386,11 @@ class _Session:
                 task.cancel()
             if self.in_flight:
                 await asyncio.gather(*self.in_flight.values(), return_exceptions=True)
+
+
+def _message_key(message_id: str) -> str:
+    """A MessageID/RelatesTo compared without case or ``urn:``/``uuid:`` prefixes."""
+    return message_id.strip().lower().removeprefix("urn:").removeprefix("uuid:")
 
 
 def _subject(key: tuple[str, str]) -> str:

@@ -5,7 +5,9 @@
   unicast ProbeMatches come back to it;
 - one *listener* per address family bound to port 3702 (``SO_REUSEADDR``/``SO_REUSEPORT``, so
   cameras or other discovery clients on the same host can share it) and joined to the group on
-  every interface: it hears Hello and Bye, so cameras appear and vanish between Probes.
+  every interface: it hears Hello and Bye, so cameras appear and vanish between Probes. The
+  IPv4 one is bound to the group address, so it hears no unicast datagrams (IPv6: bound to
+  ``::``, as a link-local group needs one interface per bound socket).
 
 A listener that cannot bind or join is logged and skipped (Probes still work); IPv6 problems
 are logged at debug level only (many nodes have no IPv6 multicast route).
@@ -97,9 +99,7 @@ def default_links(links: Sequence[Link]) -> list[Link]:
     ``net.ipv4.igmp_max_memberships`` (20) interfaces. Why not container interfaces: see
     :data:`CONTAINER_INTERFACE_PATTERNS`."""
     usable = [link for link in links if link.up and link.multicast]
-    outward = [
-        link for link in usable if not link.loopback and not container_interface(link.name)
-    ]
+    outward = [link for link in usable if not link.loopback and not container_interface(link.name)]
     addressed = [link for link in outward if link.addressed]
     if addressed:
         return sorted(addressed, key=lambda link: not link.has_ipv4)  # stable: kernel order
@@ -336,7 +336,10 @@ class WsDiscoverySockets:
             joined = 0
             _only_own_groups(sock, family)
             if family == socket.AF_INET:
-                sock.bind(("0.0.0.0", self.port))
+                # bound to the group, not 0.0.0.0: Linux then delivers only datagrams sent to
+                # the group, so a host (or a pod, through the node's address) cannot slip a
+                # unicast Hello or Bye past the interface choice
+                sock.bind((MULTICAST_IPV4 if sys.platform.startswith("linux") else "", self.port))
                 for interface in interfaces:
                     try:
                         sock.setsockopt(
