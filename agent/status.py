@@ -37,9 +37,11 @@ def choose_source(
     service_account_dir: Path = SERVICE_ACCOUNT_DIR,
 ) -> StatusSource:
     """The cluster when asked (``--kubeconfig``, ``--cluster``) or when one is configured
-    (``$AKRI_KUBECONFIG``, ``$KUBECONFIG``, or a pod's service account, as ``kubectl exec``
-    into the agent has); else the local state directory. ``--local`` or ``--state-dir``
-    (or ``AKRI_LOCAL=true``) always mean the state directory."""
+    (``$AKRI_KUBECONFIG``, a pod's service account, as ``kubectl exec`` into the agent has, or
+    ``$KUBECONFIG``); else the local state directory. ``--local`` or ``--state-dir`` (or
+    ``AKRI_LOCAL=true``, or ``AKRI_STATE_DIR`` set: the environment of a local agent) always
+    mean the state directory. The reason names what the client will really use: in a pod it
+    takes the service account over ``$KUBECONFIG`` (:func:`agent.kube.kubeconfig.load_config`)."""
     asked_cluster = [f for f, on in (("--kubeconfig", kubeconfig), ("--cluster", cluster)) if on]
     asked_local = [f for f, on in (("--local", local), ("--state-dir", state_dir)) if on]
     if asked_cluster and asked_local:
@@ -53,18 +55,27 @@ def choose_source(
         return StatusSource("local", f"{asked_local[0]} given")
     if environ.get("AKRI_LOCAL", "").strip().lower() in ("1", "true", "yes", "on"):
         return StatusSource("local", "AKRI_LOCAL is set")
-    for variable in ("AKRI_KUBECONFIG", "KUBECONFIG"):
-        if environ.get(variable):
-            return StatusSource("cluster", f"${variable} is set; --local reads a state directory")
+    # a developer's shell often exports KUBECONFIG for kubectl; AKRI_STATE_DIR says that the
+    # agent they mean to ask is a local one (as AKRI_LOCAL does)
+    if environ.get("AKRI_STATE_DIR"):
+        return StatusSource("local", "$AKRI_STATE_DIR is set")
+    # in the order the client picks them: an explicit file, the pod's service account, then
+    # $KUBECONFIG (ignored by the client in a pod)
+    if environ.get("AKRI_KUBECONFIG"):
+        return StatusSource("cluster", "$AKRI_KUBECONFIG is set; --local reads a state directory")
     in_a_pod = (
         environ.get("KUBERNETES_SERVICE_HOST")
         and environ.get("KUBERNETES_SERVICE_PORT")
         and (service_account_dir / "token").is_file()
     )
     if in_a_pod:
+        ignored = " ($KUBECONFIG is not used in a pod)" if environ.get("KUBECONFIG") else ""
         return StatusSource(
-            "cluster", "running in a pod (service account); --local reads a state directory"
+            "cluster",
+            f"running in a pod (service account){ignored}; --local reads a state directory",
         )
+    if environ.get("KUBECONFIG"):
+        return StatusSource("cluster", "$KUBECONFIG is set; --local reads a state directory")
     return StatusSource("local", "no cluster configured ($KUBECONFIG unset, not in a pod)")
 
 

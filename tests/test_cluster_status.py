@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from agent.kube.kubeconfig import load_config
 from agent.model.instance import Instance
-from agent.status import choose_source
+from agent.status import StatusSource, choose_source
 from tests.agent_process import clean_env
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import one_device_configuration
@@ -121,7 +122,7 @@ async def test_status_without_a_cluster_reads_the_state_directory(tmp_path: Path
     state = tmp_path / "state"
     code, _out, err = await akri("status", env=no_cluster_env(AKRI_STATE_DIR=str(state)))
     assert code == 1 and f"state directory {state} does not exist" in err
-    assert "no cluster configured" in err and "--kubeconfig" in err  # says what else to do
+    assert "$AKRI_STATE_DIR is set" in err and "--kubeconfig" in err  # says what else to do
     state.mkdir()
     code, out, err = await akri("status", env=no_cluster_env(AKRI_STATE_DIR=str(state)))
     assert code == 0 and "(no instances)" in out, err
@@ -160,3 +161,53 @@ def test_status_source_choice(tmp_path: Path) -> None:
     assert kind({}, kubeconfig="/k") == "cluster"
     (pod / "token").unlink()
     assert kind(in_pod) == "local"
+
+
+def test_a_local_agents_state_dir_wins_over_an_exported_kubeconfig(tmp_path: Path) -> None:
+    """A developer with KUBECONFIG exported (for kubectl) runs a local agent with
+    AKRI_STATE_DIR set: `akri status` must read that agent's state, not the cluster.
+    Before: the cluster."""
+    assert choose_source(
+        kubeconfig=None,
+        cluster=False,
+        local=False,
+        state_dir=None,
+        environ={"KUBECONFIG": "/home/dev/.kube/config", "AKRI_STATE_DIR": str(tmp_path)},
+    ) == StatusSource("local", "$AKRI_STATE_DIR is set")
+    # asked explicitly, the cluster it is
+    assert (
+        choose_source(
+            kubeconfig=None,
+            cluster=True,
+            local=False,
+            state_dir=None,
+            environ={"AKRI_STATE_DIR": str(tmp_path)},
+        ).kind
+        == "cluster"
+    )
+
+
+def test_in_a_pod_the_reason_names_the_service_account_not_kubeconfig(tmp_path: Path) -> None:
+    """The client takes the pod's service account over $KUBECONFIG (load_config); the
+    reason said "$KUBECONFIG is set" although $KUBECONFIG was not used."""
+    (tmp_path / "token").write_text("t")
+    environ = {
+        "KUBERNETES_SERVICE_HOST": "10.0.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "KUBECONFIG": "/etc/other/kubeconfig",
+    }
+    source = choose_source(
+        kubeconfig=None,
+        cluster=False,
+        local=False,
+        state_dir=None,
+        environ=environ,
+        service_account_dir=tmp_path,
+    )
+    assert source.kind == "cluster"
+    assert source.reason.startswith(
+        "running in a pod (service account) ($KUBECONFIG is not used in a pod)"
+    )
+    # the client agrees: it loads the in-cluster settings, not the named file
+    config = load_config(environ=environ, service_account_dir=tmp_path)
+    assert (config.host, config.port) == ("10.0.0.1", 443)
