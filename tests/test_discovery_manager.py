@@ -572,3 +572,74 @@ async def test_a_displaced_configuration_s_instances_drain_and_go(tmp_path: Path
     finally:
         await manager.close()
         await store.close()
+
+
+class InUseIn:
+    """This node's kubelet shows a live container on slot 0 of ``name`` only."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.asked: list[str] = []
+
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        self.asked.append(instance.name)
+        if instance.name == self.name:
+            return SlotsInUse({f"{self.name}-0": "node-a"})
+        return SlotsInUse()
+
+
+async def test_a_recreated_instance_this_node_does_not_discover_records_its_live_slot(
+    tmp_path: Path,
+) -> None:
+    """node-b re-created the Instance with every slot free while node-a's container uses
+    slot 0, and node-a does not report the device (lost it). Before: node-a never joined, so
+    the slot stayed free for node-b to hand out. Now node-a joins it draining with exactly
+    that slot, offers nothing, and leaves once the slot is freed."""
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    evidence = InUseIn("cfg-aaaaaa")
+    ledger = SlotLedger(store, "node-a", evidence=evidence)
+    manager = DiscoveryManager(store, registry, "node-a", ledger=ledger)
+    await manager.start()
+    key = ObjectKey("default", "cfg")
+    free = {"-0": "", "-1": ""}
+
+    def by_node_b(name: str) -> Instance:
+        usage = {f"{name}{suffix}": value for suffix, value in free.items()}
+        return Instance(
+            name=name,
+            configuration_name="cfg",
+            capacity=2,
+            shared=True,
+            nodes=("node-b",),
+            device_usage=usage,
+        )
+
+    try:
+        await manager.handle_configuration_event(ConfigurationEvent(EventType.ADDED, key, cfg()))
+        await handler.queue.put([])  # node-a sees no device
+        await store.create(by_node_b("cfg-bbbbbb"))  # nothing of node-a's in it
+        recreated = await store.create(by_node_b("cfg-aaaaaa"))
+        await until(lambda: "node-a" in (store.get_cached(recreated.key) or recreated).nodes)
+        joined = store.get_cached(recreated.key)
+        assert joined is not None and joined.draining_nodes == ("node-a",)
+        assert joined.nodes == ("node-b", "node-a")
+        assert joined.device_usage == {"cfg-aaaaaa-0": "node-a", "cfg-aaaaaa-1": ""}
+        await until(lambda: "cfg-aaaaaa" in manager.offline_instances())
+        assert manager.draining() == {recreated.key: ("cfg-aaaaaa-0",)}
+        other = store.get_cached(ObjectKey("default", "cfg-bbbbbb"))
+        assert other is not None and other.nodes == ("node-b",)  # nothing in use: untouched
+        asked = evidence.asked.count("cfg-bbbbbb")
+        await handler.queue.put([])  # another reconcile: asked once per Instance version
+        await asyncio.sleep(0.1)
+        assert evidence.asked.count("cfg-bbbbbb") == asked == 1
+        # the container ends: the reclaimer frees the slot, node-a leaves
+        await ledger.release_slots(recreated.key, {"cfg-aaaaaa-0": "node-a"})
+        await until(lambda: (store.get_cached(recreated.key) or joined).nodes == ("node-b",))
+        assert manager.draining() == {} and manager.offline_instances() == frozenset()
+    finally:
+        await manager.close()
+        await store.close()

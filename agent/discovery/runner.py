@@ -126,6 +126,9 @@ class ConfigurationRunner:
         self._evidence_logged: dict[str, float] = {}
         self._evidence_waiting: set[str] = set()
         self._evidence_retry = EVIDENCE_RETRY[0]
+        # name -> uid of an Instance this node is not in whose slots its evidence was checked
+        # for (:meth:`_adopt_unseen`): once per Instance version
+        self._unseen_checked: dict[str, str | None] = {}
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
         # for metrics and status: starting, ok, failed (last list kept), invalid
@@ -416,6 +419,7 @@ class ConfigurationRunner:
         for name in plan.leave:
             await self._leave(name)
             await asyncio.sleep(0)
+        await self._adopt_unseen({d.name for d in plan.upserts})
         offline = frozenset(plan.offline) | frozenset(self.draining)
         if offline != self.offline:
             self.offline = offline
@@ -454,17 +458,7 @@ class ConfigurationRunner:
         try:
             return await self._create_or_join(desired)
         except EvidenceUnavailableError as error:
-            self._evidence_waiting.add(desired.name)
-            now = self._clock()
-            last = self._evidence_logged.get(desired.name)
-            if last is None or now - last >= EVIDENCE_LOG_INTERVAL:
-                self._evidence_logged[desired.name] = now
-                log.error(
-                    "%s; not creating or joining it (no slot changed) until it can be read: "
-                    "retrying in %.1fs",
-                    error,
-                    self._evidence_retry,
-                )
+            self._evidence_unavailable(desired.name, error)
             return None
 
     async def _create_or_join(self, desired: DesiredInstance) -> Instance | None:
@@ -506,6 +500,58 @@ class ConfigurationRunner:
                 continue  # deleted meanwhile (another node left last): create it again
         raise StoreError(f"could not upsert instance {key}")
 
+    async def _adopt_unseen(self, discovered: set[str]) -> None:
+        """Instances of this Configuration that do not list this node and whose device it
+        does not report: once per Instance version, if this node's containers still use some
+        of their slots (the Instance was re-created meanwhile by a node that could not see
+        them), join it draining with exactly those slots (:meth:`SlotLedger.adopt_draining`):
+        they are recorded, nothing new is offered here, and this node leaves once the
+        reclaimers have freed them."""
+        seen: set[str] = set()
+        for instance in self.store.list_cached(self.configuration.key):
+            name = instance.name
+            seen.add(name)
+            if self.node in instance.nodes or name in discovered:
+                continue
+            if self._unseen_checked.get(name, "") == instance.uid:
+                continue
+            try:
+                result = await self.ledger.adopt_draining(instance.key)
+            except NotFoundError:
+                continue
+            except EvidenceUnavailableError as error:
+                self._evidence_unavailable(name, error)
+                continue
+            self._unseen_checked[name] = instance.uid
+            if result is not None and result.adopted:
+                slots = tuple(slot for slot, _ in result.adopted)
+                await report_draining(
+                    self.store,
+                    instance.key,
+                    self.node,
+                    slots,
+                    "its containers use slots of an instance re-created without them while "
+                    "this node does not see the device",
+                )
+                self.draining[name] = slots
+                self._missing_since[name] = float("-inf")  # no grace: it never saw the device
+            await asyncio.sleep(0)
+        for name in [n for n in self._unseen_checked if n not in seen]:
+            del self._unseen_checked[name]
+
+    def _evidence_unavailable(self, name: str, error: EvidenceUnavailableError) -> None:
+        self._evidence_waiting.add(name)
+        now = self._clock()
+        last = self._evidence_logged.get(name)
+        if last is None or now - last >= EVIDENCE_LOG_INTERVAL:
+            self._evidence_logged[name] = now
+            log.error(
+                "%s; not creating or joining it (no slot changed) until it can be read: "
+                "retrying in %.1fs",
+                error,
+                self._evidence_retry,
+            )
+
     async def _mark_offline(self, name: str) -> None:
         """Record in the Instance that this node does not see its device right now (so
         ``akri status`` and ``kubectl get akrii -o yaml`` show it); cleared on rejoin."""
@@ -535,6 +581,9 @@ class ConfigurationRunner:
         if self.draining.get(name) != result.slots:
             await report_draining(self.store, key, self.node, result.slots, "its device is gone")
         self.draining[name] = result.slots
+        # its grace is over: the next pass (woken by the release of a slot) tries to leave
+        # again at once rather than starting a new grace
+        self._missing_since[name] = float("-inf")
 
 
 async def report_draining(

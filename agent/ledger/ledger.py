@@ -48,6 +48,7 @@ from agent.ledger.decisions import (
     decide_update,
     initial_usage,
     regranted,
+    with_draining,
 )
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
@@ -274,6 +275,48 @@ class SlotLedger:
             now = self._now()
             self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
         return stored, JoinResult(stored, done.adopted, done.conflicts, done.checked)
+
+    async def adopt_draining(self, key: ObjectKey) -> JoinResult | None:
+        """Instance ``key`` does not list this node, and this node does not discover its
+        device; if this node's evidence still shows containers using some of its slots (it
+        was re-created meanwhile, all free), join it **draining** and take those slots in the
+        same write (:func:`decide_adopt`): nothing new is given out here, the reclaimers free
+        the slots when the containers end, and then this node leaves. Returns None when
+        nothing is in use here (nothing written). Raises :class:`NotFoundError`, or
+        :class:`EvidenceUnavailableError` (nothing written)."""
+        async with self.lock_for(key):
+            current = self.store.get_cached(key)
+            if current is None:
+                current = await self.store.get(key)
+            if self.node in current.nodes:
+                return None
+            in_use = await self._evidence_for(current)
+            if not in_use:
+                return None
+            outcome: list[JoinResult] = []
+
+            def mutate(instance: Instance) -> Instance | None:
+                outcome.clear()
+                if self.node in instance.nodes or instance.deletion_timestamp is not None:
+                    return None  # joined by discovery meanwhile (it checked), or going
+                adoption = decide_adopt(instance, in_use)
+                outcome.append(JoinResult(instance, adoption.adopted, adoption.conflicts, True))
+                if not adoption.adopted:
+                    return None
+                return with_draining(instance, self.node, True).evolve(
+                    nodes=(*instance.nodes, self.node), device_usage=dict(adoption.device_usage)
+                )
+
+            stored = await cas_update(self.store, key, mutate, policy=self._policy)
+            if not outcome or stored is None:
+                return None
+            done = outcome[0]
+            if done.adopted:
+                now = self._now()
+                self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
+            result = JoinResult(stored, done.adopted, done.conflicts, True)
+        await self._report_adoption(stored, result)
+        return result
 
     async def _report_adoption(self, stored: Instance, result: JoinResult) -> None:
         if result.adopted:
