@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from agent.kube.client import DEFAULT_TIMEOUT, KubeClient
-from agent.kube.credentials import StaticCredentials, TokenFileCredentials
+from agent.kube.credentials import Auth, StaticCredentials, TokenFileCredentials
 from agent.kube.errors import ConfigError, TransportError
 from agent.kube.exec_credential import EXEC_SHARE, EXEC_TIMEOUT, ExecCredentials, ExecSpec
 from agent.kube.kubeconfig import (
@@ -515,6 +515,39 @@ def test_exec_run_limit_follows_the_request() -> None:
     assert ExecCredentials(spec).run_limit(None) == EXEC_TIMEOUT < DEFAULT_TIMEOUT
     assert ExecCredentials(spec, timeout=1.0).run_limit(30.0) == 1.0
     assert ExecCredentials(spec).run_limit(-1.0) == 0.0
+
+
+async def test_exec_plugin_limit_counts_the_wait_for_another_run() -> None:
+    """Two requests need a credential at once: the second waits for the first's run. Before:
+    its plugin limit was measured before that wait, so its run could outlast its request.
+    Now the limit is what is left of its deadline once it holds the lock."""
+    spec = ExecSpec("x", (), (), "client.authentication.k8s.io/v1")
+    credentials = ExecCredentials(spec)
+    loop = asyncio.get_running_loop()
+    limits: list[float] = []
+    first_running = asyncio.Event()
+    first_ended_at: list[float] = []
+
+    async def run(limit: float) -> tuple[Auth, float | None]:
+        limits.append(limit)
+        if len(limits) == 1:
+            first_running.set()
+            await asyncio.sleep(0.3)  # the first run takes a while (time passes; no assertion)
+            first_ended_at.append(loop.time())
+            raise TransportError("the first run failed")
+        return Auth("Bearer t", None), None
+
+    credentials._run = run  # type: ignore[method-assign]
+    deadline = loop.time() + 30.0
+    first = asyncio.create_task(credentials.get(deadline))
+    await first_running.wait()
+    second = asyncio.create_task(credentials.get(deadline))
+    with pytest.raises(TransportError):
+        await first
+    assert (await second).authorization == "Bearer t"
+    assert limits[0] <= 30.0 * EXEC_SHARE
+    # the second's limit: what was left of its deadline after the first run ended
+    assert limits[1] <= (deadline - first_ended_at[0]) * EXEC_SHARE < 30.0 * EXEC_SHARE
 
 
 async def test_exec_plugin_not_installed_shows_the_hint(tmp_path: Path) -> None:

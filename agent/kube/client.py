@@ -141,7 +141,7 @@ class KubeClient:
                 while True:
                     async with self._slots:
                         for attempt in (1, 2):
-                            auth = await self.config.credentials.get(deadline - loop.time())
+                            auth = await self.config.credentials.get(deadline)
                             conn, response = await self._exchange(method, target, payload, auth)
                             data = await self._read_all(conn, method, target, response)
                             if self._retry_unauthorized(response, attempt):
@@ -234,7 +234,7 @@ class KubeClient:
             async with asyncio.timeout(self.timeout):
                 while True:
                     for attempt in (1, 2):
-                        auth = await self.config.credentials.get(head_deadline - loop.time())
+                        auth = await self.config.credentials.get(head_deadline)
                         conn, response = await self._exchange("GET", target, None, auth)
                         if response.status < 400:
                             break

@@ -27,9 +27,10 @@ class Auth:
 class Credentials:
     """No credentials (the base class of the others)."""
 
-    async def get(self, within: float | None = None) -> Auth:
-        """The credential to send. ``within``: seconds the request has left (an exec plugin
-        must answer well before it, so its own error names the plugin)."""
+    async def get(self, deadline: float | None = None) -> Auth:
+        """The credential to send. ``deadline``: when the request ends, on the event loop's
+        clock (an exec plugin must answer well before it, so its own error names the
+        plugin). Absolute, so that time spent waiting for another caller's run counts."""
         return Auth()
 
     def invalidate(self) -> bool:
@@ -52,7 +53,7 @@ class StaticCredentials(Credentials):
         pair = base64.b64encode(f"{username}:{password}".encode()).decode("ascii")
         return cls(f"Basic {pair}")
 
-    async def get(self, within: float | None = None) -> Auth:
+    async def get(self, deadline: float | None = None) -> Auth:
         return self._auth
 
 
@@ -67,7 +68,7 @@ class TokenFileCredentials(Credentials):
         self._token: str | None = None
         self._read_at = 0.0
 
-    async def get(self, within: float | None = None) -> Auth:
+    async def get(self, deadline: float | None = None) -> Auth:
         now = time.monotonic()
         if self._token is None or now - self._read_at >= self._reread:
             try:

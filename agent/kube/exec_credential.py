@@ -96,11 +96,14 @@ class ExecCredentials(Credentials):
         self._expires: float | None = None  # time.time() value
         self.runs = 0
 
-    async def get(self, within: float | None = None) -> Auth:
+    async def get(self, deadline: float | None = None) -> Auth:
         async with self._lock:
             if self._auth is None or (
                 self._expires is not None and time.time() >= self._expires - EXPIRY_MARGIN
             ):
+                # measured now, not before the lock: waiting for another caller's run (up to
+                # its whole limit) used this request's time too
+                within = None if deadline is None else deadline - asyncio.get_running_loop().time()
                 self._auth, self._expires = await self._run(self.run_limit(within))
             return self._auth
 
