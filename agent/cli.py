@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Reads the cluster when one is configured ($AKRI_KUBECONFIG, $KUBECONFIG, "
         "or the service account of a pod, e.g. `kubectl exec` into the agent) or asked for "
         "(--kubeconfig, --cluster); else the local state directory (--state-dir, default "
-        "$AKRI_STATE_DIR or /var/lib/akri/state). --local forces the state directory.",
+        "$AKRI_STATE_DIR or /var/lib/akri/state). --local, --state-dir, $AKRI_LOCAL=true or "
+        "$AKRI_STATE_DIR in the environment (a local agent's settings) choose the state "
+        "directory even when a cluster is configured.",
     )
     status.add_argument(
         "--local",
