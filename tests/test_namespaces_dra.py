@@ -81,10 +81,13 @@ async def test_slices_publish_only_the_owner_namespace_s_instance(
         api.create(debug_echo_configuration("mic", ("bar0",), 1))
         await eventually(lambda: any(p.startswith("mic-") for p in pools(api)), what="mic")
         assert pools(api)[CAM] == [f"{CAM}-0", f"{CAM}-1"]  # default's 2 slots, never 3
-        # the other namespace goes (its Configuration, then its Instance): the owner's pool,
-        # of the same name, stays
+        # the refused namespace's Instance holds no slot of this node: the node leaves it at
+        # once and, the last node, deletes it (docs/slot-model.md, Namespaces); then its
+        # Configuration goes too. The owner's pool, of the same name, stays
+        await eventually(
+            lambda: api.get(INSTANCES, CAM, "other") is None, what="other/cam's Instance gone"
+        )
         api.delete(CONFIGURATIONS, "cam", "other")
-        api.delete(INSTANCES, CAM, "other")
         api.delete(CONFIGURATIONS, "mic", "default")  # a barrier again: mic's pool goes
         await eventually(lambda: not any(p.startswith("mic-") for p in pools(api)), what="mic")
         assert pools(api)[CAM] == [f"{CAM}-0", f"{CAM}-1"]
