@@ -185,6 +185,20 @@ class AgentCollector(Collector):
         for code, number in sorted(telemetry.API_ERRORS.items()):
             errors.add_metric([code], number)
         yield errors
+        refused = CounterMetricFamily(
+            "akri_resource_slice_writes_refused_total",
+            "ResourceSlice pool writes the API server refused (403/400/422: e.g. the admission "
+            "policy); the pool is skipped, the others are published",
+        )
+        publisher = self.agent.publisher
+        refused.add_metric([], publisher.refused_writes if publisher is not None else 0)
+        yield refused
+        dropped = CounterMetricFamily(
+            "akri_events_dropped_total",
+            "Kubernetes Events not sent because too many sends were already pending",
+        )
+        dropped.add_metric([], int(getattr(self.agent.store, "events_dropped", 0)))
+        yield dropped
 
 
 def _histograms(

@@ -439,3 +439,28 @@ def test_health_port_flag_is_validated() -> None:
         timeout=30,
     )
     assert done.returncode == 2 and "must be 0 (off) to 65535" in done.stderr
+
+
+def test_refused_slice_writes_and_dropped_events_are_exported() -> None:
+    from types import SimpleNamespace
+
+    from agent.metrics import AgentCollector
+
+    agent = SimpleNamespace(
+        publisher=SimpleNamespace(refused_writes=3), store=SimpleNamespace(events_dropped=2)
+    )
+    exported = {
+        sample.name: sample.value
+        for family in AgentCollector(agent)._api()  # type: ignore[arg-type]
+        for sample in family.samples
+    }
+    assert exported["akri_resource_slice_writes_refused_total"] == 3
+    assert exported["akri_events_dropped_total"] == 2
+    local = SimpleNamespace(publisher=None, store=SimpleNamespace())  # local store: no Events
+    exported = {
+        sample.name: sample.value
+        for family in AgentCollector(local)._api()  # type: ignore[arg-type]
+        for sample in family.samples
+    }
+    assert exported["akri_resource_slice_writes_refused_total"] == 0
+    assert exported["akri_events_dropped_total"] == 0
