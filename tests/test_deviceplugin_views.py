@@ -17,6 +17,7 @@ from agent.deviceplugin.views import (
 )
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.model.naming import DRAINING_ANNOTATION
 from discovery_handlers.base import Device, DeviceSpec, Mount
 
 
@@ -270,3 +271,22 @@ def test_cached_cl_view_parses_only_changed_instances() -> None:
     assert ("cams-7", "cams-000050", "cams-000050-0", True) in {
         (v.id, v.instance, v.slot, v.healthy) for v in third
     }
+
+
+def test_a_draining_node_offers_nothing_whatever_its_offline_set_says() -> None:
+    """Reviewer's case: node-b re-created the Instance, n1 adopted slot 0 draining (the
+    stored mark), but n1's runner has not (yet) put it in its offline set. Before, the IL
+    plugin listed slot 1 Healthy and the CL plugin offered a free vdev."""
+    adopted = inst("cams-aaaaaa", capacity=2, s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    assert health(instance_devices(adopted, "n1", offline=False)) == {
+        "cams-aaaaaa-0": False,
+        "cams-aaaaaa-1": False,
+    }
+    assert health(instance_devices(adopted, "n2", offline=False))["cams-aaaaaa-1"]  # n2 serves
+    cl = inst("cams-bbbbbb", capacity=2, s0="C:cams-0:n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    devices = configuration_devices("cams", [cl], "n1", offline=set())
+    assert [(d.id, d.healthy) for d in devices] == [("cams-0", False)]  # no free vdev

@@ -20,7 +20,7 @@ from agent.dra.slices import (
     typed_attribute,
 )
 from agent.model.instance import Instance
-from agent.model.naming import is_dns_label
+from agent.model.naming import DRAINING_ANNOTATION, is_dns_label
 from discovery_handlers.base import DeviceSpec, Mount
 
 
@@ -176,3 +176,20 @@ def test_an_empty_pool_stored_without_devices_is_unchanged() -> None:
     stored["pool"] = {"name": "node-a", "generation": 1, "resourceSliceCount": 1}
     assert same_slice_content(stored, wanted)
     assert not same_slice_content({**stored, "devices": [{"name": "x"}]}, wanted)
+
+
+def test_a_draining_node_publishes_none_of_the_instances_slots() -> None:
+    """The stored draining mark counts even when the offline set does not list the Instance
+    (adopted draining after another node re-created it)."""
+    local = inst("cams-llllll", False, ("n1",), s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    shared = inst("cams-ssssss", True, ("n1", "n2"), s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    by_name = {p.name: p for p in desired_pools([local, shared], "n1", offline=set())}
+    assert by_name["n1"].devices == ()
+    assert by_name["cams-ssssss"].devices == ()
+    # draining on another node does not hide the slots n1 publishes for its own pool
+    other = inst("cams-mmmmmm", False, ("n1",)).with_node_mark(DRAINING_ANNOTATION, "n2", True)
+    assert len(desired_pools([other], "n1", offline=set())[0].devices) == 2

@@ -34,6 +34,7 @@ from agent.ledger.decisions import (
 )
 from agent.model.device_usage import parse_usage
 from agent.model.instance import Instance
+from agent.model.naming import DRAINING_ANNOTATION
 from agent.protos.deviceplugin.v1beta1 import api_pb2
 
 NAME = "cams-8120fe"
@@ -507,3 +508,36 @@ def test_a_property_name_ending_in_six_hex_digits_is_no_digest() -> None:
     assert list(configuration_level_in_use(cam("8120fe"), "node-a", allocations)) == [
         "C:cam-0:node-a"
     ]
+
+
+def draining_on(instance: Instance, node: str) -> Instance:
+    return instance.with_node_mark(DRAINING_ANNOTATION, node, True)
+
+
+def test_a_draining_node_keeps_its_slots_but_takes_no_new_one() -> None:
+    """Reviewer's case: node-b re-created the Instance (all free); node-a, which does not see
+    the device, adopted slot 0 draining. Before, a claim from node-a on slot 1 was granted."""
+    adopted = draining_on(inst(s0="node-a"), "node-a")
+    node_a = Owner.instance_level("node-a")
+    refused = decide_claim(adopted, f"{NAME}-1", node_a)
+    assert isinstance(refused, Refused) and refused.reason == "Draining"
+    assert "node-a" in refused.message and "draining" in refused.message
+    # kubelet re-offering the slot node-a already holds is still granted (idempotent)
+    again = decide_claim(adopted, f"{NAME}-0", node_a)
+    assert isinstance(again, Granted) and not again.changed
+    any_slot = decide_claim_any(adopted, Owner.configuration_level("cams-0", "node-a"))
+    assert isinstance(any_slot, Refused) and any_slot.reason == "Draining"
+    held_cl = draining_on(inst(s0="C:cams-0:node-a"), "node-a")
+    kept = decide_claim_any(held_cl, Owner.configuration_level("cams-0", "node-a"))
+    assert isinstance(kept, Granted) and not kept.changed and kept.slot == f"{NAME}-0"
+    # a stale slot of its own is not taken over for a new container either
+    stale = decide_claim(
+        draining_on(inst(s0="node-a"), "node-a"),
+        f"{NAME}-0",
+        Owner.configuration_level("cams-1", "node-a"),
+        reclaimable={"node-a"},
+    )
+    assert isinstance(stale, Refused) and stale.reason == "Draining"
+    # another node, not draining, still claims the free slot
+    node_b = decide_claim(adopted, f"{NAME}-1", Owner.instance_level("node-b"))
+    assert isinstance(node_b, Granted) and node_b.changed

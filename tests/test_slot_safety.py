@@ -8,18 +8,25 @@ runs the real agent wiring against the API-server double with its own kubelet do
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from agent.app import Agent
+from agent.deviceplugin.kubelet_state import KubeletState
+from agent.evidence import NodeEvidence
 from agent.kube import make_kube_client
 from agent.ledger.decisions import held_count
+from agent.ledger.ledger import EvidenceUnavailableError, SlotLedger
 from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
+from agent.protos.podresources.v1 import api_pb2 as pr_pb2
+from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import DpNode, assert_never_over_capacity, start_dp_node
@@ -545,3 +552,76 @@ async def test_joining_an_instance_another_node_recreated_keeps_a_configuration_
     finally:
         await a.stop()
         await b.stop()
+
+
+# -- evidence when kubelet's pod-resources List hangs ------------------------------------------
+
+
+class _HangingLister(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+    """A pod-resources server whose ``List`` never answers (counts the calls)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.release = asyncio.Event()
+
+    async def List(self, request: Any, context: Any) -> Any:
+        self.calls += 1
+        await self.release.wait()
+        return pr_pb2.ListPodResourcesResponse()
+
+
+async def test_a_hanging_list_is_asked_once_per_pass_not_once_per_instance(
+    tmp_path: Path,
+) -> None:
+    """Before: every Instance of a pass waited the full rpc_timeout for its own List (1000
+    Instances at start: 1000 x 5 s). Now the failed look stands for a short while: the other
+    Instances fail at once (retried by the runner's backoff)."""
+    socket = tmp_path / "pr.sock"
+    lister = _HangingLister()
+    server = grpc.aio.server()
+    pr_grpc.add_PodResourcesListerServicer_to_server(lister, server)
+    server.add_insecure_port(f"unix://{socket}")
+    await server.start()
+    now = [100.0]
+    try:
+        kubelet = KubeletState(
+            socket, tmp_path / "checkpoint", rpc_timeout=0.2, clock=lambda: now[0]
+        )
+        ledger = SlotLedger(
+            LocalInstanceStoreForEvidence(), "node-a", evidence=NodeEvidence("node-a", kubelet)
+        )
+        instances = [
+            Instance(name=f"cam-{i:06x}", configuration_name="cam", capacity=1) for i in range(5)
+        ]
+        for instance in instances:
+            with pytest.raises(EvidenceUnavailableError):
+                await ledger._evidence_for(instance)
+        assert lister.calls == 1
+        now[0] += 2.5  # the retry deadline passed: the next question asks kubelet again
+        with pytest.raises(EvidenceUnavailableError):
+            await ledger._evidence_for(instances[0])
+        assert lister.calls == 2
+        lister.release.set()
+        now[0] += 2.5
+        assert not (await ledger._evidence_for(instances[0])).slots
+    finally:
+        lister.release.set()
+        await server.stop(None)
+
+
+class LocalInstanceStoreForEvidence:
+    """The ledger's store is not used by ``_evidence_for``."""
+
+
+async def test_a_bug_in_the_evidence_is_not_taken_for_unavailable_evidence() -> None:
+    """Before: any exception became EvidenceUnavailableError and was retried for ever."""
+
+    class Broken:
+        async def in_use(self, instance: Instance, not_before: float) -> Any:
+            raise AttributeError("a programming error")
+
+    ledger = SlotLedger(LocalInstanceStoreForEvidence(), "node-a", evidence=Broken())  # type: ignore[arg-type]
+    with pytest.raises(AttributeError):
+        await ledger._evidence_for(
+            Instance(name="cam-000001", configuration_name="cam", capacity=1)
+        )

@@ -66,7 +66,7 @@ def _response(
 def _refusal_code(error: SlotRefusedError) -> grpc.StatusCode:
     if error.reason in ("UnknownSlot", "UnknownInstance"):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if error.reason in ("SlotInUse", "CapacityReached", "Deleting", "NotOnNode"):
+    if error.reason in ("SlotInUse", "CapacityReached", "Deleting", "NotOnNode", "Draining"):
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.UNAVAILABLE
 
@@ -188,7 +188,11 @@ class ConfigurationPlugin:
         return {
             i.name: i
             for i in self._list(self.configuration)
-            if self._ledger.node in i.nodes and i.name not in offline
+            # a draining node takes no new slot (the stored mark: another node may have
+            # re-created the Instance and this node adopted it draining)
+            if self._ledger.node in i.nodes
+            and i.name not in offline
+            and self._ledger.node not in i.draining_nodes
         }
 
     def preferred(

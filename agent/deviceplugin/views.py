@@ -9,15 +9,17 @@ every slot ``<instance>-<n>`` (n < capacity).
 * held by this node's IL plugin → Healthy (kubelet re-offering its own device is idempotent);
 * free, with held count < capacity → Healthy;
 * held by anyone else (another node, this node's CL or DRA), draining, unknown → Unhealthy;
-* every slot is Unhealthy while the device is offline (grace period) or the Instance is being
-  deleted.
+* every slot is Unhealthy while the device is offline (grace period), this node is draining
+  the Instance (listed in ``instance.draining_nodes``: the stored mark counts, whatever the
+  runner's offline set says) or the Instance is being deleted.
 
 Configuration-level plugin (resource ``akri.sh/<configuration>``): virtual devices
 ``<configuration>-<k>``, as in Akri:
 
 * one per slot this node's CL plugin holds (``C:<vdev>:<node>``), Healthy (idempotent
-  re-allocation) unless its Instance is offline;
-* plus one free vdev per Instance (on this node, online) that has a free slot, Healthy,
+  re-allocation) unless its Instance is offline or draining on this node;
+* plus one free vdev per Instance (on this node, online, not draining) that has a free slot,
+  Healthy,
   numbered with the lowest free numbers in Instance-name order.
 
 So a single container is never offered more CL devices than there are distinct Instances with
@@ -71,7 +73,9 @@ def instance_devices(instance: Instance, node: str, offline: bool) -> list[Devic
     """The IL plugin's device list for ``instance`` on ``node``."""
     if node not in instance.nodes:
         return []
-    unavailable = offline or instance.deletion_timestamp is not None
+    unavailable = (
+        offline or instance.deletion_timestamp is not None or node in instance.draining_nodes
+    )
     room = held_count(instance) < instance.capacity
     usage = instance.device_usage
     # compared as strings, not parsed (this runs for every slot on every Instance change):
@@ -94,23 +98,25 @@ def instance_devices(instance: Instance, node: str, offline: bool) -> list[Devic
 @dataclass(frozen=True)
 class _InstancePart:
     """What one Instance contributes to the CL list: the vdevs this node holds in it (slot
-    order; Healthy unless the Instance is being deleted), and whether it has a free slot."""
+    order; Healthy unless the Instance is being deleted or this node drains it), and whether
+    it has a free slot. ``unavailable``: being deleted, or draining on this node (no free
+    vdev then)."""
 
     held: tuple[VirtualDevice, ...]
     has_free: bool
-    deleting: bool
+    unavailable: bool
 
 
 def _instance_part(instance: Instance, node: str) -> _InstancePart:
-    deleting = instance.deletion_timestamp is not None
+    unavailable = instance.deletion_timestamp is not None or node in instance.draining_nodes
     held = []
     for slot, value in sorted(instance.device_usage.items()):
         if not value.startswith("C:"):
             continue  # free, another node's IL slot, DRA, unknown: not a held vdev
         usage = parse_usage(value)
         if isinstance(usage, ConfigurationUsage) and usage.node == node:
-            held.append(VirtualDevice(usage.vdev, instance.name, slot, not deleting))
-    return _InstancePart(tuple(held), bool(free_slots(instance)), deleting)
+            held.append(VirtualDevice(usage.vdev, instance.name, slot, not unavailable))
+    return _InstancePart(tuple(held), bool(free_slots(instance)), unavailable)
 
 
 class ConfigurationDevices:
@@ -171,7 +177,7 @@ class ConfigurationDevices:
         number = 0
         for name in names:
             part = parts[name][1]
-            if not part.has_free or part.deleting or name in offline:
+            if not part.has_free or part.unavailable or name in offline:
                 continue
             while number in used_numbers:
                 number += 1

@@ -515,8 +515,17 @@ class ConfigurationRunner:
                 continue
             if self._unseen_checked.get(name, "") == instance.uid:
                 continue
+
+            def offline_now(name: str = name) -> None:
+                # offline before the write, not at the end of the pass: nothing may offer
+                # its free slots meanwhile (the plugins and the DRA publisher also read the
+                # stored draining mark; this covers views computed from the offline set)
+                if name not in self.offline:
+                    self.offline = self.offline | {name}
+                    self._on_offline_change()
+
             try:
-                result = await self.ledger.adopt_draining(instance.key)
+                result = await self.ledger.adopt_draining(instance.key, offline_now)
             except NotFoundError:
                 continue
             except EvidenceUnavailableError as error:
@@ -525,6 +534,7 @@ class ConfigurationRunner:
             self._unseen_checked[name] = instance.uid
             if result is not None and result.adopted:
                 slots = tuple(slot for slot, _ in result.adopted)
+                self.draining[name] = slots
                 await report_draining(
                     self.store,
                     instance.key,
@@ -533,7 +543,6 @@ class ConfigurationRunner:
                     "its containers use slots of an instance re-created without them while "
                     "this node does not see the device",
                 )
-                self.draining[name] = slots
                 self._missing_since[name] = float("-inf")  # no grace: it never saw the device
             await asyncio.sleep(0)
         for name in [n for n in self._unseen_checked if n not in seen]:

@@ -12,7 +12,11 @@ without feature gates.
 * A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
   scheduler's accounting of existing allocations is unchanged). A slot taken through a device
   plugin (IL ``<node>`` or CL ``C:…``) leaves the slice; so do all slots of an Instance that
-  is offline (grace period) or being deleted. The remaining race (scheduler allocates a slot
+  is offline (grace period), being deleted, or draining on the publishing node (listed in
+  ``instance.draining_nodes``: the stored mark, whatever the runner's offline set says).
+  Another node draining a shared Instance stays in its pool's ``nodeSelector`` (the slice
+  admission policy ties the publisher to that list); a claim prepared there is refused
+  (``Draining``). The remaining race (scheduler allocates a slot
   a device plugin claims at the same moment) is arbitrated by the Instance CAS: prepare fails
   with an error naming the holder.
 
@@ -186,12 +190,18 @@ def instance_devices(instance: Instance, offline: bool) -> tuple[dict[str, Any],
     )
 
 
+def unusable_here(instance: Instance, node: str, offline: Collection[str]) -> bool:
+    """Whether ``node`` must publish none of ``instance``'s slots: offline here (grace), or
+    draining here (the stored mark: e.g. adopted draining after another node re-created it)."""
+    return instance.name in offline or node in instance.draining_nodes
+
+
 def _devices(
-    instances: Iterable[Instance], offline: Collection[str], devices_of: DevicesOf
+    instances: Iterable[Instance], node: str, offline: Collection[str], devices_of: DevicesOf
 ) -> list[dict[str, Any]]:
     devices: list[dict[str, Any]] = []
     for instance in sorted(instances, key=lambda i: i.name):
-        devices.extend(devices_of(instance, instance.name in offline))
+        devices.extend(devices_of(instance, unusable_here(instance, node, offline)))
     return devices
 
 
@@ -205,7 +215,9 @@ def desired_pools(
     every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
     :func:`instance_devices` (the publisher caches it per Instance version)."""
     local = [i for i in instances if not i.shared and node in i.nodes]
-    pools = [Pool(name=node, node_name=node, devices=tuple(_devices(local, offline, devices_of)))]
+    pools = [
+        Pool(name=node, node_name=node, devices=tuple(_devices(local, node, offline, devices_of)))
+    ]
     for instance in sorted(instances, key=lambda i: i.name):
         if not instance.shared or not instance.nodes or min(instance.nodes) != node:
             continue
@@ -214,7 +226,7 @@ def desired_pools(
                 name=instance.name,
                 node_name=None,
                 nodes=tuple(sorted(instance.nodes)),
-                devices=tuple(devices_of(instance, instance.name in offline)),
+                devices=tuple(devices_of(instance, unusable_here(instance, node, offline))),
             )
         )
     return pools

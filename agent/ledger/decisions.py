@@ -7,7 +7,9 @@ enforced against the exact version being replaced.
 
 Rules (invariant 1 of DESIGN.md):
 
-* only a node listed in ``instance.nodes`` may claim a slot (it sees the device);
+* only a node listed in ``instance.nodes`` may claim a slot (it sees the device), and not
+  while it is *draining* there (``instance.draining_nodes``: it keeps the slots it holds —
+  kubelet re-offering one of them is still granted — but takes no new one);
 * a slot is one of ``<instance>-0`` … ``<instance>-<capacity-1>``; anything else is refused;
 * a slot has at most one holder: a claim succeeds only on a free slot, or on a slot already
   held by exactly the same owner (idempotent: "kubelet knows best"), or on a slot whose
@@ -173,6 +175,8 @@ def decide_claim(
     if current_value and current_value == owner.value:
         # kubelet re-offering a slot this owner holds: O(1), no copy, nothing to write
         return Granted(slot, instance.device_usage, changed=False)
+    if owner.node in instance.draining_nodes:
+        return _draining(instance, owner)
     current = parse_usage(current_value)
     if not isinstance(current, Free):
         if (
@@ -189,6 +193,14 @@ def decide_claim(
             f"instance {instance.name} has all {instance.capacity} slots in use",
         )
     return Granted(slot, _with(instance, slot, owner.value), changed=True)
+
+
+def _draining(instance: Instance, owner: Owner) -> Refused:
+    return Refused(
+        "Draining",
+        f"node {owner.node} is draining instance {instance.name}: it keeps only the slots "
+        "its containers already use there and takes no new one",
+    )
 
 
 def _not_on_node(instance: Instance, owner: Owner) -> Refused:
@@ -212,6 +224,8 @@ def decide_claim_any(
         return Granted(held[0], instance.device_usage, changed=False)
     if owner.node not in instance.nodes:
         return _not_on_node(instance, owner)
+    if owner.node in instance.draining_nodes:
+        return _draining(instance, owner)
     for sid in free_slots(instance):
         return decide_claim(instance, sid, owner)
     for sid in instance.slot_ids():

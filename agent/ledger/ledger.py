@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.deviceplugin.kubelet_state import KubeletStateError
 from agent.ledger.decisions import (
     Drain,
     Granted,
@@ -77,6 +79,17 @@ class EvidenceUnavailableError(Exception):
             f"what this node uses in instance {instance} cannot be read now: "
             f"{type(cause).__name__}: {cause}"
         )
+
+
+def is_evidence_io_error(error: BaseException) -> bool:
+    """Whether ``error`` says the evidence cannot be read *now* (kubelet's ``List`` failed or
+    timed out, a checkpoint is unreadable or malformed): worth retrying later."""
+    if isinstance(error, (KubeletStateError, OSError, TimeoutError)):
+        return True
+    # gRPC is imported only by an agent that talks to kubelet (a local agent never loads it);
+    # if it is not loaded, no gRPC error can have been raised
+    grpc = sys.modules.get("grpc")
+    return grpc is not None and isinstance(error, grpc.aio.AioRpcError)
 
 
 class SlotEvidence(Protocol):
@@ -229,11 +242,15 @@ class SlotLedger:
         return result
 
     async def _evidence_for(self, instance: Instance) -> SlotsInUse:
-        """Raises :class:`EvidenceUnavailableError` (whatever the evidence failed with)."""
+        """Raises :class:`EvidenceUnavailableError` when kubelet or a checkpoint cannot be
+        read (retried later). Anything else is a bug and propagates: turned into
+        "unavailable", it would be retried for ever without a trace of its cause."""
         grants = self._granted.get(instance.key, {})
         try:
             return await self.evidence.in_use(instance, max(grants.values(), default=0.0))
         except Exception as error:
+            if not is_evidence_io_error(error):
+                raise
             raise EvidenceUnavailableError(instance.key, error) from error
 
     async def _join(
@@ -276,13 +293,17 @@ class SlotLedger:
             self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
         return stored, JoinResult(stored, done.adopted, done.conflicts, done.checked)
 
-    async def adopt_draining(self, key: ObjectKey) -> JoinResult | None:
+    async def adopt_draining(
+        self, key: ObjectKey, before_write: Callable[[], None] = lambda: None
+    ) -> JoinResult | None:
         """Instance ``key`` does not list this node, and this node does not discover its
         device; if this node's evidence still shows containers using some of its slots (it
         was re-created meanwhile, all free), join it **draining** and take those slots in the
         same write (:func:`decide_adopt`): nothing new is given out here, the reclaimers free
         the slots when the containers end, and then this node leaves. Returns None when
-        nothing is in use here (nothing written). Raises :class:`NotFoundError`, or
+        nothing is in use here (nothing written). ``before_write`` is called just before the
+        write is sent (the runner marks the Instance offline there, so nothing offers its
+        slots even for a moment). Raises :class:`NotFoundError`, or
         :class:`EvidenceUnavailableError` (nothing written)."""
         async with self.lock_for(key):
             current = self.store.get_cached(key)
@@ -303,6 +324,7 @@ class SlotLedger:
                 outcome.append(JoinResult(instance, adoption.adopted, adoption.conflicts, True))
                 if not adoption.adopted:
                     return None
+                before_write()
                 return with_draining(instance, self.node, True).evolve(
                     nodes=(*instance.nodes, self.node), device_usage=dict(adoption.device_usage)
                 )
