@@ -12,7 +12,7 @@ import asyncio
 import copy
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -27,6 +27,7 @@ from agent.model.instance import Instance
 from agent.model.keys import ObjectKey
 from agent.protos.podresources.v1 import api_pb2 as pr_pb2
 from agent.protos.podresources.v1 import api_pb2_grpc as pr_grpc
+from agent.store.base import InstanceStore
 from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.apiserver import ApiServerDouble
 from tests.dp_nodes import DpNode, assert_never_over_capacity, start_dp_node
@@ -557,7 +558,7 @@ async def test_joining_an_instance_another_node_recreated_keeps_a_configuration_
 # -- evidence when kubelet's pod-resources List hangs ------------------------------------------
 
 
-class _HangingLister(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
+class _HangingLister(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc,unused-ignore]
     """A pod-resources server whose ``List`` never answers (counts the calls)."""
 
     def __init__(self) -> None:
@@ -587,9 +588,7 @@ async def test_a_hanging_list_is_asked_once_per_pass_not_once_per_instance(
         kubelet = KubeletState(
             socket, tmp_path / "checkpoint", rpc_timeout=0.2, clock=lambda: now[0]
         )
-        ledger = SlotLedger(
-            LocalInstanceStoreForEvidence(), "node-a", evidence=NodeEvidence("node-a", kubelet)
-        )
+        ledger = SlotLedger(unused_store(), "node-a", evidence=NodeEvidence("node-a", kubelet))
         instances = [
             Instance(name=f"cam-{i:06x}", configuration_name="cam", capacity=1) for i in range(5)
         ]
@@ -609,8 +608,9 @@ async def test_a_hanging_list_is_asked_once_per_pass_not_once_per_instance(
         await server.stop(None)
 
 
-class LocalInstanceStoreForEvidence:
+def unused_store() -> InstanceStore:
     """The ledger's store is not used by ``_evidence_for``."""
+    return cast(InstanceStore, object())
 
 
 async def test_a_bug_in_the_evidence_is_not_taken_for_unavailable_evidence() -> None:
@@ -620,7 +620,7 @@ async def test_a_bug_in_the_evidence_is_not_taken_for_unavailable_evidence() -> 
         async def in_use(self, instance: Instance, not_before: float) -> Any:
             raise AttributeError("a programming error")
 
-    ledger = SlotLedger(LocalInstanceStoreForEvidence(), "node-a", evidence=Broken())  # type: ignore[arg-type]
+    ledger = SlotLedger(unused_store(), "node-a", evidence=Broken())
     with pytest.raises(AttributeError):
         await ledger._evidence_for(
             Instance(name="cam-000001", configuration_name="cam", capacity=1)
