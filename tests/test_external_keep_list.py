@@ -185,13 +185,26 @@ async def test_an_endpoint_that_does_not_come_back_within_its_window_is_forgotte
 async def test_registering_again_keeps_the_list_until_the_new_stream_reports(
     endpoint: ScriptedEndpoint,
 ) -> None:
-    handler = ExternalHandler("scripted", False, reconnect_window=30)
+    backing_off = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        backing_off.set()
+        await asyncio.sleep(seconds)
+
+    handler = ExternalHandler(
+        "scripted", False, reconnect_window=60, reconnect_backoff=30, sleep=sleep
+    )
     handler.add(registration(endpoint.socket))
     lists = Lists(handler)
     await endpoint.queue.put(devices("a"))
     assert await lists.next() == ["a"]
     endpoint.discovered.clear()
-    handler.add(registration(endpoint.socket))  # a restarted handler registers again
+    await endpoint.queue.put(END)  # its stream broke; it waits 30 s to dial again...
+    async with asyncio.timeout(10):
+        await backing_off.wait()
+    # ...but a restarted handler registers again: dialled at once (a healthy stream would
+    # be left alone)
+    handler.add(registration(endpoint.socket))
     following = asyncio.create_task(lists.next())  # the runner always waits for the next list
     await dialled(endpoint)
     await endpoint.queue.put(devices("a", "b"))

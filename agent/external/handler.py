@@ -28,6 +28,12 @@ Lists sent by a stream that is then cut off do not count as the endpoint being b
 that stream stayed up a whole window: a handler that floods, or sends one good list and then
 garbage, at every dial would otherwise keep its devices forever.
 
+A registration of an endpoint already registered (Akri's handlers register again whenever the
+agent drops one of their streams) leaves a healthy stream alone — open, and reported since its
+last failure — when it names the same endpoint, type and ``shared``; only streams that are
+paused, backing off, being dialled again or stopped are dialled anew. A stopped stream starts a
+new window and backoff then (a cut-off pause still holds).
+
 An endpoint that misbehaves — a message that is not a ``DiscoverResponse``, a list over the
 report bounds or with duplicate ids, a message over the size limit, a flood of lists, no first
 list within ``first_list_timeout`` — is cut off: that stream is closed, a log line and an Event
@@ -90,13 +96,21 @@ class _Failed(Exception):
 @dataclass
 class _StreamState:
     """One endpoint's stream for one ``discover()``. It outlives a re-registration of the
-    endpoint: registering again neither restarts the window nor shortens a pause (a handler
-    that re-registers whenever its stream is dropped would otherwise be kept forever)."""
+    endpoint: registering again neither restarts the window of a stream that is still being
+    dialled nor shortens a pause (a handler that re-registers whenever its stream is dropped
+    would otherwise be kept forever)."""
 
+    endpoint: Endpoint  # the registration the stream follows (the newest equal one)
     backoff: float
     down_since: float | None = None  # the first failure since the endpoint last reported
     paused_until: float = 0.0  # end of the cut-off pause
     cut_offs: int = 0
+    streaming: bool = False  # a Discover call is open (not paused, backing off or done)
+
+    def healthy(self) -> bool:
+        """The stream is open and the endpoint has reported since its last failure (or not
+        failed yet): a re-registration of the same endpoint leaves it alone."""
+        return self.streaming and self.down_since is None
 
 
 @dataclass
@@ -164,10 +178,13 @@ class ExternalHandler(DiscoveryHandler):
         self.endpoints[endpoint.uid] = endpoint
         self._bump()
 
-    def forget(self, uid: str) -> None:
+    def forget(self, endpoint: Endpoint) -> None:
         """The endpoint cannot be reached: drop it (and its devices) until it registers
-        again."""
-        if self.endpoints.pop(uid, None) is not None:
+        again. Only this registration: one made since (a restarted handler's, added while an
+        old stream's window ran out) stays."""
+        uid = endpoint.uid
+        if self.endpoints.get(uid) is endpoint:
+            del self.endpoints[uid]
             log.warning(
                 "discovery handler %s: endpoint %s forgotten (unreachable for %.0fs): its "
                 "devices follow the offline grace",
@@ -217,27 +234,44 @@ class ExternalHandler(DiscoveryHandler):
         def sync() -> None:
             synced[0] = self._version
             for uid, (endpoint, task) in list(streams.items()):
-                if self.endpoints.get(uid) is not endpoint:
-                    task.cancel()
-                    del streams[uid]
-                    if uid not in self.endpoints:
-                        publish(uid, None)  # forgotten: its devices follow the offline grace
-                        states.pop(uid, None)
-                    # else registered again (a restarted handler): its last list stays
-                    # until the new stream sends one
+                registered = self.endpoints.get(uid)
+                if registered is endpoint:
+                    continue
+                state = states[uid]
+                if registered == endpoint and not task.done() and state.healthy():
+                    # the same endpoint registered again (its process re-registers whenever
+                    # one of its streams is dropped, a cut-off of another Configuration's
+                    # say): a healthy stream stays; cancelling it would drop a stream in
+                    # that process, which registers again, and so on
+                    state.endpoint = registered
+                    streams[uid] = (registered, task)
+                    continue
+                task.cancel()
+                del streams[uid]
+                if registered is None:
+                    publish(uid, None)  # forgotten: its devices follow the offline grace
+                    states.pop(uid, None)
+                elif task.done():
+                    # the stream had stopped (its window ran out): the registration starts
+                    # a new window and backoff; a cut-off pause still holds
+                    state.down_since = self._clock() if uid in lists else None
+                    state.backoff = self.reconnect_backoff
+                # else registered again while paused, backing off or being dialled (a
+                # restarted handler): its last list stays until the new stream sends one
             for uid, endpoint in self.endpoints.items():
                 if uid not in streams:
                     # (a stream that stopped stays in ``streams``, done, until the endpoint
                     # registers again)
-                    state = states.setdefault(uid, _StreamState(self.reconnect_backoff))
+                    state = states.setdefault(
+                        uid, _StreamState(endpoint, self.reconnect_backoff)
+                    )
+                    state.endpoint = endpoint
                     if state.down_since is None and uid in lists:
                         # registered again while its last list is kept: down until its new
                         # stream sends a list
                         state.down_since = self._clock()
                     task = asyncio.create_task(
-                        self._follow(
-                            endpoint, discovery_details, discovery_properties, publish, state
-                        ),
+                        self._follow(discovery_details, discovery_properties, publish, state),
                         name=f"external-{uid}",
                     )
                     task.add_done_callback(lambda t: _collect(t, failures, news))
@@ -277,7 +311,6 @@ class ExternalHandler(DiscoveryHandler):
 
     async def _follow(
         self,
-        endpoint: Endpoint,
         details: str,
         properties: DiscoveryProperties,
         publish: Callable[[str, list[Device] | None], None],
@@ -287,12 +320,14 @@ class ExternalHandler(DiscoveryHandler):
         last list stays published while it is down, until ``reconnect_window`` after the
         first failure (see the module docstring for who loses it then)."""
         while True:
+            endpoint = state.endpoint
             pause = state.paused_until - self._clock()
             if pause > 0:
                 await self._sleep(pause)
             dialled_at = self._clock()
             down_before = state.down_since
             unreachable = False
+            state.streaming = True
             try:
                 async for devices in self._stream(endpoint, details, properties):
                     if state.down_since is not None:
@@ -328,12 +363,14 @@ class ExternalHandler(DiscoveryHandler):
                     error,
                 )
                 why = str(error)
+            finally:
+                state.streaming = False
             now = self._clock()
             if state.down_since is None:
                 state.down_since = now
             if now - state.down_since >= self.reconnect_window:
                 if unreachable:
-                    self.forget(endpoint.uid)  # every Configuration's stream to it
+                    self.forget(state.endpoint)  # every Configuration's stream to it
                 else:
                     self._stop(endpoint, publish, why)
                 return

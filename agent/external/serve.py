@@ -3,8 +3,8 @@
 It serves ``v0.DiscoveryHandler/Discover`` on ``<dir>/<name>.sock`` (or, when ``POD_IP`` is
 set, on ``POD_IP:<port>``, as Akri's handlers do) and registers with the agent's
 ``agent-registration.sock`` in the same directory — again whenever that socket is re-created
-(the agent restarted) or the agent drops a stream, and every few seconds until an agent
-accepts it.
+(the agent restarted) or the agent drops the last open stream, and every few seconds until an
+agent accepts it.
 
 A handler that fails inside a stream is retried there, with backoff, without ending the
 stream: the agent keeps the last list it got (an error is not an empty list), as it does for
@@ -42,7 +42,7 @@ class DiscoverService(discovery_pb2_grpc.DiscoveryHandlerServicer):
 
     def __init__(self, handler: DiscoveryHandler, dropped: asyncio.Event) -> None:
         self.handler = handler
-        self.dropped = dropped  # set when an agent drops a stream (it may have restarted)
+        self.dropped = dropped  # set when the agent drops the last open stream
         self.streams = 0
 
     async def Discover(
@@ -84,7 +84,12 @@ class DiscoverService(discovery_pb2_grpc.DiscoveryHandlerServicer):
                 backoff = min(backoff * 2, MAX_DISCOVER_BACKOFF)
         finally:
             self.streams -= 1
-            self.dropped.set()
+            if self.streams == 0:
+                # the agent dropped its last stream: it may have restarted (Akri's handlers
+                # register again then). Not on every drop: the agent drops one
+                # Configuration's stream when it cuts it off, and a registration for that
+                # would make it redial the others' streams for nothing
+                self.dropped.set()
 
 
 class ExternalHandlerProcess:
@@ -149,8 +154,8 @@ class ExternalHandlerProcess:
         self.registrations += 1
 
     async def keep_registered(self) -> None:
-        """Register, and again when the agent's socket is re-created or a stream is
-        dropped; retry every :data:`REGISTER_RETRY` seconds while no agent accepts."""
+        """Register, and again when the agent's socket is re-created or its last open stream
+        is dropped; retry every :data:`REGISTER_RETRY` seconds while no agent accepts."""
         socket_path = self.directory / REGISTRATION_SOCKET
         watch = DirectoryWatch(
             [self.directory], REGISTER_RETRY, interesting=lambda n, _r: n == REGISTRATION_SOCKET
