@@ -198,3 +198,28 @@ async def test_a_refused_pool_does_not_stop_the_others(caplog: Any) -> None:
         r for r in caplog.records if "refused writing ResourceSlice pool cam-a" in r.message
     ]
     assert len(refusals) == 1  # once per pool and reason, not once per sync
+
+
+async def test_a_shared_slice_in_a_pool_named_like_this_node_is_not_adopted() -> None:
+    """A shared Instance named like node-a, published by node-b in two slices; node-a's own
+    (node-local) pool has that name too. Before: _adopt read the node-local spec's missing
+    nodeSelector (a KeyError, not an ApiError), and every sync failed."""
+    pool = Pool(name="node-a", node_name=None, nodes=("node-b", "node-c"), devices=())
+    (spec,) = pool.slice_specs()
+    old = [
+        {
+            "metadata": {"name": name, "resourceVersion": f"{100 + i}"},
+            "spec": {**spec, "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 2}},
+        }
+        for i, name in enumerate(["akri.sh-node-a-x", "akri.sh-node-a-y"])
+    ]
+    stored = {o["metadata"]["name"]: o for o in old}
+    client = PolicyClient("node-a", stored, set())
+    instances = [inst("cam-b", True, ("node-a",), 2)]
+    pub = SlicePublisher(client, "node-a", lambda: instances, lambda: ())  # type: ignore[arg-type]
+    for obj in old:
+        pub._informer.apply_local(RawEvent("ADDED", obj))
+    await pub.sync()
+    assert ("delete", "akri.sh-node-a-y") not in client.writes
+    assert stored["akri.sh-node-a-y"] == old[1]  # left alone
+    assert "cam-b" in {_pool_of(o) for o in pub._informer.cache.values()}  # the others go on

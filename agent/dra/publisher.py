@@ -319,6 +319,16 @@ class SlicePublisher:
         generation += 1
         for obj in existing[count:]:
             if self._foreign(obj):
+                if "nodeSelector" not in specs[0]:
+                    # a shared slice in the pool named like this node's own (a shared
+                    # Instance's name can be a node's): not ours to adopt or delete
+                    log.warning(
+                        "ResourceSlice %s in pool %s is a shared pool's slice; this node's "
+                        "pool of that name leaves it alone",
+                        obj["metadata"]["name"],
+                        pool.name,
+                    )
+                    continue
                 adopted = await self._adopt(obj, specs[0])
                 if adopted is None:
                     continue
