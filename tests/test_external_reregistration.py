@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
+import pytest
 
 from agent.external.endpoints import EndpointPolicy
 from agent.external.handler import ExternalHandler, ProblemReporter
@@ -30,7 +31,13 @@ from tests.test_external_keep_list import (
     registration,
 )
 
-pytest_plugins = ["tests.test_external_keep_list"]  # its ``endpoint`` fixture
+
+@pytest.fixture
+async def endpoint(tmp_path: Path) -> AsyncIterator[ScriptedEndpoint]:
+    scripted = ScriptedEndpoint(tmp_path / "h.sock")
+    await scripted.start()
+    yield scripted
+    await scripted.stop()
 
 
 class TwoConfigurations(DiscoveryHandler):
