@@ -138,6 +138,27 @@ def held_in(
     return tuple(result)
 
 
+async def follow_until_held(
+    index: HeldIndex,
+    subscription: Subscription[InstanceEvent],
+    idle: asyncio.Event,
+    current: Callable[[], bool] = lambda: True,
+) -> bool:
+    """Apply Instance events to ``index`` until this node holds a slot (or ``current()``
+    turns False); ``idle`` is set meanwhile. False when the subscription ended."""
+    idle.set()
+    try:
+        while not index and current():
+            try:
+                event = await anext(subscription)
+            except StopAsyncIteration:
+                return False
+            index.apply(event)
+        return True
+    finally:
+        idle.clear()
+
+
 class HeldIndex:
     """The slots ``node`` holds (``extract``: IL/CL by default), per Instance, kept up to date
     by :meth:`update` / :meth:`remove` (from Instance events) or :meth:`sync` (from a list).
@@ -430,20 +451,10 @@ class SlotReclaimer:
         if self._subscription is None:
             self._subscription = self._events() if self._events is not None else None
             self.index.clear()
-        subscription = self._subscription
-        if subscription is None:
+        if self._subscription is None:
             return
-        self.idle.set()
-        try:
-            while not self.index:
-                try:
-                    event = await anext(subscription)
-                except StopAsyncIteration:
-                    self._subscription = None
-                    return
-                self.index.apply(event)
-        finally:
-            self.idle.clear()
+        if not await follow_until_held(self.index, self._subscription, self.idle):
+            self._subscription = None
 
     def _warn_off(self) -> None:
         if not self._warned:

@@ -39,7 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from agent.deviceplugin.reclaimer import HeldIndex, HeldSlot, held_in
+from agent.deviceplugin.reclaimer import HeldIndex, HeldSlot, follow_until_held, held_in
 from agent.dra.checkpoint import Checkpoint
 from agent.dra.slices import DRIVER, device_name
 from agent.dra.state import ClaimReader, DraState, driver_results
@@ -171,17 +171,11 @@ class DraReclaimer:
             self.index.clear()
             self._subscription = self._events()
         subscription = self._subscription
-        self.idle.set()
-        try:
-            while not self.index and subscription is self._subscription:
-                try:
-                    event = await anext(subscription)
-                except StopAsyncIteration:
-                    self._subscription = None
-                    return
-                self.index.apply(event)
-        finally:
-            self.idle.clear()
+        # resync() replaces the subscription: stop following the old one
+        if not await follow_until_held(
+            self.index, subscription, self.idle, lambda: subscription is self._subscription
+        ):
+            self._subscription = None
 
     async def _refresh_index(self) -> None:
         if self._subscription is None:
