@@ -358,22 +358,9 @@ class SlicePublisher:
         (content and generation unchanged), so that it may be deleted: a DELETE carries no new
         object, and deploy/base/resourceslice-policy.yaml lets only a node a shared slice lists
         delete it. Returns the stored slice, or None when it changed or went meanwhile."""
-        body = dict(obj)
-        body["spec"] = {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
-        try:
-            updated = await self._client.replace(
-                resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),
-                body,
-                request_timeout=30,
-            )
-        except ApiError as error:
-            if error.status in (404, 409):
-                self.trigger()
-                return None
-            raise
-        self.writes += 1
-        self._informer.apply_local(RawEvent("MODIFIED", updated))
-        return updated
+        return await self._replace(
+            obj, {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
+        )
 
     def _metadata(self, pool: Pool) -> dict[str, Any]:
         metadata: dict[str, Any] = {
@@ -407,6 +394,13 @@ class SlicePublisher:
         self._check_dropped(spec, created)
 
     async def _update(self, obj: Obj, spec: dict[str, Any]) -> None:
+        updated = await self._replace(obj, spec)
+        if updated is not None:
+            self._check_dropped(spec, updated)
+
+    async def _replace(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
+        """PUT ``obj`` with ``spec``; None when someone else changed or removed it meanwhile
+        (a re-decision is triggered)."""
         body = dict(obj)
         body["spec"] = spec
         try:
@@ -417,12 +411,12 @@ class SlicePublisher:
             )
         except ApiError as error:
             if error.status in (404, 409):
-                self.trigger()  # someone else changed or removed it: re-decide
-                return
+                self.trigger()
+                return None
             raise
         self.writes += 1
         self._informer.apply_local(RawEvent("MODIFIED", updated))
-        self._check_dropped(spec, updated)
+        return updated
 
     async def _delete(self, obj: Obj) -> None:
         name = obj["metadata"]["name"]
