@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
-from agent.store.base import CorruptStateError, InstanceStore, StoreError
+from agent.core.store.base import CorruptStateError, InstanceStore, StoreError
+from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -100,7 +100,7 @@ def _version() -> str:
 
 def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
     if log_format == "json":
-        from agent.log_format import JsonFormatter
+        from agent.ops.log_format import JsonFormatter
 
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter(node))
@@ -128,8 +128,8 @@ def _check_state_dir(path: Path) -> str | None:
 
 
 async def _run_agent(settings: AgentSettings) -> int:
-    from agent.app import Agent
-    from agent.store.local import LocalInstanceStore
+    from agent.core.store.local import LocalInstanceStore
+    from agent.node.app import Agent
 
     store: InstanceStore
     if settings.local:
@@ -143,8 +143,8 @@ async def _run_agent(settings: AgentSettings) -> int:
             settings.state_dir, settings.config, poll_interval=settings.poll_interval
         )
     else:
-        from agent.kube import make_kube_client
-        from agent.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
+        from agent.core.kube import make_kube_client
+        from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 
         try:
             api_client = make_kube_client(settings.kubeconfig)
@@ -186,7 +186,7 @@ async def _run_agent(settings: AgentSettings) -> int:
         return EXIT_UNUSABLE_PATH
     except Exception as error:
         # an API failure the start-up code did not translate: a clean line, not a traceback
-        from agent.kube import ApiError
+        from agent.core.kube import ApiError
 
         if not isinstance(error, ApiError):
             raise
@@ -198,7 +198,7 @@ async def _run_agent(settings: AgentSettings) -> int:
 async def _cluster_objects(
     kubeconfig: str | None, namespace: str | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from agent.kube import make_kube_client, resource_path
+    from agent.core.kube import make_kube_client, resource_path
 
     client = make_kube_client(kubeconfig)
     try:
@@ -214,9 +214,9 @@ async def _cluster_objects(
 
 
 def _cluster_status(args: argparse.Namespace, why: str) -> int:
-    from agent.kube import ApiError, ConfigError, TransportError
-    from agent.model.instance import Instance
-    from agent.status import cluster_json, configurations_table, to_table
+    from agent.core.kube import ApiError, ConfigError, TransportError
+    from agent.core.model.instance import Instance
+    from agent.node.status import cluster_json, configurations_table, to_table
 
     # $KUBECONFIG is read by the client itself (after the in-cluster service account)
     kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
@@ -253,7 +253,7 @@ def _print(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from agent.status import StatusUsageError, choose_source, to_json, to_table
+    from agent.node.status import StatusUsageError, choose_source, to_json, to_table
 
     try:
         source = choose_source(
@@ -268,7 +268,7 @@ def _status(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if source.kind == "cluster":
         return _cluster_status(args, source.reason)
-    from agent.store.local import read_state_dir
+    from agent.core.store.local import read_state_dir
 
     state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
     if not state_dir.is_dir():
@@ -288,8 +288,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
-    from agent.app import build_handlers
-    from agent.external.serve import run_handler_process
+    from agent.node.app import build_handlers
+    from agent.node.external.serve import run_handler_process
 
     handlers = build_handlers(settings)
     handler = handlers.get(name)
@@ -338,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"akri agent: {error}", file=sys.stderr)
         return EXIT_USAGE
     _configure_logging(settings.log_level, settings.log_format, settings.node_name)
-    from agent.app import import_what_settings_need
+    from agent.node.app import import_what_settings_need
 
     import_what_settings_need(settings)
     return asyncio.run(_run_agent(settings))

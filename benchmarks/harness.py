@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.deviceplugin.views import configuration_resource, instance_resource  # noqa: E402
-from tests.apiserver import ApiServerDouble, ThreadedApiServer  # noqa: E402
-from tests.kubelet_double import KubeletDouble  # noqa: E402
+from agent.node.deviceplugin.views import configuration_resource, instance_resource  # noqa: E402
+from tests.doubles.apiserver import ApiServerDouble, ThreadedApiServer  # noqa: E402
+from tests.doubles.kubelet_double import KubeletDouble  # noqa: E402
 
 T = TypeVar("T")
 
@@ -100,7 +100,7 @@ class ProcessRegistry:
 
 
 PROCESSES = ProcessRegistry()
-# the agents' own measure of their event-loop lag (agent/loop_monitor.py), in ms, as each
+# the agents' own measure of their event-loop lag (agent/ops/loop_monitor.py), in ms, as each
 # agent reported it when it stopped cleanly
 LOOP_LAGS: list[float] = []
 
@@ -318,7 +318,7 @@ def agent_flags() -> set[str]:
     """The flags ``akri agent`` accepts, to adapt to the version measured."""
     global _FLAGS
     if _FLAGS is None:
-        from agent.settings import AGENT_OPTIONS
+        from agent.node.settings import AGENT_OPTIONS
 
         _FLAGS = {option.flag for option in AGENT_OPTIONS}
     return _FLAGS

@@ -43,8 +43,13 @@ from benchmarks.harness import (
     wait_until,
 )
 from benchmarks.stats import ms, summarize
-from tests.dra_kubelet import DraKubeletDouble
-from tests.dra_scheduler import RESOURCE_CLAIMS, AllocationError, allocate_claim, create_claim
+from tests.doubles.dra_kubelet import DraKubeletDouble
+from tests.doubles.dra_scheduler import (
+    RESOURCE_CLAIMS,
+    AllocationError,
+    allocate_claim,
+    create_claim,
+)
 
 ALLOC = "alloc"
 FLIP = "flip"

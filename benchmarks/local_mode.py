@@ -8,7 +8,7 @@ registered with a kubelet double in this process.
 * ``allocate_large_instance_ms`` — 1,000 Allocates of different slots of one Instance of
   capacity 1000 (instance-level plugin), each the round trip seen by the kubelet double;
 * ``loop_lag_max_ms`` — the agent's own measure of how late its event loop ran a timer
-  (agent/loop_monitor.py), read from its log when it stops.
+  (agent/ops/loop_monitor.py), read from its log when it stops.
 
 Every figure comes from recorded samples (benchmarks/stats.py); nothing is estimated.
 """

@@ -1,4 +1,5 @@
-"""The onvif handler's latency (issue 13), local mode, fake cameras (``tests/fake_onvif.py``:
+"""The onvif handler's latency (issue 13), local mode, fake cameras
+(``tests/doubles/fake_onvif.py``:
 real WS-Discovery multicast and SOAP over HTTP) on the loopback interface:
 
 - ``onvif_hello_to_instance_ms``: a camera starts and multicasts Hello → its Instance file
@@ -22,7 +23,7 @@ from typing import Any
 
 from benchmarks.local_agent import LocalAgent, wait_for_instances
 from benchmarks.stats import summarize
-from tests.fake_onvif import FakeCamera
+from tests.doubles.fake_onvif import FakeCamera
 
 MULTICAST = "239.255.255.250"
 PORT = 3702
@@ -132,7 +133,7 @@ async def measure_probe_cycle(count: int) -> dict[str, Any]:
 
 
 async def measure_onvif(hello_samples: int, cameras: int) -> dict[str, Any]:
-    from tests.test_onvif_discovery import _loopback_multicast
+    from tests.handlers.test_onvif_discovery import _loopback_multicast
 
     reason = _loopback_multicast()
     if reason is not None:

@@ -56,15 +56,15 @@ def camera_record(index: int) -> str:
 
 
 async def measure(samples: int) -> dict[str, Any]:
-    from agent.deviceplugin.manager import DevicePluginManager
-    from agent.discovery.manager import DiscoveryManager, GraceSettings
-    from agent.discovery.ownership import Ownership, ServedInstances
-    from agent.ledger.ledger import SlotLedger
-    from agent.store.local import LocalInstanceStore
+    from agent.core.ledger.ledger import SlotLedger
+    from agent.core.store.local import LocalInstanceStore
+    from agent.node.deviceplugin.manager import DevicePluginManager
+    from agent.node.discovery.manager import DiscoveryManager, GraceSettings
+    from agent.node.discovery.ownership import Ownership, ServedInstances
     from discovery_handlers.registry import HandlerRegistry
     from discovery_handlers.udev import UdevHandler
-    from tests.kubelet_double import KubeletDouble
-    from tests.udev_testbed import Testbed
+    from tests.doubles.kubelet_double import KubeletDouble
+    from tests.doubles.udev_testbed import Testbed
 
     base = Path(tempfile.mkdtemp(prefix="udevb-", dir="/tmp"))
     (base / "dp").mkdir()

@@ -92,7 +92,7 @@ class DebugEchoHandler(DiscoveryHandler):
             Device(id=text, properties={PROPERTY: text})
             for text in parse_descriptions(discovery_details)
         ]
-        from agent.fswatch import DirectoryWatch  # the agent's, when run inside it
+        from agent.core.aio.fswatch import DirectoryWatch  # the agent's, when run inside it
 
         name = self.availability_file.name
         watch = DirectoryWatch(

@@ -1,0 +1,1 @@
+"""asyncio kits with no knowledge of Akri: in-process event fan-out and inotify watches."""

@@ -1,0 +1,557 @@
+"""``SlotLedger``: the single per-node writer of ``deviceUsage``.
+
+Everything that changes a slot goes through it: IL and CL Allocate, DRA prepare, the
+reclaimers, and discovery's creation, spec changes (capacity, properties, nodes) and
+departures. Writes on one Instance are serialised inside this process (one asyncio lock per
+Instance) and made with a resourceVersion precondition; a conflict (another node, or an Akri
+agent, wrote first) re-reads the Instance and re-decides, with bounded jittered backoff
+(``agent.core.store.cas``). The decisions are the pure functions of ``agent.core.ledger.decisions``.
+
+Two rules keep a live container's slot from being lost by the agent's own choices:
+
+* a new Instance starts with the slots this node's kubelet (pod-resources ``List`` and its
+  checkpoint) or DRA checkpoint already shows in use held by this node (:class:`SlotEvidence`),
+  and a node that joins an Instance someone else (re-)created, or re-joins one at start, takes
+  the free slots that evidence shows in use in the same write (:meth:`SlotLedger.join_instance`;
+  a slot another holder has is reported, never taken);
+* a node leaves an Instance only while it holds none of its slots; until then it stays in
+  ``nodes``, marked draining (the reclaimers free the slots once nothing uses them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from agent.core.ledger.decisions import (
+    Drain,
+    Granted,
+    Leave,
+    Owner,
+    Refused,
+    Released,
+    SlotConflict,
+    SlotsInUse,
+    decide_adopt,
+    decide_claim,
+    decide_claim_any,
+    decide_leave,
+    decide_release,
+    decide_release_slots,
+    decide_release_values,
+    decide_update,
+    initial_usage,
+    regranted,
+    with_draining,
+)
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import ConflictError, InstanceStore, NotFoundError
+from agent.core.store.cas import DEFAULT_RETRY, RetriesExhaustedError, RetryPolicy, cas_update
+
+log = logging.getLogger(__name__)
+
+
+class SlotRefusedError(Exception):
+    """A claim or release was refused; ``reason`` is the decision's code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class EvidenceReadError(Exception):
+    """An evidence source's answer cannot be used now (a malformed kubelet checkpoint or
+    pod-resources answer, ...). Evidence sources raise subclasses of it (the ledger knows no
+    source: kubelet's lives in ``agent/node/kubelet``)."""
+
+
+class EvidenceUnavailableError(Exception):
+    """This node's evidence could not be had (kubelet's ``List`` failed, its checkpoint is
+    unreadable, ...): nothing was written; the creation or join is to be retried later."""
+
+    def __init__(self, instance: ObjectKey, cause: Exception) -> None:
+        self.instance = instance
+        self.cause = cause
+        super().__init__(
+            f"what this node uses in instance {instance} cannot be read now: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+def is_evidence_io_error(error: BaseException) -> bool:
+    """Whether ``error`` says the evidence cannot be read *now* (kubelet's ``List`` failed or
+    timed out, a checkpoint is unreadable or malformed): worth retrying later."""
+    if isinstance(error, (EvidenceReadError, OSError, TimeoutError)):
+        return True
+    # gRPC is imported only by an agent that talks to kubelet (a local agent never loads it);
+    # if it is not loaded, no gRPC error can have been raised
+    grpc = sys.modules.get("grpc")
+    return grpc is not None and isinstance(error, grpc.aio.AioRpcError)
+
+
+class SlotEvidence(Protocol):
+    """What this node's kubelet and DRA driver say is in use, for an Instance being created or
+    joined."""
+
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        """This node's usage values for the slots of ``instance`` (by namespace and name) that
+        a live container or a prepared claim on this node uses, as seen at or after
+        ``not_before`` (monotonic: this node's last grant of a slot of that Instance). Raises
+        when the evidence cannot be had now (the creation or join is retried later)."""
+
+
+class NoEvidence:
+    """No kubelet and no DRA driver on this agent: nothing can be in use here."""
+
+    async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
+        return SlotsInUse()
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """A granted claim: the slot and the Instance as written."""
+
+    slot: str
+    instance: Instance
+    changed: bool
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What :meth:`SlotLedger.join_instance` wrote: the Instance as stored (the cached object
+    itself when nothing was written), the slots taken from this node's evidence, the
+    conflicts it found, and whether the evidence was checked (against this Instance)."""
+
+    instance: Instance
+    adopted: tuple[tuple[str, str], ...] = ()
+    conflicts: tuple[SlotConflict, ...] = ()
+    checked: bool = False
+
+
+@dataclass(frozen=True)
+class LeaveResult:
+    """What :meth:`SlotLedger.leave` did: ``left`` (and ``deleted``), or stayed draining
+    because this node still holds ``slots``."""
+
+    left: bool
+    deleted: bool = False
+    slots: tuple[str, ...] = ()
+
+
+class SlotLedger:
+    """Claims and frees slots of Instances for owners on ``node``."""
+
+    def __init__(
+        self,
+        store: InstanceStore,
+        node: str,
+        *,
+        policy: RetryPolicy = DEFAULT_RETRY,
+        clock: Callable[[], float] | None = None,
+        evidence: SlotEvidence | None = None,
+    ) -> None:
+        self.store = store
+        self.node = node
+        self.evidence: SlotEvidence = evidence or NoEvidence()
+        self._policy = policy
+        # grant times must come from the same clock as the reclaimer's evidence (monotonic)
+        self._clock = clock
+        self._locks: defaultdict[ObjectKey, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # instance -> slot -> time of the last grant by this node, including idempotent
+        # re-grants that write nothing: the reclaimer must not free a slot that was handed out
+        # again after it judged the slot unused (the CAS cannot see such re-grants). A slot
+        # this ledger frees loses its entry: any later holder is granted (and recorded) anew.
+        self._granted: defaultdict[ObjectKey, dict[str, float]] = defaultdict(dict)
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else time.monotonic()
+
+    def last_granted(self, instance: ObjectKey, slot: str) -> float | None:
+        """Time (monotonic) this node last granted ``slot`` (None if never, or if this ledger
+        freed it since)."""
+        return self._granted.get(instance, {}).get(slot)
+
+    def _regranted(
+        self, instance: ObjectKey, since: float | Mapping[str, float] | None
+    ) -> set[str]:
+        if since is None:
+            return set()
+        return regranted(self._granted.get(instance, {}), since)
+
+    def lock_for(self, instance: ObjectKey) -> asyncio.Lock:
+        """The lock serialising this node's writes to ``instance``."""
+        return self._locks[instance]
+
+    # -- discovery: create, change, leave ------------------------------------------------------
+    async def create_instance(self, instance: Instance) -> Instance:
+        """Create ``instance`` (its ``deviceUsage`` is decided here): every slot free except
+        those the evidence shows this node using. Raises :class:`AlreadyExistsError`, or
+        :class:`EvidenceUnavailableError` (nothing written)."""
+        async with self.lock_for(instance.key):
+            in_use = await self._evidence_for(instance)
+            usage = initial_usage(instance, in_use)
+            created = await self.store.create(instance.evolve(device_usage=usage))
+        held = {slot: value for slot, value in usage.items() if value}
+        if held:
+            now = self._now()
+            self._granted[instance.key].update(dict.fromkeys(held, now))
+            log.warning(
+                "instance %s created with %d slot(s) already in use on %s: %s",
+                instance.key,
+                len(held),
+                self.node,
+                ", ".join(f"{slot}={value}" for slot, value in sorted(held.items())),
+            )
+        return created
+
+    async def join_instance(
+        self,
+        key: ObjectKey,
+        change: Callable[[Instance], Instance | None],
+        *,
+        check_evidence: bool = False,
+    ) -> JoinResult:
+        """Apply discovery's ``change`` (as :meth:`update_instance`) and, when this node is not
+        yet in the Instance's ``nodes`` or ``check_evidence`` is set (the first join of this
+        Instance since the agent started), take in the same write the free slots this node's
+        evidence shows in use (:func:`decide_adopt`): the node that (re-)created the Instance
+        saw only its own containers. A slot the evidence shows in use that someone else holds
+        is logged and reported (Event ``SlotConflict``), never taken. Raises
+        :class:`NotFoundError`, or :class:`EvidenceUnavailableError` (nothing written).
+
+        The evidence is read on the cached version and may be written over a newer one (a
+        conflict, or the Instance re-created meanwhile): it does not depend on the version
+        (:class:`SlotsInUse`), and what is already held is decided on the version replaced."""
+        async with self.lock_for(key):
+            current = self.store.get_cached(key)
+            if current is None:
+                current = await self.store.get(key)
+            in_use: SlotsInUse | None = None
+            if check_evidence or self.node not in current.nodes:
+                in_use = await self._evidence_for(current)
+            stored, result = await self._join(key, change, in_use)
+            if result is None:
+                # re-created without this node between the read and the write: once more,
+                # now with the evidence
+                stored, result = await self._join(key, change, await self._evidence_for(stored))
+            assert result is not None
+        await self._report_adoption(stored, result)
+        return result
+
+    async def _evidence_for(self, instance: Instance) -> SlotsInUse:
+        """Raises :class:`EvidenceUnavailableError` when kubelet or a checkpoint cannot be
+        read (retried later). Anything else is a bug and propagates: turned into
+        "unavailable", it would be retried for ever without a trace of its cause."""
+        grants = self._granted.get(instance.key, {})
+        try:
+            return await self.evidence.in_use(instance, max(grants.values(), default=0.0))
+        except Exception as error:
+            if not is_evidence_io_error(error):
+                raise
+            raise EvidenceUnavailableError(instance.key, error) from error
+
+    async def _join(
+        self,
+        key: ObjectKey,
+        change: Callable[[Instance], Instance | None],
+        in_use: SlotsInUse | None,
+    ) -> tuple[Instance, JoinResult | None]:
+        """One CAS write of ``change`` plus the adoption of ``in_use``; the result is None when
+        the write joined this node without evidence (the Instance was re-created meanwhile)."""
+        outcome: list[JoinResult | None] = []
+
+        def mutate(current: Instance) -> Instance | None:
+            outcome.clear()
+            if in_use is None and self.node not in current.nodes:
+                outcome.append(None)
+                return None
+            changed = change(current)
+            target = current if changed is None else decide_update(current, changed) or current
+            adoption = decide_adopt(target, in_use) if in_use else None
+            if adoption is not None and adoption.adopted:
+                target = target.evolve(device_usage=dict(adoption.device_usage))
+            outcome.append(
+                JoinResult(
+                    current,
+                    adoption.adopted if adoption else (),
+                    adoption.conflicts if adoption else (),
+                    in_use is not None,
+                )
+            )
+            return None if target is current else target
+
+        stored = await cas_update(self.store, key, mutate, policy=self._policy)
+        assert stored is not None and outcome
+        done = outcome[0]
+        if done is None:
+            return stored, None
+        if done.adopted:
+            now = self._now()
+            self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
+        return stored, JoinResult(stored, done.adopted, done.conflicts, done.checked)
+
+    async def adopt_draining(
+        self, key: ObjectKey, before_write: Callable[[], None] = lambda: None
+    ) -> JoinResult | None:
+        """Instance ``key`` does not list this node, and this node does not discover its
+        device; if this node's evidence still shows containers using some of its slots (it
+        was re-created meanwhile, all free), join it **draining** and take those slots in the
+        same write (:func:`decide_adopt`): nothing new is given out here, the reclaimers free
+        the slots when the containers end, and then this node leaves. Returns None when
+        nothing is in use here (nothing written). ``before_write`` is called just before the
+        write is sent (the runner marks the Instance offline there, so nothing offers its
+        slots even for a moment). Raises :class:`NotFoundError`, or
+        :class:`EvidenceUnavailableError` (nothing written)."""
+        async with self.lock_for(key):
+            current = self.store.get_cached(key)
+            if current is None:
+                current = await self.store.get(key)
+            if self.node in current.nodes:
+                return None
+            in_use = await self._evidence_for(current)
+            if not in_use:
+                return None
+            outcome: list[JoinResult] = []
+
+            def mutate(instance: Instance) -> Instance | None:
+                outcome.clear()
+                if self.node in instance.nodes or instance.deletion_timestamp is not None:
+                    return None  # joined by discovery meanwhile (it checked), or going
+                adoption = decide_adopt(instance, in_use)
+                outcome.append(JoinResult(instance, adoption.adopted, adoption.conflicts, True))
+                if not adoption.adopted:
+                    return None
+                before_write()
+                return with_draining(instance, self.node, True).evolve(
+                    nodes=(*instance.nodes, self.node), device_usage=dict(adoption.device_usage)
+                )
+
+            stored = await cas_update(self.store, key, mutate, policy=self._policy)
+            if not outcome or stored is None:
+                return None
+            done = outcome[0]
+            if done.adopted:
+                now = self._now()
+                self._granted[key].update(dict.fromkeys((slot for slot, _ in done.adopted), now))
+            result = JoinResult(stored, done.adopted, done.conflicts, True)
+        await self._report_adoption(stored, result)
+        return result
+
+    async def _report_adoption(self, stored: Instance, result: JoinResult) -> None:
+        if result.adopted:
+            log.warning(
+                "instance %s joined by %s with %d slot(s) its containers already use: %s",
+                stored.key,
+                self.node,
+                len(result.adopted),
+                ", ".join(f"{slot}={value}" for slot, value in result.adopted),
+            )
+        for conflict in result.conflicts:
+            where = f"slot {conflict.slot}" if conflict.slot else "no free slot"
+            message = (
+                f"{where}: kubelet on {self.node} shows it in use ({conflict.ours!r}) but "
+                f"deviceUsage gives it to {conflict.holder!r}: the device is used twice; "
+                f"nothing is taken from the other holder"
+            )
+            log.error("instance %s: %s", stored.key, message)
+            await self.store.record_instance_event(stored, "SlotConflict", message)
+
+    async def update_instance(
+        self, key: ObjectKey, change: Callable[[Instance], Instance | None]
+    ) -> Instance:
+        """Apply a spec/metadata ``change`` (None: nothing to change) decided on the current
+        Instance; its ``deviceUsage`` is not the caller's: held slots are kept, free ones
+        follow the capacity. Raises :class:`NotFoundError`."""
+
+        def mutate(current: Instance) -> Instance | None:
+            changed = change(current)
+            if changed is None:
+                return None
+            return decide_update(current, changed)
+
+        async with self.lock_for(key):
+            stored = await cas_update(self.store, key, mutate, policy=self._policy)
+        assert stored is not None
+        return stored
+
+    async def leave(self, key: ObjectKey) -> LeaveResult:
+        """Take this node out of Instance ``key`` if it holds none of its slots (deleting the
+        Instance when no node and no held slot remain); otherwise mark it draining and stay."""
+        async with self.lock_for(key):
+            for attempt in range(1, self._policy.attempts + 1):
+                current = self.store.get_cached(key)
+                if current is None:
+                    try:
+                        current = await self.store.get(key)
+                    except NotFoundError:
+                        return LeaveResult(left=True)
+                decision = decide_leave(current, self.node)
+                try:
+                    if decision is None:
+                        return LeaveResult(left=True)
+                    if isinstance(decision, Drain):
+                        if decision.instance is not None:
+                            await self.store.update(decision.instance)
+                        return LeaveResult(left=False, slots=decision.slots)
+                    assert isinstance(decision, Leave)
+                    if decision.delete:
+                        await self.store.delete(key, resource_version=current.resource_version)
+                    else:
+                        await self.store.update(decision.instance)
+                    self._granted.pop(key, None)
+                    return LeaveResult(left=True, deleted=decision.delete)
+                except NotFoundError:
+                    return LeaveResult(left=True)
+                except ConflictError:
+                    await asyncio.sleep(self._policy.delay(attempt))
+                    with contextlib.suppress(NotFoundError):
+                        await self.store.get(key)
+        raise RetriesExhaustedError(f"could not take {self.node} out of instance {key}")
+
+    # -- claims and releases -------------------------------------------------------------------
+    async def _apply(
+        self, key: ObjectKey, decide: Callable[[Instance], Granted | Refused | Released]
+    ) -> tuple[Instance, Granted | Released]:
+        outcome: list[Granted | Released] = []
+        refusal: list[Refused] = []
+
+        def mutate(instance: Instance) -> Instance | None:
+            outcome.clear()
+            refusal.clear()
+            decision = decide(instance)
+            if isinstance(decision, Refused):
+                refusal.append(decision)
+                return None
+            outcome.append(decision)
+            if not decision.changed:
+                return None
+            return instance.evolve(device_usage=dict(decision.device_usage))
+
+        async with self.lock_for(key):
+            try:
+                stored = await cas_update(self.store, key, mutate, policy=self._policy)
+            except NotFoundError as error:
+                raise SlotRefusedError(
+                    "UnknownInstance", f"instance {key} does not exist"
+                ) from error
+            done = outcome[0] if outcome else None
+            if isinstance(done, Granted):
+                self._granted[key][done.slot] = self._now()
+            elif isinstance(done, Released) and done.changed and key in self._granted:
+                grants = self._granted[key]
+                for slot in done.slots:
+                    grants.pop(slot, None)
+        if refusal:
+            raise SlotRefusedError(refusal[0].reason, refusal[0].message)
+        assert stored is not None and outcome
+        return stored, outcome[0]
+
+    async def claim(
+        self, instance: ObjectKey, slot: str, owner: Owner, *, reclaimable: Collection[str] = ()
+    ) -> ClaimResult:
+        """Claim ``slot`` of ``instance`` for ``owner``; raises :class:`SlotRefusedError`."""
+        stored, decision = await self._apply(
+            instance, lambda inst: decide_claim(inst, slot, owner, reclaimable=reclaimable)
+        )
+        assert isinstance(decision, Granted)
+        if decision.changed:
+            log.info("slot %s: %r -> %r", slot, decision.replaced, owner.value)
+        return ClaimResult(decision.slot, stored, decision.changed)
+
+    async def claim_any(
+        self, instance: ObjectKey, owner: Owner, *, reclaimable: Collection[str] = ()
+    ) -> ClaimResult:
+        """Claim the owner's slot of ``instance`` or the lowest free one."""
+        stored, decision = await self._apply(
+            instance, lambda inst: decide_claim_any(inst, owner, reclaimable=reclaimable)
+        )
+        assert isinstance(decision, Granted)
+        if decision.changed:
+            log.info("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
+        return ClaimResult(decision.slot, stored, decision.changed)
+
+    async def release(self, instance: ObjectKey, slot: str, owner: Owner) -> bool:
+        """Free ``slot`` if ``owner`` holds it. Returns True if something was freed."""
+        try:
+            _, decision = await self._apply(
+                instance, lambda inst: decide_release(inst, slot, owner)
+            )
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return False
+            raise
+        assert isinstance(decision, Released)
+        if decision.changed:
+            log.info("slot %s: %r -> free", slot, owner.value)
+        return decision.changed
+
+    def _check_own(self, values: Collection[str]) -> None:
+        foreign = [v for v in values if not v.endswith(":" + self.node) and v != self.node]
+        if foreign:
+            raise ValueError(f"node {self.node} may only release its own slots, not {foreign}")
+
+    async def release_slots(
+        self,
+        instance: ObjectKey,
+        expected: Mapping[str, str],
+        *,
+        unless_granted_since: float | Mapping[str, float] | None = None,
+    ) -> tuple[str, ...]:
+        """Free the given slots of ``instance`` in one CAS write if they still hold the
+        expected values (this node's only). Returns the freed slots.
+
+        Slots granted at or after ``unless_granted_since`` are kept: one time for all slots, or
+        a time per slot (each slot's evidence that it is unused started at its own time). The
+        kept set is re-computed on every CAS attempt, so a re-grant during a conflict retry
+        still counts."""
+        self._check_own(expected.values())
+
+        def decide(inst: Instance) -> Released:
+            keep = self._regranted(instance, unless_granted_since)
+            return decide_release_slots(inst, expected, keep=keep)
+
+        try:
+            _, decision = await self._apply(instance, decide)
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return ()
+            raise
+        assert isinstance(decision, Released)
+        return decision.slots
+
+    async def release_values(
+        self,
+        instance: ObjectKey,
+        values: Collection[str],
+        *,
+        unless_granted_since: float | None = None,
+    ) -> tuple[str, ...]:
+        """Free every slot of ``instance`` whose value is in ``values``; returns freed slots.
+
+        With ``unless_granted_since`` (monotonic time), slots this node granted at or after
+        that time are kept: the caller's evidence that they are unused predates the grant.
+        """
+        self._check_own(values)
+
+        def decide(inst: Instance) -> Released:
+            keep = self._regranted(instance, unless_granted_since)
+            return decide_release_values(inst, values, keep=keep)
+
+        try:
+            _, decision = await self._apply(instance, decide)
+        except SlotRefusedError as error:
+            if error.reason == "UnknownInstance":
+                return ()
+            raise
+        assert isinstance(decision, Released)
+        for slot in decision.slots:
+            log.info("slot %s: released (stale holder on %s)", slot, self.node)
+        return decision.slots

@@ -1,0 +1,90 @@
+"""Compare-and-swap update loop shared by the slot ledger and the discovery manager.
+
+A mutation is a pure function ``Instance -> Instance | None`` (None = nothing to write). It is
+applied to the cached object, written with that object's resourceVersion as precondition, and
+on a conflict re-applied to a fresh read, with bounded, jittered exponential backoff. There is
+no check-then-write anywhere: the decision is always re-made on the version being replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import ConflictError, InstanceStore, NotFoundError, StoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded jittered exponential backoff for CAS retries."""
+
+    attempts: int = 12
+    base_delay: float = 0.005
+    max_delay: float = 0.25
+
+    def delay(self, attempt: int) -> float:
+        """Full-jitter delay before retry number ``attempt`` (1-based)."""
+        ceiling = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
+        return random.uniform(0, ceiling)
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+class RetriesExhaustedError(StoreError):
+    """Too many conflicting writers; the caller should report a transient failure."""
+
+
+@dataclass
+class CasStats:
+    """Counters for metrics and benchmarks."""
+
+    writes: int = 0
+    conflicts: int = 0
+    gave_up: int = 0  # writes abandoned after ``RetryPolicy.attempts`` conflicts in a row
+
+
+STATS = CasStats()
+
+
+async def cas_update(
+    store: InstanceStore,
+    key: ObjectKey,
+    mutate: Callable[[Instance], Instance | None],
+    *,
+    policy: RetryPolicy = DEFAULT_RETRY,
+    fresh: bool = False,
+) -> Instance | None:
+    """Apply ``mutate`` to Instance ``key`` with optimistic concurrency.
+
+    Returns the stored Instance after the write, the unchanged Instance if ``mutate`` returned
+    None, or raises :class:`NotFoundError` if it does not exist.
+    """
+    current = None if fresh else store.get_cached(key)
+    if current is None:
+        current = await store.get(key)
+    for attempt in range(1, policy.attempts + 1):
+        desired = mutate(current)
+        if desired is None:
+            return current
+        try:
+            stored = await store.update(desired)
+            STATS.writes += 1
+            return stored
+        except ConflictError:
+            STATS.conflicts += 1
+            if attempt == policy.attempts:
+                break
+            await asyncio.sleep(policy.delay(attempt))
+            current = await store.get(key)
+        except NotFoundError:
+            raise
+    STATS.gave_up += 1
+    raise RetriesExhaustedError(f"gave up updating {key} after {policy.attempts} conflicts")

@@ -1,0 +1,443 @@
+"""Wiring: store + handlers + discovery manager + activity log, run until stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from agent.core.aio.events import Subscription
+from agent.core.ledger.ledger import SlotLedger
+from agent.core.store.base import InstanceEvent
+from agent.node.activity_log import log_instance_changes
+from agent.node.discovery.manager import DiscoveryManager, GraceSettings
+from agent.node.discovery.ownership import Ownership, ServedInstances
+from agent.node.kubelet.evidence import NodeEvidence
+from agent.node.kubelet.state import CHECKPOINT_FILE, KubeletState
+from agent.ops.gc_tuning import freeze_long_lived, freeze_when_settled
+from agent.ops.loop_monitor import LoopMonitor
+
+if TYPE_CHECKING:
+    from agent.node.deviceplugin.manager import DevicePluginManager
+    from agent.node.deviceplugin.reclaimer import SlotReclaimer
+    from agent.node.dra.driver import DraDriver
+    from agent.node.dra.publisher import SlicePublisher
+    from agent.node.dra.reclaim import DraReclaimer
+    from agent.node.dra.state import DraState
+    from agent.node.external.registration import RegistrationServer
+    from agent.ops.health import HealthServer
+from agent.core.store.base import InstanceStore
+from agent.node.settings import AgentSettings
+from discovery_handlers.base import DiscoveryHandler
+from discovery_handlers.debug_echo import DebugEchoHandler
+from discovery_handlers.registry import HandlerRegistry, LazyHandler
+
+log = logging.getLogger("agent")
+FIRST_FREEZE_DELAY = 0.5  # seconds after start (the second freeze follows when settled)
+STOP_DEADLINE = 1.5  # seconds for a clean stop after SIGTERM (the process exits within 2 s)
+
+
+def import_what_settings_need(settings: AgentSettings) -> None:
+    """Import the modules this agent will use before its event loop starts: imported
+    lazily inside ``Agent`` they held the running loop for ~140 ms (gRPC alone ~75 ms), and
+    an import is no cheaper later. A local debugEcho agent without plugins still imports
+    neither gRPC nor the DRA modules."""
+    import importlib
+
+    wanted = (
+        ["agent.core.store.local"]
+        if settings.local
+        else ["agent.core.kube", "agent.core.store.kubernetes"]
+    )
+    if settings.device_plugin_dir is not None:
+        wanted += ["agent.node.deviceplugin.manager", "agent.node.deviceplugin.reclaimer"]
+    if settings.dra and not settings.local:
+        wanted += [
+            "agent.node.dra.cdi",
+            "agent.node.dra.checkpoint",
+            "agent.node.dra.driver",
+            "agent.node.dra.publisher",
+            "agent.node.dra.reclaim",
+            "agent.node.dra.state",
+        ]
+    for module in wanted:
+        importlib.import_module(module)
+
+
+def build_handlers(settings: AgentSettings) -> HandlerRegistry:
+    """The embedded handlers this agent runs."""
+    registry = HandlerRegistry()
+
+    def udev() -> DiscoveryHandler:
+        from discovery_handlers.udev import UdevHandler
+
+        return UdevHandler(monitor_source=settings.udev_monitor_source)
+
+    # loaded (and run) only when a Configuration names "udev"
+    registry.register(LazyHandler("udev", False, udev))
+
+    def onvif() -> DiscoveryHandler:
+        from discovery_handlers.onvif import OnvifHandler
+
+        return OnvifHandler()
+
+    # loaded only when a Configuration names "onvif" (then aiohttp/defusedxml are imported)
+    registry.register(LazyHandler("onvif", True, onvif))
+
+    def mqtt() -> DiscoveryHandler:
+        from discovery_handlers.mqtt import MqttHandler
+
+        return MqttHandler()
+
+    registry.register(LazyHandler("mqtt", True, mqtt))
+
+    def mdns() -> DiscoveryHandler:
+        from discovery_handlers.mdns import MdnsHandler
+
+        return MdnsHandler()
+
+    registry.register(LazyHandler("mdns", True, mdns))
+    if settings.debug_echo:
+        registry.register(
+            DebugEchoHandler(
+                shared=settings.debug_echo_shared,
+                availability_file=settings.debug_echo_availability_file,
+                poll_interval=min(0.5, settings.poll_interval),
+            )
+        )
+    return registry
+
+
+class Agent:
+    """One node's agent."""
+
+    def __init__(
+        self, settings: AgentSettings, store: InstanceStore, *, freeze_gc: bool = True
+    ) -> None:
+        self.settings = settings
+        self.freeze_gc = freeze_gc
+        self.store = store
+        self.handlers = build_handlers(settings)
+        node = settings.node_name
+        self.kubelet: KubeletState | None = None
+        if settings.device_plugin_dir is not None:
+            self.kubelet = KubeletState(
+                settings.pod_resources_socket, settings.device_plugin_dir / CHECKPOINT_FILE
+            )
+        self.evidence = NodeEvidence(node, self.kubelet)
+        self.ledger = SlotLedger(store, node, evidence=self.evidence)
+        self.ownership = Ownership(store)
+        self.served = ServedInstances(store, self.ownership)
+        self.discovery = DiscoveryManager(
+            store,
+            self.handlers,
+            node,
+            GraceSettings(settings.local_offline_grace, settings.shared_offline_grace),
+            ledger=self.ledger,
+            ownership=self.ownership,
+        )
+        self._activity: asyncio.Task[None] | None = None
+        self.plugins: DevicePluginManager | None = None
+        self.reclaimer: SlotReclaimer | None = None
+        self._reclaim_task: asyncio.Task[None] | None = None
+        self.dra: DraDriver | None = None
+        self.dra_state: DraState | None = None
+        self.dra_reclaimer: DraReclaimer | None = None
+        self._dra_reclaim_task: asyncio.Task[None] | None = None
+        self.publisher: SlicePublisher | None = None
+        self._slice_events: asyncio.Task[None] | None = None
+        self._gc_freeze: asyncio.Task[None] | None = None
+        self.loop_monitor = LoopMonitor()
+        self._loop_monitor_task: asyncio.Task[None] | None = None
+        self.registration: RegistrationServer | None = None
+        self.health: HealthServer | None = None
+        self.store_synced = False
+        self.started = False
+        self._metrics_registry: Any = None
+        if settings.device_plugin_dir is not None and self.kubelet is not None:
+            # imported only when used: a local agent without device plugins needs no gRPC
+            from agent.node.deviceplugin.manager import DevicePluginManager
+            from agent.node.deviceplugin.reclaimer import SlotReclaimer
+
+            plugins = DevicePluginManager(
+                self.served, self.ledger, self.discovery, settings.device_plugin_dir
+            )
+            self.plugins = plugins
+            self.discovery.add_offline_listener(plugins.offline_changed)
+            reclaimer = SlotReclaimer(
+                self.ledger,
+                self.served.all,
+                self.kubelet,
+                interval=settings.reclaim_interval,
+                grace=settings.reclaim_grace,
+                events=store.subscribe_instances,
+                served=self.served.served,
+                nudge=plugins.nudge_kubelet,
+            )
+            self.reclaimer = reclaimer
+            plugins.on_kubelet_restart(reclaimer.kubelet_restarted)
+            self.ownership.add_listener(lambda _names: reclaimer.resync())
+
+    def _build_dra(self) -> None:
+        """DRA driver + slice publisher (cluster mode only: claims live in the API)."""
+        from agent.core.store.kubernetes import KubernetesInstanceStore
+        from agent.node.dra.cdi import CdiWriter
+        from agent.node.dra.checkpoint import Checkpoint
+        from agent.node.dra.driver import DraDriver
+        from agent.node.dra.publisher import SlicePublisher
+        from agent.node.dra.reclaim import DraReclaimer
+        from agent.node.dra.state import DraState
+
+        if not isinstance(self.store, KubernetesInstanceStore):
+            return
+        checkpoint = Checkpoint(self.settings.dra_plugin_dir / "checkpoint.json")
+        checkpoint.load()
+        state = DraState(
+            self.ledger,
+            self.served.all,
+            self.discovery.device_for,
+            self.store.read_resource_claim,
+            CdiWriter(self.settings.cdi_dir),
+            checkpoint,
+        )
+        self.dra_state = state
+        self.evidence.dra = state
+        self.dra = DraDriver(
+            state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir
+        )
+        dra_reclaimer = DraReclaimer(
+            state,
+            self.store.subscribe_instances,
+            self.store.read_resource_claim,
+            self.store.get_cached,
+            served=self.served.served,
+            interval=self.settings.reclaim_interval,
+            grace=self.settings.reclaim_grace,
+        )
+        self.dra_reclaimer = dra_reclaimer
+        self.ownership.add_listener(lambda _names: dra_reclaimer.resync())
+        self.publisher = SlicePublisher(
+            self.store.api_client,
+            self.settings.node_name,
+            self.served.all,
+            self.discovery.offline_instances,
+        )
+        self.discovery.add_offline_listener(self.publisher.trigger)
+
+    async def start(self) -> None:
+        """Load state (raises CorruptStateError), then start discovery."""
+        self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
+        if self.settings.health_port:
+            # first: /healthz must answer while the store waits for the API and the CRDs (up
+            # to 300 s), or the liveness probe restarts a starting agent; /readyz says
+            # "starting" meanwhile
+            await self._serve_health()
+        await self.store.start()
+        self.store_synced = True
+        self.ownership.refresh()
+        if self.settings.dra:
+            self._build_dra()
+        self._activity = asyncio.create_task(
+            log_instance_changes(self.store.subscribe_instances()), name="activity-log"
+        )
+        await self.discovery.start()
+        if self.plugins is not None and self.reclaimer is not None:
+            await self.plugins.start()
+            self._reclaim_task = asyncio.create_task(self.reclaimer.run(), name="reclaimer")
+        if self.dra is not None and self.publisher is not None:
+            assert self.dra_state is not None and self.dra_reclaimer is not None
+            await self.dra_state.restore()
+            await self.dra.start()
+            self._dra_reclaim_task = asyncio.create_task(
+                self.dra_reclaimer.run(), name="dra-reclaimer"
+            )
+            await self.publisher.start()
+            self.ownership.add_listener(lambda _names: self._wake_publisher())
+            self._slice_events = asyncio.create_task(
+                self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
+            )
+        if self.settings.external_handlers:
+            # last: the embedded handlers and the plugins are not kept waiting for gRPC
+            await self._serve_registration()
+        self.started = True
+        if self.freeze_gc:
+            # soon, not now: the 6 ms it takes would delay the first device lists
+            asyncio.get_running_loop().call_later(FIRST_FREEZE_DELAY, freeze_long_lived)
+            changes = self.store.subscribe_instances()
+            self._gc_freeze = asyncio.create_task(self._freeze_when_settled(changes), name="gc")
+        log.info(
+            "agent started on node %s (handlers: %s; %d configuration(s))",
+            self.settings.node_name,
+            ", ".join(self.handlers.names()) or "none",
+            len(self.store.configurations()),
+        )
+
+    def readiness(self) -> list[str]:
+        """Why the agent is not ready (empty: ready): for ``/readyz``."""
+        problems = []
+        if not self.store_synced:
+            problems.append(
+                "starting: the store has not synced yet (waiting for the Kubernetes API "
+                "and the CRDs)"
+            )
+        elif not self.started:
+            problems.append("starting: discovery and plugins are starting")
+        if self.plugins is not None:
+            waiting = [
+                e.resource_name for e in self.plugins.endpoints() if not e.registered.is_set()
+            ]
+            if waiting:
+                problems.append(
+                    f"{len(waiting)} device plugin(s) not registered with kubelet: "
+                    + ", ".join(sorted(waiting)[:5])
+                )
+        if self.dra is not None and not self.dra.registration.registered.is_set():
+            problems.append("DRA driver not registered with kubelet")
+        return problems
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus text of this agent's metrics (``prometheus_client`` is imported
+        on the first scrape only)."""
+        from prometheus_client import generate_latest
+
+        from agent.node.metrics import NodeCollector
+        from agent.ops.metrics import registry_for
+
+        if self._metrics_registry is None:
+            self._metrics_registry = registry_for(NodeCollector(self))
+        return bytes(generate_latest(self._metrics_registry))
+
+    async def _serve_health(self) -> None:
+        from agent.ops.health import HealthServer
+
+        server = HealthServer(
+            self.settings.health_address,
+            self.settings.health_port or 0,
+            self.readiness,
+            self.metrics_text,
+        )
+        try:
+            await server.start()
+        except OSError as error:
+            where = f"{self.settings.health_address}:{self.settings.health_port}"
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            if not self.settings.local:
+                # in a pod the probes use this port: running without it would have kubelet
+                # restart the agent forever; exiting names the cause (exit 5, README)
+                raise OSError(
+                    error.errno,
+                    f"{reason} (another process on this node holds the port? with "
+                    "hostNetwork the port is the node's: choose another with --health-port "
+                    "/ AKRI_HEALTH_PORT and the DaemonSet's containerPort)",
+                    f"health port {where}",
+                ) from error
+            log.warning(
+                "cannot serve health and metrics on %s (%s): the agent runs without them",
+                where,
+                reason,
+            )
+            return
+        self.health = server
+
+    async def _serve_registration(self) -> None:
+        from agent.node.external.endpoints import EndpointPolicy
+        from agent.node.external.handler import ExternalHandler, ProblemReporter
+        from agent.node.external.registration import RegistrationServer, RegistrationService
+
+        settings = self.settings
+        policy = EndpointPolicy(
+            settings.discovery_handlers_dir,
+            tuple(settings.discovery_handler_networks),
+            settings.discovery_handler_sockets_anywhere,
+        )
+
+        def make_handler(name: str, shared: bool, report: ProblemReporter) -> ExternalHandler:
+            timeout = settings.discovery_handler_first_list_timeout
+            return ExternalHandler(name, shared, report, first_list_timeout=timeout)
+
+        service = RegistrationService(
+            policy,
+            self.handlers,
+            self.discovery.handler_registered,
+            self.discovery.handler_problem,
+            make_handler,
+        )
+        server = RegistrationServer(settings.discovery_handlers_dir, service)
+        if await server.start():
+            self.registration = server
+
+    async def _freeze_when_settled(self, changes: Subscription[InstanceEvent]) -> None:
+        try:
+            await freeze_when_settled(changes)
+        finally:
+            changes.close()
+
+    def _wake_publisher(self) -> None:
+        if self.publisher is not None:
+            self.publisher.trigger()
+
+    async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
+        async for _ in events:
+            if self.publisher is not None:
+                self.publisher.trigger()
+
+    async def stop(self) -> None:
+        """Stop discovery; Instances and slots stay as they are for the next start."""
+        if self._gc_freeze is not None:
+            self._gc_freeze.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._gc_freeze
+        if self._slice_events is not None:
+            self._slice_events.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._slice_events
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self._dra_reclaim_task is not None:
+            self._dra_reclaim_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dra_reclaim_task
+        if self.dra is not None:
+            await self.dra.stop()
+        if self._reclaim_task is not None:
+            self._reclaim_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reclaim_task
+        if self.health is not None:
+            await self.health.stop()
+        if self.registration is not None:
+            await self.registration.stop()
+        if self.plugins is not None:
+            await self.plugins.close()
+        await self.discovery.close()
+        if self._activity is not None:
+            self._activity.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._activity
+        await self.store.close()
+        if self._loop_monitor_task is not None:
+            self._loop_monitor_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_monitor_task
+            self.loop_monitor.report()
+        log.info("agent stopped")
+
+    async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:
+        """Start, wait for ``stop``, stop — within ``stop_within`` seconds: what is left
+        then is cancelled (every write is atomic, so nothing is left half-written)."""
+        starting = asyncio.ensure_future(self.start())
+        waiting = asyncio.ensure_future(stop.wait())
+        try:
+            await asyncio.wait({starting, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # start failures (corrupt state, API down) propagate
+                await waiting
+        finally:
+            for task in (starting, waiting):
+                task.cancel()
+            try:
+                await asyncio.wait_for(self.stop(), stop_within)
+            except TimeoutError:
+                log.warning("agent stop took longer than %.0fs: leaving the rest", stop_within)

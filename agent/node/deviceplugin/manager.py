@@ -1,0 +1,454 @@
+"""``DevicePluginManager``: which plugins exist, and keeping kubelet aware of them.
+
+* an instance-level plugin for every Instance listing this node, a configuration-level plugin
+  for every Configuration with at least one such Instance; plugins appear and disappear with
+  Instances;
+* every Instance change notifies exactly the plugins whose lists may change (its IL plugin
+  and its Configuration's CL plugin); an offline (grace) change notifies all;
+* kubelet restarts are detected by watching ``kubelet.sock`` (new inode) and our own sockets
+  (removed): every plugin then gets a new socket and re-registers. inotify says when a socket
+  in the directory is created or removed (no polling); where it cannot be used, the
+  directory is polled every ``kubelet_poll`` seconds.
+
+Costs, so that thousands of plugins stay cheap:
+
+* a sync costs O(Instances changed since the last one): the manager keeps which Instances
+  list this node (and how many per Configuration) up to date from the change events, and
+  only re-reads the whole cache on the first sync and after a failed one;
+* new plugins start concurrently (at most ``concurrency`` at a time); removed plugins stop in
+  the background (tracked, awaited by :meth:`DevicePluginManager.close`), so a stopping
+  plugin never delays a new one;
+* the configuration-level list re-computes at most every ``cl_update_interval`` seconds (see
+  :class:`DevicePluginService`), and only re-parses the Instances that changed;
+* each check costs two ``stat`` calls (``kubelet.sock`` and the directory); our own sockets
+  are only checked (one directory listing) when the directory changed; kubelet's own
+  checkpoint writes in the directory do not wake the manager (only ``*.sock`` names do);
+* after a kubelet restart the plugins restart concurrently (at most ``concurrency`` at a
+  time), each as before: new server on a new socket, self-dial, Register (retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from pathlib import Path
+
+from agent.core.aio.events import Subscription
+from agent.core.aio.fswatch import DirectoryWatch
+from agent.core.ledger.ledger import SlotLedger
+from agent.core.store.base import InstanceEvent
+from agent.node.deviceplugin.endpoint import PluginEndpoint
+from agent.node.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
+from agent.node.deviceplugin.registration import KUBELET_SOCKET, KubeletRegistrar
+from agent.node.deviceplugin.service import DevicePluginService
+from agent.node.discovery.ownership import ServedInstances
+
+log = logging.getLogger(__name__)
+# starts and restarts in flight at once: each step of each is ~0.5 ms of gRPC work on the loop,
+# so at 64 one loop iteration after a 1001-plugin kubelet restart held the loop 400-550 ms;
+# at 8 the total time is the same (3.5 s, CPU-bound) and the loop stays responsive
+MAX_CONCURRENT_STARTS = 8
+CL_UPDATE_INTERVAL = 0.05
+# a directory mtime this close to now may not yet reflect a change made within the same
+# filesystem timestamp tick, so the directory is checked again on the next poll
+RECENT_MTIME_NS = 1_000_000_000
+SOCKET_SETTLE = 0.03  # seconds to let a burst of socket changes finish before acting
+
+
+class DevicePluginManager:
+    """Runs the IL and CL plugins of this node."""
+
+    def __init__(
+        self,
+        served: ServedInstances,
+        ledger: SlotLedger,
+        source: DeviceSource,
+        directory: Path,
+        *,
+        kubelet_poll: float = 0.2,
+        concurrency: int = MAX_CONCURRENT_STARTS,
+        cl_update_interval: float = CL_UPDATE_INTERVAL,
+    ) -> None:
+        self.served = served
+        self.ledger = ledger
+        self.node = ledger.node
+        self.source = source
+        self.directory = directory
+        self.kubelet_poll = kubelet_poll
+        self.cl_update_interval = cl_update_interval
+        self.instance_plugins: dict[str, PluginEndpoint] = {}
+        self.configuration_plugins: dict[str, PluginEndpoint] = {}
+        self.kubelet_restarts = 0
+        # observability (tests, debugging)
+        self.syncs = 0
+        self.own_socket_checks = 0  # polls that looked at our own sockets
+        self.max_concurrent_starts = 0  # starts and restarts in flight at once, at most
+        self._in_flight = 0
+        self._limit = asyncio.Semaphore(concurrency)
+        self._wake = asyncio.Event()
+        self._dirty: set[str] = set()
+        self._full_sync = True  # re-read the whole cache on the next sync
+        self._on_node: dict[str, str] = {}  # Instance listing this node -> its Configuration
+        self._per_configuration: Counter[str] = Counter()  # of _on_node
+        self._stopping: dict[PluginEndpoint, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._kubelet_id: tuple[int, int] | None = None
+        self._directory_id: tuple[int, int] | None = None
+        self._check_own_next = False
+        self._directory_gone_logged = False
+        self._restart_listeners: list[Callable[[], None]] = []
+        self._registrar = KubeletRegistrar(directory)  # one kubelet channel for every plugin
+        # queued for a restart (waiting for a start slot): their socket is missing on purpose
+        self._restart_queued: set[PluginEndpoint] = set()
+        self.socket_watch: DirectoryWatch | None = None
+
+    def endpoints(self) -> list[PluginEndpoint]:
+        """Every running plugin endpoint."""
+        return [*self.instance_plugins.values(), *self.configuration_plugins.values()]
+
+    async def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._kubelet_id = self._kubelet_socket_id()
+        self._directory_id = self._directory_state()
+        events = self.served.store.subscribe_instances()
+        self.served.ownership.add_listener(self._owners_changed)
+        self._tasks = [
+            asyncio.create_task(self._follow(events), name="plugins-follow"),
+            asyncio.create_task(self._sync_loop(), name="plugins-sync"),
+            asyncio.create_task(self._watch_kubelet(), name="kubelet-watch"),
+        ]
+        self._wake.set()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        endpoints = self.endpoints()
+        self.instance_plugins.clear()
+        self.configuration_plugins.clear()
+        # concurrently: hundreds of plugins must stop within Kubernetes' 30 s termination grace
+        await asyncio.gather(
+            *(self._stop(endpoint) for endpoint in endpoints),
+            *self._stopping.values(),
+            return_exceptions=True,
+        )
+        await self._registrar.close()
+
+    def on_kubelet_restart(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` when kubelet restarted (its ``kubelet.sock`` was re-created)."""
+        self._restart_listeners.append(listener)
+
+    def nudge_kubelet(self) -> bool:
+        """Have kubelet rewrite its device-manager checkpoint: one plugin re-sends its
+        (unchanged) device list. False when no plugin is running."""
+        for endpoint in self.endpoints():
+            endpoint.service.resend()
+            return True
+        return False
+
+    def _owners_changed(self, names: set[str]) -> None:
+        """Another namespace's Instances are served now: re-read everything."""
+        self._full_sync = True
+        self._wake.set()
+
+    def offline_changed(self) -> None:
+        """Discovery's grace set changed: every list may change."""
+        for endpoint in self.endpoints():
+            endpoint.service.changed()
+
+    async def _follow(self, events: Subscription[InstanceEvent]) -> None:
+        async for event in events:
+            self._dirty.add(event.instance.name)
+            self._wake.set()
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.sync()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("device plugin sync failed")
+                self._full_sync = True
+                await asyncio.sleep(1)
+                self._wake.set()
+
+    # ------------------------------------------------------------------ sync
+
+    def _track(self, name: str) -> tuple[str | None, str | None]:
+        """Bring ``_on_node`` up to date for one Instance: (Configuration before, after)."""
+        cached = self.served.get(name)
+        after = (
+            cached.configuration_name if cached is not None and self.node in cached.nodes else None
+        )
+        before = self._on_node.get(name)
+        if before != after:
+            if before is not None:
+                self._per_configuration[before] -= 1
+                if self._per_configuration[before] <= 0:
+                    del self._per_configuration[before]
+                del self._on_node[name]
+            if after is not None:
+                self._on_node[name] = after
+                self._per_configuration[after] += 1
+        return before, after
+
+    async def sync(self) -> None:
+        """Start/stop plugins to match the cache and notify the affected ones."""
+        self.syncs += 1
+        dirty, self._dirty = self._dirty, set()
+        full = self._full_sync
+        self._full_sync = False
+        if full:
+            self._on_node.clear()
+            self._per_configuration.clear()
+            dirty |= {i.name for i in self.served.all()} | set(self.instance_plugins)
+        touched: set[str] = set()
+        for name in dirty:
+            before, after = self._track(name)
+            touched.update(c for c in (before, after) if c is not None)
+        if full:
+            touched |= set(self.configuration_plugins)
+        for name in sorted(n for n in dirty if n in self.instance_plugins):
+            if name not in self._on_node:
+                endpoint = self.instance_plugins.pop(name)
+                self._stop_later(endpoint, f"stopped device plugin {endpoint.resource_name}")
+        for configuration in sorted(c for c in touched if c in self.configuration_plugins):
+            if configuration not in self._per_configuration:
+                endpoint = self.configuration_plugins.pop(configuration)
+                self._stop_later(
+                    endpoint, f"stopped configuration device plugin for {configuration}"
+                )
+        new_il = sorted(n for n in dirty if n in self._on_node and n not in self.instance_plugins)
+        new_cl = sorted(
+            c
+            for c in touched
+            if c in self._per_configuration and c not in self.configuration_plugins
+        )
+        starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
+        for name in new_il:
+            logic = InstancePlugin(name, self.served.get, self.ledger, self.source)
+            starting.append((self.instance_plugins, name, self._endpoint(logic)))
+        for name in new_cl:
+            cl_logic = ConfigurationPlugin(
+                name, self.served.of_configuration, self.ledger, self.source
+            )
+            starting.append((self.configuration_plugins, name, self._endpoint(cl_logic)))
+        for plugins, name, endpoint in starting:
+            plugins[name] = endpoint  # listed at once: close() stops it even mid-start
+        failed = await self._start_all(starting)
+        for name in dirty:
+            il = self.instance_plugins.get(name)
+            if il is not None:
+                il.service.changed()
+        for configuration in touched:
+            cl = self.configuration_plugins.get(configuration)
+            if cl is not None:
+                cl.service.changed()
+        if failed:
+            raise RuntimeError(f"{failed} device plugin(s) did not start")
+
+    def _endpoint(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
+        interval = self.cl_update_interval if isinstance(logic, ConfigurationPlugin) else 0.0
+        return PluginEndpoint(
+            DevicePluginService(logic, min_interval=interval),
+            self.directory,
+            registrar=self._registrar,
+        )
+
+    async def _start_all(
+        self, starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]]
+    ) -> int:
+        """Start the endpoints, at most ``concurrency`` at a time; the number that failed
+        (those are no longer listed)."""
+        results = await asyncio.gather(
+            *(self._start(endpoint) for _, _, endpoint in starting), return_exceptions=True
+        )
+        failed = 0
+        for (plugins, name, endpoint), result in zip(starting, results, strict=True):
+            if isinstance(result, BaseException):
+                failed += 1
+                log.error("starting device plugin %s failed: %s", endpoint.resource_name, result)
+                if plugins.get(name) is endpoint:
+                    del plugins[name]
+        return failed
+
+    async def _start(self, endpoint: PluginEndpoint) -> None:
+        # the same resource stopping in the background: let it end first, or its stream's end
+        # could reach kubelet after the new registration
+        previous = [
+            task
+            for old, task in self._stopping.items()
+            if old.resource_name == endpoint.resource_name
+        ]
+        if previous:
+            await asyncio.wait(previous)
+        async with self._limited():
+            await endpoint.start()
+        log.info("serving device plugin %s on %s", endpoint.resource_name, endpoint.socket_path)
+
+    def _stop_later(self, endpoint: PluginEndpoint, done: str) -> None:
+        """Stop a removed plugin in the background (tracked until done); log ``done`` then."""
+        task = asyncio.create_task(
+            self._stop(endpoint, done), name=f"stop-{endpoint.resource_name}"
+        )
+        self._stopping[endpoint] = task
+        task.add_done_callback(lambda _: self._stopping.pop(endpoint, None))
+
+    async def _stop(self, endpoint: PluginEndpoint, done: str | None = None) -> None:
+        try:
+            await endpoint.stop()
+        except Exception:
+            log.exception("stopping device plugin %s failed", endpoint.resource_name)
+            return
+        if done is not None:
+            log.info("%s", done)
+
+    @contextlib.asynccontextmanager
+    async def _limited(self) -> AsyncIterator[None]:
+        async with self._limit:
+            self._in_flight += 1
+            self.max_concurrent_starts = max(self.max_concurrent_starts, self._in_flight)
+            try:
+                yield
+            finally:
+                self._in_flight -= 1
+
+    # ------------------------------------------------------------------ kubelet watch
+
+    def _kubelet_socket_id(self) -> tuple[int, int] | None:
+        try:
+            stat = os.stat(self.directory / KUBELET_SOCKET)
+        except FileNotFoundError:
+            return None
+        return (stat.st_ino, stat.st_ctime_ns)
+
+    def _kubelet_recreated(self) -> bool:
+        current = self._kubelet_socket_id()
+        return current is not None and current != self._kubelet_id
+
+    def _directory_state(self) -> tuple[int, int] | None:
+        try:
+            stat = os.stat(self.directory)
+        except FileNotFoundError:
+            return None
+        return (stat.st_ino, stat.st_mtime_ns)
+
+    async def _watch_kubelet(self) -> None:
+        watch = DirectoryWatch([self.directory], self.kubelet_poll, interesting=_socket_event)
+        self.socket_watch = watch
+        try:
+            watch.arm()
+            await self.check_sockets()  # what changed before the watch was armed
+            while True:
+                # a check after a failed restart must not wait for the next event
+                woken = await watch.changed(
+                    within=self.kubelet_poll if self._check_own_next else None
+                )
+                if woken:
+                    # kubelet's restart removes every socket, then creates kubelet.sock: let
+                    # the burst end, so the plugins restart once, for the new kubelet — and
+                    # not a moment longer once the new kubelet.sock is there
+                    deadline = time.monotonic() + SOCKET_SETTLE
+                    while not self._kubelet_recreated():
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or not await watch.changed(within=remaining):
+                            break
+                    await watch.changed(within=0)
+                await self.check_sockets()
+        finally:
+            watch.close()
+
+    async def check_sockets(self) -> None:
+        """One poll: a re-created ``kubelet.sock`` (kubelet restarted) re-registers every
+        plugin; a changed directory (new inode or mtime) has our sockets checked, and the
+        plugins whose socket is gone re-register."""
+        current = self._kubelet_socket_id()
+        recreated = current is not None and current != self._kubelet_id
+        self._kubelet_id = current
+        changed = self._directory_changed()
+        removed = self._removed_sockets() if changed and not recreated else []
+        if recreated:
+            self.kubelet_restarts += 1
+            self._registrar.reset()
+            for listener in self._restart_listeners:
+                listener()
+            targets = self.endpoints()
+            log.info(
+                "kubelet.sock was re-created (kubelet restarted): re-registering %d plugin(s)",
+                len(targets),
+            )
+        elif removed:
+            log.info("%d plugin socket(s) removed: re-registering", len(removed))
+            targets = removed
+        else:
+            return
+        if not await self._restart_all(targets):
+            self._check_own_next = True  # retry the ones whose socket is still missing
+
+    def _directory_changed(self) -> bool:
+        """Did the directory change (inode or mtime) since the last poll? Every removal of a
+        socket in it updates its mtime. Also True on the poll after one that saw an mtime
+        close to now (a change within the same timestamp tick keeps the mtime) or after a
+        failed restart. False while the directory is missing (its re-creation is a change)."""
+        state = self._directory_state()
+        changed = state != self._directory_id or self._check_own_next
+        self._directory_id = state
+        if state is None:
+            if not self._directory_gone_logged:
+                log.warning("device plugin directory %s is gone; waiting for it", self.directory)
+                self._directory_gone_logged = True
+            self._check_own_next = False
+            return False
+        self._directory_gone_logged = False
+        self._check_own_next = abs(time.time_ns() - state[1]) < RECENT_MTIME_NS
+        return changed
+
+    def _removed_sockets(self) -> list[PluginEndpoint]:
+        """Our endpoints whose socket is gone (one listing of the directory)."""
+        self.own_socket_checks += 1
+        try:
+            present = set(os.listdir(self.directory))
+        except FileNotFoundError:
+            return []  # the next poll sees the directory gone (or re-created: a change)
+        return [
+            e
+            for e in self.endpoints()
+            if e not in self._restart_queued and e.socket_missing(present)
+        ]
+
+    async def _restart_all(self, targets: Iterable[PluginEndpoint]) -> bool:
+        """Restart concurrently (at most ``concurrency`` at a time); True if all succeeded."""
+        queued = [e for e in targets if e not in self._restart_queued]
+        self._restart_queued.update(queued)
+        results = await asyncio.gather(*(self._restart(e) for e in queued))
+        return all(results)
+
+    async def _restart(self, endpoint: PluginEndpoint) -> bool:
+        try:
+            async with self._limited():
+                await endpoint.restart()
+        except Exception:
+            log.exception("restarting %s failed", endpoint.resource_name)
+            return False
+        finally:
+            self._restart_queued.discard(endpoint)
+        return True
+
+
+def _socket_event(name: str, removed: bool) -> bool:
+    """What the socket watch wakes for: ``kubelet.sock`` created or removed, and any other
+    socket removed (ours created, or kubelet's checkpoint written, are no news)."""
+    if name == KUBELET_SOCKET:
+        return True
+    return removed and name.endswith(".sock")

@@ -1,0 +1,618 @@
+"""``ConfigurationRunner``: discovery for one Configuration on this node.
+
+Two tasks: the *handler task* consumes the handler's stream of full device lists (restarting it
+with capped backoff if it fails), and the *reconcile task* turns the latest list into Instance
+writes. Reconciling is sequential and idempotent: it is woken by a new device list, a
+Configuration change, an Instance change of this Configuration, or a grace deadline, and
+writes nothing when the store already matches.
+
+Every write goes through the slot ledger (creation with the slots already in use, joins that
+take the free slots this node's containers already use, spec changes that carry the slots
+over, departures that wait while this node holds slots).
+
+A handler that fails is not a handler that reports no devices: its last successful list is
+kept until it reports again, so an exception never starts the offline grace of a device that
+may still be there. Only a successful report that lacks a device does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+
+from agent.core import telemetry
+from agent.core.ledger.ledger import EvidenceUnavailableError, SlotLedger
+from agent.core.model.configuration import Configuration
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.model.naming import OFFLINE_ANNOTATION
+from agent.core.model.properties import (
+    PropertyResolutionError,
+    references,
+    resolve_properties,
+)
+from agent.core.store.base import (
+    AlreadyExistsError,
+    InstanceStore,
+    NotFoundError,
+    StoreError,
+)
+from agent.node.discovery.limits import ReportRejectedError, check_report
+from agent.node.discovery.plan import (
+    DesiredInstance,
+    DiscoveryPlan,
+    join_instance,
+    new_instance,
+    plan_discovery,
+)
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    InvalidDiscoveryDetailsError,
+    report_problems_to,
+)
+
+log = logging.getLogger("agent.discovery")
+
+MAX_HANDLER_BACKOFF = 60.0
+MAX_RECONCILE_BACKOFF = 30.0
+EVIDENCE_RETRY = (0.5, 30.0)  # first and longest wait before retrying unreadable evidence
+EVIDENCE_LOG_INTERVAL = 60.0  # one log line per Instance at most this often
+
+
+class NamespaceInstances(Mapping[str, Instance]):
+    """The cached Instances of one namespace, by name (lookups without copying the cache)."""
+
+    def __init__(self, store: InstanceStore, namespace: str) -> None:
+        self._store = store
+        self._namespace = namespace
+
+    def __getitem__(self, name: str) -> Instance:
+        found = self._store.get_cached(ObjectKey(self._namespace, name))
+        if found is None:
+            raise KeyError(name)
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return (i.name for i in self._store.list_cached() if i.namespace == self._namespace)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class ConfigurationRunner:
+    """Runs one Configuration's discovery and keeps this node's Instances of it current."""
+
+    def __init__(
+        self,
+        configuration: Configuration,
+        handler: DiscoveryHandler,
+        store: InstanceStore,
+        node: str,
+        grace_for: Callable[[Configuration, bool], float],
+        clock: Callable[[], float] = time.monotonic,
+        on_offline_change: Callable[[], None] = lambda: None,
+        ledger: SlotLedger | None = None,
+    ) -> None:
+        self._on_offline_change = on_offline_change
+        self.configuration = configuration
+        self.handler = handler
+        self.store = store
+        self.node = node
+        self.ledger = ledger or SlotLedger(store, node)
+        self._grace_for = grace_for
+        self._clock = clock
+        self._devices: list[Device] | None = None
+        self._missing_since: dict[str, float] = {}
+        self._wake = asyncio.Event()
+        self._handler_task: asyncio.Task[None] | None = None
+        self._reconcile_task: asyncio.Task[None] | None = None
+        self.offline: frozenset[str] = frozenset()  # names: in grace, or draining
+        self.draining: dict[str, tuple[str, ...]] = {}  # name -> slots this node still holds
+        self.devices_by_instance: dict[str, Device] = {}
+        # name -> (what the last upsert found nothing to change in, the inputs it was decided
+        # on): the same inputs again decide the same no-op, so a list that changed one device
+        # of thousands costs one write and not thousands of pure passes
+        self._settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
+        self.reconciled = asyncio.Event()
+        # name -> uid of the Instance this runner last joined checking kubelet's evidence
+        self._evidence_checked: dict[str, str | None] = {}
+        # name -> when its unreadable evidence was last logged; the names whose create or
+        # join waits for evidence in this pass, and the wait before the next try
+        self._evidence_logged: dict[str, float] = {}
+        self._evidence_waiting: set[str] = set()
+        self._evidence_retry = EVIDENCE_RETRY[0]
+        # name -> uid of an Instance this node is not in whose slots its evidence was checked
+        # for (:meth:`_adopt_unseen`): once per Instance version
+        self._unseen_checked: dict[str, str | None] = {}
+        self._stop_watching: Callable[[], None] = lambda: None
+        self._properties_digest: str | None = None
+        # for metrics and status: starting, ok, failed (last list kept), invalid
+        self.handler_state = "starting"
+
+    @property
+    def key(self) -> ObjectKey:
+        """The Configuration's key."""
+        return self.configuration.key
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start discovery and reconciliation."""
+        self._watch_property_sources()
+        self._handler_task = asyncio.create_task(
+            self._run_handler(), name=f"handler-{self.configuration.name}"
+        )
+        self._reconcile_task = asyncio.create_task(
+            self._reconcile_loop(), name=f"reconcile-{self.configuration.name}"
+        )
+
+    async def stop(self) -> None:
+        """Stop discovery. The Instances stay as they are (a retirement or a new runner takes
+        them over)."""
+        self._stop_watching()
+        for task in (self._handler_task, self._reconcile_task):
+            if task is not None:
+                task.cancel()
+        for task in (self._handler_task, self._reconcile_task):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self.offline:
+            self.offline = frozenset()
+            self._on_offline_change()
+
+    def update(self, configuration: Configuration) -> None:
+        """Apply an edited Configuration; restarts the handler if what it sees changed."""
+        restart = configuration.discovery_hash != self.configuration.discovery_hash
+        self.configuration = configuration
+        if restart and self._handler_task is not None:
+            log.info(
+                "configuration %s: discovery details changed, restarting discovery",
+                configuration.key,
+            )
+            self._watch_property_sources()
+            self._restart_handler()
+        self.wake()
+
+    def replace_handler(self, handler: DiscoveryHandler) -> None:
+        """Discover with ``handler`` from now on (an external handler registered under the
+        name of the embedded one); the last device list stays until it reports."""
+        log.info(
+            "configuration %s: discovery moves to the newly registered %s handler",
+            self.configuration.key,
+            handler.name,
+        )
+        self.handler = handler
+        self._restart_handler()
+
+    def _restart_handler(self) -> None:
+        if self._handler_task is not None:
+            self._handler_task.cancel()
+        self._handler_task = asyncio.create_task(
+            self._run_handler(), name=f"handler-{self.configuration.name}"
+        )
+
+    # -- discoveryProperties -----------------------------------------------------------------
+    def _watch_property_sources(self) -> None:
+        self._stop_watching()
+        refs = references(self.configuration.discovery_handler.discovery_properties)
+        if refs:
+            self._stop_watching = self.store.watch_objects(refs, self._property_source_changed)
+        else:
+            self._stop_watching = lambda: None
+
+    def _property_source_changed(self) -> None:
+        asyncio.get_running_loop().create_task(self._recheck_properties())
+
+    async def _recheck_properties(self) -> None:
+        try:
+            digest = _digest(await self._resolve())
+        except PropertyResolutionError:
+            digest = "unresolvable"
+        if digest != self._properties_digest:
+            log.info(
+                "configuration %s: a referenced Secret/ConfigMap changed; restarting discovery",
+                self.configuration.key,
+            )
+            self._restart_handler()
+
+    async def _resolve(self) -> dict[str, bytes | None]:
+        return await resolve_properties(
+            self.configuration.discovery_handler.discovery_properties, self.store.read_object
+        )
+
+    def wake(self) -> None:
+        """Ask for a reconcile (cheap; coalesces)."""
+        self._wake.set()
+
+    # -- handler -----------------------------------------------------------------------------
+    async def _run_handler(self) -> None:
+        backoff = 1.0
+        key = self.configuration.key
+        # an embedded handler's problems with single devices (discovery_handlers.base.
+        # ProblemReporter) become Events on this Configuration (this task's context only)
+        report_problems_to(
+            lambda reason, message: self.store.record_configuration_event(
+                self.configuration, reason, message
+            )
+        )
+        while True:
+            details = self.configuration.discovery_handler.discovery_details
+            started = self._clock()
+            try:
+                properties = await self._resolve()
+                self._properties_digest = _digest(properties)
+                first = True
+                async for devices in self.handler.discover(details, properties):
+                    if first:
+                        first = False
+                        telemetry.DISCOVERY_RESPONSE_TIME.observe(str(key), self._clock() - started)
+                    try:
+                        check_report(devices)
+                    except ReportRejectedError:
+                        telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
+                        raise
+                    telemetry.DISCOVERY_RESULTS[(self.handler.name, "success")] += 1
+                    self.handler_state = "ok"
+                    shown = [device.id[:80] for device in devices[:10]]
+                    ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
+                    log.info(
+                        "configuration %s: %s reports %d device(s): %s",
+                        key,
+                        self.handler.name,
+                        len(devices),
+                        ids,
+                    )
+                    self._devices = list(devices)
+                    self.wake()
+                log.warning(
+                    "configuration %s: handler %s ended its stream; restarting",
+                    key,
+                    self.handler.name,
+                )
+            except asyncio.CancelledError:
+                raise
+            except PropertyResolutionError as error:
+                self.handler_state = "failed"
+                # keep the last device list: a briefly missing Secret must not drop devices
+                log.error("configuration %s: %s; retrying in %.0fs", key, error, backoff)
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryPropertiesUnresolved", str(error)
+                )
+            except ReportRejectedError as error:
+                self.handler_state = "failed"
+                log.error(
+                    "configuration %s: handler %s reported %s; keeping its last accepted device "
+                    "list (retrying in %.0fs)",
+                    key,
+                    self.handler.name,
+                    error,
+                    backoff,
+                )
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryReportRejected", str(error)
+                )
+            except InvalidDiscoveryDetailsError as error:
+                self.handler_state = "invalid"
+                log.error(
+                    "configuration %s: %s (keeping the last device list until it is edited)",
+                    key,
+                    error,
+                )
+                await self.store.record_configuration_event(
+                    self.configuration, "InvalidDiscoveryDetails", str(error)
+                )
+                return  # waits for an edited Configuration (update() restarts us)
+            except Exception as error:
+                telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
+                self.handler_state = "failed"
+                log.error(
+                    "configuration %s: handler %s failed: %s: %s (keeping its last device "
+                    "list until it reports again; retrying in %.0fs)",
+                    key,
+                    self.handler.name,
+                    type(error).__name__,
+                    error,
+                    backoff,
+                )
+                await self.store.record_configuration_event(
+                    self.configuration, "DiscoveryFailed", f"{type(error).__name__}: {error}"
+                )
+            if self._clock() - started > 2 * MAX_HANDLER_BACKOFF:
+                backoff = 1.0
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_HANDLER_BACKOFF)
+
+    # -- reconcile ---------------------------------------------------------------------------
+    async def _reconcile_loop(self) -> None:
+        backoff = 0.5
+        deadline: float | None = None
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - self._clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):  # (wait_for may lose a cancellation)
+                    await self._wake.wait()
+            self._wake.clear()
+            if self._devices is None:
+                deadline = None
+                continue  # the handler has not reported yet
+            try:
+                deadline = await self.reconcile_once()
+                backoff = 0.5
+                self.reconciled.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # API errors: retry, never die
+                log.error(
+                    "configuration %s: reconcile failed (%s: %s); retrying in %.1fs",
+                    self.configuration.key,
+                    type(error).__name__,
+                    error,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_RECONCILE_BACKOFF)
+                self.wake()
+
+    def current_plan(self) -> DiscoveryPlan:
+        """The plan for the latest device list against the cache (pure)."""
+        shared = self.handler.shared
+        return plan_discovery(
+            self.configuration,
+            self.node,
+            shared,
+            self._devices or [],
+            NamespaceInstances(self.store, self.configuration.namespace),
+            self._missing_since,
+            self._clock(),
+            self._grace_for(self.configuration, shared),
+            own=self.store.list_cached(self.configuration.key),
+        )
+
+    async def reconcile_once(self) -> float | None:
+        """Apply one plan; returns the next grace deadline (monotonic) or None."""
+        plan = self.current_plan()
+        for device_id in plan.duplicate_ids:
+            log.warning(
+                "configuration %s: handler reported device id %r twice; using the first",
+                self.configuration.key,
+                device_id,
+            )
+        self._missing_since = dict(plan.missing_since)
+        newly_offline = set(plan.offline) - self.offline
+        for name in sorted(newly_offline):
+            log.info(
+                "instance %s/%s: device not seen by %s; slots Unhealthy for up to %.0fs",
+                self.configuration.namespace,
+                name,
+                self.node,
+                self._grace_for(self.configuration, self.handler.shared),
+            )
+        for name in sorted(newly_offline):
+            await self._mark_offline(name)
+        settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
+        self._evidence_waiting = set()
+        for desired in plan.upserts:
+            was_draining = self.draining.pop(desired.name, None)
+            if self._is_settled(desired):
+                settled[desired.name] = self._settled[desired.name]
+                continue
+            stored = await self._upsert(desired)
+            if desired.name in self._evidence_waiting and was_draining is not None:
+                self.draining[desired.name] = was_draining  # untouched: still draining
+            if stored is not None:
+                settled[desired.name] = (
+                    stored,
+                    desired,
+                    self.configuration,
+                    self.handler.shared,
+                )
+            # a write that needs no I/O (nothing changed) does not yield: without this,
+            # thousands of upserts could hold the loop (and a SIGTERM) for their whole run
+            await asyncio.sleep(0)
+        self._settled = settled
+        self.devices_by_instance = {d.name: d.device for d in plan.upserts}
+        for name in plan.leave:
+            await self._leave(name)
+            await asyncio.sleep(0)
+        await self._adopt_unseen({d.name for d in plan.upserts})
+        offline = frozenset(plan.offline) | frozenset(self.draining)
+        if offline != self.offline:
+            self.offline = offline
+            self._on_offline_change()
+        for name in [n for n in self._evidence_logged if n not in self._evidence_waiting]:
+            del self._evidence_logged[name]
+        if not self._evidence_waiting:
+            self._evidence_retry = EVIDENCE_RETRY[0]
+            return plan.next_deadline
+        retry = self._clock() + self._evidence_retry
+        self._evidence_retry = min(self._evidence_retry * 2, EVIDENCE_RETRY[1])
+        return retry if plan.next_deadline is None else min(retry, plan.next_deadline)
+
+    def _is_settled(self, desired: DesiredInstance) -> bool:
+        """True when the cached Instance, the device and the Configuration are the very ones
+        the last upsert of ``desired.name`` found nothing to change in."""
+        last = self._settled.get(desired.name)
+        if last is None:
+            return False
+        instance, previous, configuration, shared = last
+        current = self.store.get_cached(ObjectKey(self.configuration.namespace, desired.name))
+        return (
+            current is instance
+            and configuration is self.configuration
+            and shared == self.handler.shared
+            and previous == desired
+        )
+
+    async def _upsert(self, desired: DesiredInstance) -> Instance | None:
+        """Create or join the Instance; returns it when this node's part is now as
+        ``desired`` and nothing was written (a no-op worth remembering), else None.
+
+        When this node's evidence (what its containers use) cannot be read, the Instance is
+        left untouched — no create, no join, no slot change — the other Instances go on, and
+        this one is tried again after a backoff (logged at most once a minute)."""
+        try:
+            return await self._create_or_join(desired)
+        except EvidenceUnavailableError as error:
+            self._evidence_unavailable(desired.name, error)
+            return None
+
+    async def _create_or_join(self, desired: DesiredInstance) -> Instance | None:
+        shared = self.handler.shared
+        key = ObjectKey(self.configuration.namespace, desired.name)
+        for _ in range(5):
+            if self.store.get_cached(key) is None:
+                try:
+                    await self.ledger.create_instance(
+                        new_instance(self.configuration, desired, self.node, shared)
+                    )
+                    return None
+                except AlreadyExistsError:
+                    await self._refresh(key)
+                    continue
+            before = self.store.get_cached(key)
+            try:
+                # the first join of each Instance (by uid) since this runner started also
+                # takes the slots kubelet shows this node's containers using: whoever wrote
+                # the Instance meanwhile could not see them (the ledger checks the evidence
+                # anyway whenever this node is not yet in ``nodes``)
+                result = await self.ledger.join_instance(
+                    key,
+                    lambda inst: join_instance(
+                        inst, self.configuration, desired, self.node, shared
+                    ),
+                    check_evidence=(
+                        before is None
+                        or desired.name not in self._evidence_checked
+                        or self._evidence_checked[desired.name] != before.uid
+                    ),
+                )
+                if result.checked:
+                    self._evidence_checked[desired.name] = result.instance.uid
+                stored = result.instance
+                # the identical cached object: nothing was written (a write caches a new one)
+                return stored if stored is before else None
+            except NotFoundError:
+                continue  # deleted meanwhile (another node left last): create it again
+        raise StoreError(f"could not upsert instance {key}")
+
+    async def _adopt_unseen(self, discovered: set[str]) -> None:
+        """Instances of this Configuration that do not list this node and whose device it
+        does not report: once per Instance version, if this node's containers still use some
+        of their slots (the Instance was re-created meanwhile by a node that could not see
+        them), join it draining with exactly those slots (:meth:`SlotLedger.adopt_draining`):
+        they are recorded, nothing new is offered here, and this node leaves once the
+        reclaimers have freed them."""
+        seen: set[str] = set()
+        for instance in self.store.list_cached(self.configuration.key):
+            name = instance.name
+            seen.add(name)
+            if self.node in instance.nodes or name in discovered:
+                continue
+            if self._unseen_checked.get(name, "") == instance.uid:
+                continue
+
+            def offline_now(name: str = name) -> None:
+                # offline before the write, not at the end of the pass: nothing may offer
+                # its free slots meanwhile (the plugins and the DRA publisher also read the
+                # stored draining mark; this covers views computed from the offline set)
+                if name not in self.offline:
+                    self.offline = self.offline | {name}
+                    self._on_offline_change()
+
+            try:
+                result = await self.ledger.adopt_draining(instance.key, offline_now)
+            except NotFoundError:
+                continue
+            except EvidenceUnavailableError as error:
+                self._evidence_unavailable(name, error)
+                continue
+            self._unseen_checked[name] = instance.uid
+            if result is not None and result.adopted:
+                slots = tuple(slot for slot, _ in result.adopted)
+                self.draining[name] = slots
+                await report_draining(
+                    self.store,
+                    instance.key,
+                    self.node,
+                    slots,
+                    "its containers use slots of an instance re-created without them while "
+                    "this node does not see the device",
+                )
+                self._missing_since[name] = float("-inf")  # no grace: it never saw the device
+            await asyncio.sleep(0)
+        for name in [n for n in self._unseen_checked if n not in seen]:
+            del self._unseen_checked[name]
+
+    def _evidence_unavailable(self, name: str, error: EvidenceUnavailableError) -> None:
+        self._evidence_waiting.add(name)
+        now = self._clock()
+        last = self._evidence_logged.get(name)
+        if last is None or now - last >= EVIDENCE_LOG_INTERVAL:
+            self._evidence_logged[name] = now
+            log.error(
+                "%s; not creating or joining it (no slot changed) until it can be read: "
+                "retrying in %.1fs",
+                error,
+                self._evidence_retry,
+            )
+
+    async def _mark_offline(self, name: str) -> None:
+        """Record in the Instance that this node does not see its device right now (so
+        ``akri status`` and ``kubectl get akrii -o yaml`` show it); cleared on rejoin."""
+        key = ObjectKey(self.configuration.namespace, name)
+
+        def mark(instance: Instance) -> Instance | None:
+            if self.node in instance.offline_nodes or self.node not in instance.nodes:
+                return None
+            return instance.with_node_mark(OFFLINE_ANNOTATION, self.node, True)
+
+        with contextlib.suppress(NotFoundError):
+            await self.ledger.update_instance(key, mark)
+
+    async def _refresh(self, key: ObjectKey) -> None:
+        with contextlib.suppress(NotFoundError):
+            await self.store.get(key)
+
+    async def _leave(self, name: str) -> None:
+        key = ObjectKey(self.configuration.namespace, name)
+        result = await self.ledger.leave(key)
+        self.devices_by_instance.pop(name, None)
+        if result.left:
+            self.draining.pop(name, None)
+            self._missing_since.pop(name, None)
+            self._evidence_checked.pop(name, None)
+            return
+        if self.draining.get(name) != result.slots:
+            await report_draining(self.store, key, self.node, result.slots, "its device is gone")
+        self.draining[name] = result.slots
+        # its grace is over: the next pass (woken by the release of a slot) tries to leave
+        # again at once rather than starting a new grace
+        self._missing_since[name] = float("-inf")
+
+
+async def report_draining(
+    store: InstanceStore, key: ObjectKey, node: str, slots: tuple[str, ...], why: str
+) -> None:
+    """Log line + Event: ``node`` keeps Instance ``key`` until its ``slots`` are released."""
+    message = (
+        f"draining: {len(slots)} slot(s) in use on {node} ({', '.join(slots)}); {why}, so the "
+        f"instance stops offering free slots and {node} leaves it once they are released"
+    )
+    log.warning("instance %s: %s", key, message)
+    instance = store.get_cached(key)
+    if instance is not None:
+        await store.record_instance_event(instance, "Draining", message, warning=False)
+
+
+def _digest(properties: Mapping[str, bytes | None]) -> str:
+    """A fingerprint of resolved values (compared, never logged)."""
+    hasher = hashlib.sha256()
+    for key in sorted(properties):
+        value = properties[key]
+        hasher.update(key.encode() + b"\0" + (b"\1" + value if value is not None else b"\0"))
+    return hasher.hexdigest()

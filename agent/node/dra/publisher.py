@@ -1,0 +1,452 @@
+"""Publishes this node's pools as ``resource.k8s.io/v1`` ResourceSlices and keeps them right.
+
+* follows its own slices with an informer (``fieldSelector spec.driver=akri.sh``) and re-syncs
+  on every change, so slices kubelet deletes (at its start, or 30 s after we disconnect) are
+  re-created at once;
+* pool rules: when a pool's content changes every slice of it gets ``generation + 1`` and the
+  current ``resourceSliceCount``; ≤ 128 devices per slice; an empty pool keeps one empty slice;
+* a shared Instance's pool may change publisher (the first node in ``nodes`` changes): the new
+  publisher adopts the existing slices (updates them in place with a higher generation);
+  slices of shared pools whose Instance is gone are deleted by whoever notices;
+* every write is a create, or a PUT/DELETE with the resourceVersion it was decided on;
+* after each write the returned spec is compared with what was sent: fields the API server
+  dropped (feature gate off, validation differences) are reported once, loudly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Sequence
+from typing import Any
+
+from agent.core.kube import ApiError, KubeClient, resource_path
+from agent.core.model.instance import Instance
+from agent.core.store.informer import Informer, Obj, RawEvent, watch_events
+from agent.node.dra.slices import (
+    DRIVER,
+    Pool,
+    desired_pools,
+    instance_devices,
+    same_slice_content,
+)
+
+log = logging.getLogger(__name__)
+# a shared Instance is a pool of its own: 1,000 of them compared in one go held the loop
+YIELD_EVERY_POOLS = 64
+
+GROUP = "resource.k8s.io"
+VERSION = "v1"
+PLURAL = "resourceslices"
+POOL_LABEL = "akri.sh/pool"
+WATCH_TIMEOUT = 290
+# a slice holds up to 128 devices with their attributes (~400 KB; etcd allows 1.5 MiB): a
+# page of client-go's 500 could pass the client's 64 MiB body limit, 32 cannot
+SLICE_PAGE_SIZE = 32
+# answers that waiting will not change: forbidden (RBAC, the slice admission policy), invalid
+REFUSED = frozenset({400, 403, 422})
+MAX_REPORTED_REFUSALS = 1024  # (pool, status, reason) already logged; forgotten when full
+
+
+def _label_value(text: str) -> str:
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63].strip("-_.")
+    return value or "pool"
+
+
+def _pool_of(obj: Obj) -> str:
+    return str(((obj.get("spec") or {}).get("pool") or {}).get("name") or "")
+
+
+def _generation(obj: Obj) -> int:
+    return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
+
+
+def _selected_nodes(obj: Obj) -> set[str]:
+    """Node names a shared slice's nodeSelector lists (``metadata.name In [...]``)."""
+    selector = (obj.get("spec") or {}).get("nodeSelector") or {}
+    names: set[str] = set()
+    for term in selector.get("nodeSelectorTerms") or []:
+        for field in term.get("matchFields") or []:
+            if field.get("key") == "metadata.name" and field.get("operator") == "In":
+                names.update(str(v) for v in field.get("values") or [])
+    return names
+
+
+def _unchanged(existing: list[Obj], specs: list[dict[str, Any]]) -> bool:
+    """Whether the pool's slices already hold exactly ``specs`` (in any order: slices get
+    generated names, so their name order says nothing), all at one generation."""
+    if len(existing) != len(specs) or len({_generation(o) for o in existing}) > 1:
+        return False
+    unmatched = [o.get("spec") or {} for o in existing]
+    if any(
+        (stored.get("pool") or {}).get("resourceSliceCount") != len(specs) for stored in unmatched
+    ):
+        return False
+    for spec in specs:
+        match = next((i for i, s in enumerate(unmatched) if same_slice_content(s, spec)), None)
+        if match is None:
+            return False
+        unmatched.pop(match)
+    return True
+
+
+class SlicePublisher:
+    """Keeps this node's ResourceSlices equal to :func:`desired_pools`."""
+
+    def __init__(
+        self,
+        api_client: KubeClient,
+        node: str,
+        list_instances: Callable[[], list[Instance]],
+        offline: Callable[[], Collection[str]],
+        *,
+        debounce: float = 0.02,
+    ) -> None:
+        self._client = api_client
+        self.node = node
+        self._list_instances = list_instances
+        self._offline = offline
+        self._debounce = debounce
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._informer = Informer("resourceslices", self._list, self._watch, self._on_event)
+        self._node_uid: str | None = None
+        self._reported_drops: set[str] = set()
+        self._reported_refusals: set[tuple[str, int, str]] = set()
+        self.refused_writes = 0  # pool writes the API server refused (403/400/422), skipped
+        # per Instance: (resourceVersion, offline) -> its slice devices; a sync with 1000
+        # Instances otherwise rebuilds 4000 attribute maps for every Instance event
+        self._devices: dict[str, tuple[tuple[str, bool], Sequence[dict[str, Any]]]] = {}
+        self.writes = 0
+        self.syncs = 0
+        self.synced = asyncio.Event()
+
+    async def start(self) -> None:
+        """First list of our slices (waiting out 429, 5xx and no answer like the store's
+        first lists), then follow them. Raises :class:`StoreError` for what waiting cannot
+        heal: 401/403, or a cluster that does not serve ``resource.k8s.io/v1``."""
+        from agent.core.store.kubernetes import first_list
+
+        await first_list(
+            self._informer,
+            PLURAL,
+            0.0,  # an API group missing now will not appear by waiting
+            group=GROUP,
+            not_served=(
+                f"{PLURAL}.{GROUP} ({GROUP}/{VERSION}) is not served: DRA is unavailable on "
+                "this cluster (it needs Kubernetes 1.34 or later); run the agent with "
+                "--no-dra (AKRI_DRA=false) to use device plugins only"
+            ),
+        )
+        self._node_uid = await self._lookup_node_uid()
+        self._tasks = [
+            asyncio.create_task(self._informer.run(), name="watch-resourceslices"),
+            asyncio.create_task(self._loop(), name="publish-resourceslices"),
+        ]
+        self.trigger()
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def trigger(self) -> None:
+        """Something changed (Instances, offline set, slices): re-sync soon."""
+        self._wake.set()
+
+    # -- informer plumbing ---------------------------------------------------------------
+    async def _list(self) -> tuple[list[Obj], str]:
+        return await self._client.list_all(
+            resource_path(GROUP, VERSION, PLURAL),
+            params={"fieldSelector": f"spec.driver={DRIVER}"},
+            page_size=SLICE_PAGE_SIZE,
+            request_timeout=30,
+        )
+
+    def _watch(self, version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+        stream = self._client.watch(
+            resource_path(GROUP, VERSION, PLURAL),
+            version,
+            timeout_seconds=WATCH_TIMEOUT,
+            field_selector=f"spec.driver={DRIVER}",
+        )
+        return watch_events(stream, PLURAL)
+
+    def _on_event(self, event: RawEvent) -> None:
+        self.trigger()
+
+    async def _lookup_node_uid(self) -> str | None:
+        """The Node's uid (for the slices' owner reference, so they go with the Node), or
+        None: slices are then published without an owner, which only delays their cleanup."""
+        try:
+            node = await self._client.get(resource_path("", "v1", "nodes", name=self.node))
+            return str(node["metadata"]["uid"])
+        except (ApiError, KeyError, TypeError) as error:
+            log.warning(
+                "cannot read Node %s (%s: %s): ResourceSlices are published without an "
+                "owner reference",
+                self.node,
+                type(error).__name__,
+                error,
+            )
+            return None
+
+    # -- syncing ---------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        backoff = 0.5
+        while True:
+            await self._wake.wait()
+            await asyncio.sleep(self._debounce)
+            self._wake.clear()
+            try:
+                await self.sync()
+                backoff = 0.5
+                self.synced.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                log.warning(
+                    "publishing ResourceSlices failed (%s: %s); retrying in %.1fs",
+                    type(error).__name__,
+                    error,
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                self._wake.set()
+
+    async def sync(self) -> None:
+        """Make every pool this node publishes match the cache; delete orphaned shared pools."""
+        self.syncs += 1
+        instances = self._list_instances()
+        # pure and O(Instances) (88 ms for the first pass at 1,000): off the event loop, which
+        # keeps answering Allocates meanwhile. Only this task touches the device memo.
+        offline = frozenset(self._offline())  # a snapshot: the loop may change the set
+        pools = await asyncio.to_thread(self._desired, instances, offline)
+        self._forget_devices({i.name for i in instances})
+        by_pool: dict[str, list[Obj]] = {}
+        for obj in self._informer.cache.values():
+            by_pool.setdefault(_pool_of(obj), []).append(obj)
+        for index, (pool, specs) in enumerate(pools):
+            await self._refusal_tolerant(
+                pool.name, self._sync_pool(pool, specs, by_pool.get(pool.name, []))
+            )
+            if index % YIELD_EVERY_POOLS == YIELD_EVERY_POOLS - 1:
+                # an unchanged pool costs a comparison and no I/O: let the loop breathe
+                await asyncio.sleep(0)
+        existing_instances = {i.name for i in instances}
+        for name, objs in by_pool.items():
+            local_of_this_node = any(
+                (o.get("spec") or {}).get("nodeName") == self.node for o in objs
+            )
+            # an orphaned shared pool is removed by a node its nodeSelector lists (the only
+            # nodes deploy/base/resourceslice-policy.yaml lets write it)
+            shared_orphan = (
+                all(not (o.get("spec") or {}).get("nodeName") for o in objs)
+                and name not in existing_instances
+                and any(self.node in _selected_nodes(o) for o in objs)
+            )
+            if (local_of_this_node and name != self.node) or shared_orphan:
+                await self._refusal_tolerant(name, self._delete_all(objs))
+
+    async def _delete_all(self, objs: list[Obj]) -> None:
+        for obj in objs:
+            await self._delete(obj)
+
+    async def _refusal_tolerant(self, pool: str, write: Awaitable[None]) -> None:
+        """Run one pool's writes. A write the API server refuses for good (403: RBAC or the
+        ResourceSlice admission policy; 400/422: invalid) is logged once per pool and reason,
+        counted, and skipped: before, it aborted the sync of every pool after it, and the
+        retry loop then refused the same write again for ever. The next sync tries again."""
+        try:
+            await write
+        except ApiError as error:
+            if error.status not in REFUSED:
+                raise
+            self.refused_writes += 1
+            key = (pool, error.status, error.reason)
+            if key in self._reported_refusals:
+                return
+            if len(self._reported_refusals) >= MAX_REPORTED_REFUSALS:
+                self._reported_refusals.clear()
+            self._reported_refusals.add(key)
+            log.error(
+                "the API server refused writing ResourceSlice pool %s (%d %s): %s; the other "
+                "pools are published",
+                pool,
+                error.status,
+                error.reason,
+                str(error)[:500],
+            )
+
+    def _desired(
+        self, instances: list[Instance], offline: Collection[str]
+    ) -> list[tuple[Pool, list[dict[str, Any]]]]:
+        pools = desired_pools(instances, self.node, offline, self._devices_of)
+        return [(pool, pool.slice_specs()) for pool in pools]
+
+    def _devices_of(self, instance: Instance, offline: bool) -> Sequence[dict[str, Any]]:
+        """:func:`instance_devices`, memoized per Instance version (an Instance object with a
+        given resourceVersion never changes; without one it is computed every time)."""
+        if instance.resource_version is None:
+            return instance_devices(instance, offline)
+        key = (instance.resource_version, offline)
+        cached = self._devices.get(instance.name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        devices = instance_devices(instance, offline)
+        self._devices[instance.name] = (key, devices)
+        return devices
+
+    def _forget_devices(self, present: set[str]) -> None:
+        if len(self._devices) > len(present):
+            for name in self._devices.keys() - present:
+                del self._devices[name]
+
+    async def _sync_pool(
+        self, pool: Pool, specs: list[dict[str, Any]], existing: list[Obj]
+    ) -> None:
+        if _unchanged(existing, specs):
+            return
+        existing = sorted(existing, key=lambda o: str(o["metadata"]["name"]))
+        count = len(specs)
+        generation = max((_generation(o) for o in existing), default=0)
+        generation += 1
+        for obj in existing[count:]:
+            if self._foreign(obj):
+                if "nodeSelector" not in specs[0]:
+                    # a shared slice in the pool named like this node's own (a shared
+                    # Instance's name can be a node's): not ours to adopt or delete
+                    log.warning(
+                        "ResourceSlice %s in pool %s is a shared pool's slice; this node's "
+                        "pool of that name leaves it alone",
+                        obj["metadata"]["name"],
+                        pool.name,
+                    )
+                    continue
+                adopted = await self._adopt(obj, specs[0])
+                if adopted is None:
+                    continue
+                obj = adopted
+            await self._delete(obj)
+        for index, spec in enumerate(specs):
+            full = {
+                **spec,
+                "pool": {
+                    "name": pool.name,
+                    "generation": generation,
+                    "resourceSliceCount": count,
+                },
+            }
+            if index < len(existing):
+                await self._update(existing[index], full)
+            else:
+                await self._create(pool, full)
+
+    def _foreign(self, obj: Obj) -> bool:
+        """A shared slice whose nodeSelector does not list this node: the pool's publisher
+        before it changed (the admission policy lets this node rewrite it, not delete it)."""
+        return not (obj.get("spec") or {}).get("nodeName") and self.node not in _selected_nodes(obj)
+
+    async def _adopt(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
+        """Rewrite a surplus slice of an adopted shared pool to the pool's new nodeSelector
+        (content and generation unchanged), so that it may be deleted: a DELETE carries no new
+        object, and deploy/base/resourceslice-policy.yaml lets only a node a shared slice lists
+        delete it. Returns the stored slice, or None when it changed or went meanwhile."""
+        return await self._replace(
+            obj, {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
+        )
+
+    def _metadata(self, pool: Pool) -> dict[str, Any]:
+        metadata: dict[str, Any] = {
+            "generateName": f"{DRIVER}-{_label_value(pool.name)[:40]}-",
+            "labels": {POOL_LABEL: _label_value(pool.name)},
+        }
+        if pool.node_name is not None and self._node_uid:
+            metadata["ownerReferences"] = [
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "name": self.node,
+                    "uid": self._node_uid,
+                    "controller": True,
+                }
+            ]
+        return metadata
+
+    async def _create(self, pool: Pool, spec: dict[str, Any]) -> None:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "ResourceSlice",
+            "metadata": self._metadata(pool),
+            "spec": spec,
+        }
+        created = await self._client.create(
+            resource_path(GROUP, VERSION, PLURAL), body, request_timeout=30
+        )
+        self.writes += 1
+        self._informer.apply_local(RawEvent("ADDED", created))
+        self._check_dropped(spec, created)
+
+    async def _update(self, obj: Obj, spec: dict[str, Any]) -> None:
+        updated = await self._replace(obj, spec)
+        if updated is not None:
+            self._check_dropped(spec, updated)
+
+    async def _replace(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
+        """PUT ``obj`` with ``spec``; None when someone else changed or removed it meanwhile
+        (a re-decision is triggered)."""
+        body = dict(obj)
+        body["spec"] = spec
+        try:
+            updated = await self._client.replace(
+                resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),
+                body,
+                request_timeout=30,
+            )
+        except ApiError as error:
+            if error.status in (404, 409):
+                self.trigger()
+                return None
+            raise
+        self.writes += 1
+        self._informer.apply_local(RawEvent("MODIFIED", updated))
+        return updated
+
+    async def _delete(self, obj: Obj) -> None:
+        name = obj["metadata"]["name"]
+        version = obj["metadata"].get("resourceVersion")
+        options = {"preconditions": {"resourceVersion": version} if version else {}}
+        try:
+            await self._client.delete(
+                resource_path(GROUP, VERSION, PLURAL, name=name), options, request_timeout=30
+            )
+            self.writes += 1
+        except ApiError as error:
+            if error.status not in (404, 409):
+                raise
+        self._informer.apply_local(RawEvent("DELETED", obj))
+
+    def _check_dropped(self, sent: dict[str, Any], stored: Obj) -> None:
+        got = stored.get("spec") or {}
+        # a real API server stores an empty list as absent (omitempty): both mean "none"
+        if json.dumps(got.get("devices") or [], sort_keys=True) == json.dumps(
+            sent.get("devices") or [], sort_keys=True
+        ):
+            return
+        key = str(sent.get("pool", {}).get("name"))
+        if key in self._reported_drops:
+            return
+        self._reported_drops.add(key)
+        log.error(
+            "the API server changed or dropped fields of ResourceSlice pool %s (a feature gate "
+            "may be off or the schema differs): sent %s, stored %s",
+            key,
+            json.dumps(sent.get("devices"))[:500],
+            json.dumps(got.get("devices"))[:500],
+        )

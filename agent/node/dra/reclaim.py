@@ -1,0 +1,280 @@
+"""Frees ``D:<claim-uid>:<node>`` slots of this node whose claim no longer uses them.
+
+kubelet frees a claim's slots itself by calling ``NodeUnprepareResources``; this covers what
+that misses: a prepare interrupted after claiming slots (agent killed, prepare failed half
+way and its release failed), an unprepare lost with a restart, a claim deleted while its
+prepare was being retried. Each held ``D:`` slot is classified (:func:`classify`) against the
+DRA checkpoint and, when needed, the ResourceClaim in the API:
+
+* **prepared** — the claim is prepared on this slot (checkpoint): in use until kubelet
+  unprepares it;
+* **allocated** — the claim was being prepared (checkpoint "preparing") and the API still has
+  it, same uid, allocated with this slot's device: in use (kubelet retries the prepare);
+* **stale** — the claim is prepared on other slots, or its ResourceClaim is gone, replaced,
+  deallocated or no longer allocated this device;
+* **untraceable** — the checkpoint does not know the claim (lost or unreadable checkpoint,
+  or a slot written by another agent): never freed here, reported once with the slot so an
+  operator can free it. Whether such a claim is gone from the API cannot be established:
+  the slot holds only the claim's uid, a ``GET`` needs its namespace and name (which only
+  the lost checkpoint had), and finding a uid means listing every ResourceClaim of the
+  cluster, which the agent's RBAC does not allow (``resourceclaims``: ``get`` only). Freeing
+  on a guess could give a device in use to a second claim. kubelet still frees most of them:
+  it keeps its own record and calls ``NodeUnprepareResources`` when the claim's pod ends,
+  and :meth:`DraState.unprepare` frees every ``D:<uid>:<node>`` slot of a claim the
+  checkpoint does not know (docs/dra.md, "Slots nobody uses any more").
+
+A stale slot is freed once it has been seen stale for ``grace`` seconds (two looks, like the
+device-plugin reclaimer) and was not granted again meanwhile; the claim's *preparing* record
+goes with its last slot. Passes run every ``interval`` seconds only while this node holds
+``D:`` slots (an index fed by Instance events), and under the DRA state's lock, so they never
+see a prepare half done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from agent.core.aio.events import Subscription
+from agent.core.model.device_usage import ClaimUsage, parse_usage
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import InstanceEvent
+from agent.node.deviceplugin.reclaimer import HeldIndex, HeldSlot, follow_until_held, held_in
+from agent.node.dra.checkpoint import Checkpoint
+from agent.node.dra.slices import DRIVER, device_name
+from agent.node.dra.state import ClaimReader, DraState, driver_results
+
+log = logging.getLogger(__name__)
+
+
+class ClaimSlotState(enum.Enum):
+    """What a held ``D:`` slot is, as far as this node can tell."""
+
+    PREPARED = "prepared"
+    ALLOCATED = "allocated"
+    STALE = "stale"
+    UNTRACEABLE = "untraceable"
+
+
+def claim_slot(instance: Instance, slot: str, value: str, node: str) -> HeldSlot | None:
+    """``slot`` as a ``D:<uid>:<node>`` slot of ``node`` (``device_id`` = the claim uid)."""
+    if not value.startswith("D:"):
+        return None
+    usage = parse_usage(value)
+    if isinstance(usage, ClaimUsage) and usage.node == node:
+        return HeldSlot(instance.key, slot, value, DRIVER, usage.claim_uid)
+    return None
+
+
+def claim_slots_in(instance: Instance, node: str) -> tuple[HeldSlot, ...]:
+    """The ``D:<uid>:<node>`` slots of ``instance``."""
+    return held_in(instance, node, claim_slot)
+
+
+def classify(
+    slot: HeldSlot,
+    checkpoint: Checkpoint,
+    claim: Mapping[str, Any] | None,
+    pool_of: Callable[[HeldSlot], str],
+) -> ClaimSlotState:
+    """Classify one held ``D:`` slot. ``claim`` is the ResourceClaim as read from the API for
+    a *preparing* claim (None when it does not exist); ``pool_of`` gives the pool name the
+    slot's device is published in."""
+    uid = slot.device_id
+    prepared = checkpoint.claims.get(uid)
+    if prepared is not None:
+        on_slot = any(
+            ObjectKey(d.namespace, d.instance) == slot.instance and d.slot == slot.slot
+            for d in prepared.devices
+        )
+        return ClaimSlotState.PREPARED if on_slot else ClaimSlotState.STALE
+    if uid not in checkpoint.pending:
+        return ClaimSlotState.UNTRACEABLE
+    if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
+        return ClaimSlotState.STALE
+    wanted = (pool_of(slot), device_name(slot.slot))
+    for result in driver_results(claim):
+        if (str(result.get("pool")), str(result.get("device"))) == wanted:
+            return ClaimSlotState.ALLOCATED
+    return ClaimSlotState.STALE
+
+
+class DraReclaimer:
+    """Runs the passes described in the module docstring."""
+
+    def __init__(
+        self,
+        state: DraState,
+        events: Callable[[], Subscription[InstanceEvent]],
+        read_claim: ClaimReader,
+        lookup: Callable[[ObjectKey], Instance | None],
+        *,
+        served: Callable[[Instance], bool] = lambda _: True,
+        interval: float = 1.0,
+        grace: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.state = state
+        self.ledger = state.ledger
+        self.node = state.node
+        self._events = events
+        self._read_claim = read_claim
+        self._lookup = lookup
+        self.interval = interval
+        self.grace = grace
+        self._clock = clock
+        self._sleep = sleep
+        self.index = HeldIndex(state.node, served, claim_slot)
+        self._subscription: Subscription[InstanceEvent] | None = None
+        self._stale_since: dict[tuple[ObjectKey, str], float] = {}
+        self._reported: set[tuple[ObjectKey, str, str]] = set()
+        self.freed = 0
+        self.passes = 0
+        self.idle = asyncio.Event()  # set while waiting for this node to hold a D: slot
+
+    def resync(self) -> None:
+        """Which Instances are served changed: rebuild the index."""
+        self.index.clear()
+        if self._subscription is not None:
+            self._subscription.close()
+            self._subscription = None
+
+    async def run(self) -> None:
+        """A pass every ``interval`` seconds while this node holds a ``D:`` slot; none at all
+        while it holds none (it waits for the Instance event that gives it one)."""
+        try:
+            while True:
+                try:
+                    await self.reclaim_once()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("DRA slot reclaim pass failed")
+                if not self.index:
+                    await self._wait_for_held()
+                    continue
+                await self._sleep(self.interval)
+        finally:
+            if self._subscription is not None:
+                self._subscription.close()
+                self._subscription = None
+
+    async def _wait_for_held(self) -> None:
+        """Until an Instance event gives this node a ``D:`` slot (or the index is rebuilt)."""
+        if self._subscription is None:
+            self.index.clear()
+            self._subscription = self._events()
+        subscription = self._subscription
+        # resync() replaces the subscription: stop following the old one
+        if not await follow_until_held(
+            self.index, subscription, self.idle, lambda: subscription is self._subscription
+        ):
+            self._subscription = None
+
+    async def _refresh_index(self) -> None:
+        if self._subscription is None:
+            self.index.clear()
+            self._subscription = self._events()
+        subscription = self._subscription
+        while subscription.pending():
+            try:
+                event = await anext(subscription)
+            except StopAsyncIteration:
+                self._subscription = None
+                return
+            self.index.apply(event)
+
+    def _pool_of(self, slot: HeldSlot) -> str:
+        instance = self._lookup(slot.instance)
+        if instance is not None and instance.shared:
+            return instance.name
+        return self.node
+
+    async def reclaim_once(self) -> list[HeldSlot]:
+        """One pass; returns the slots freed."""
+        await self._refresh_index()
+        if not self.index:
+            self._stale_since.clear()
+            return []
+        self.passes += 1
+        freed: list[HeldSlot] = []
+        async with self.state.lock():
+            checkpoint = self.state.checkpoint
+            claims: dict[str, Mapping[str, Any] | None] = {}
+            now = self._clock()
+            current: set[tuple[ObjectKey, str]] = set()
+            due: list[HeldSlot] = []
+            for slot in list(self.index):
+                uid = slot.device_id
+                pending = checkpoint.pending.get(uid)
+                if pending is not None and uid not in claims:
+                    try:
+                        claims[uid] = await self._read_claim(pending.namespace, pending.name)
+                    except Exception as error:  # unknown: keep it, ask again next pass
+                        log.warning(
+                            "cannot read ResourceClaim %s/%s: %s",
+                            pending.namespace,
+                            pending.name,
+                            error,
+                        )
+                        continue
+                state = classify(slot, checkpoint, claims.get(uid), self._pool_of)
+                if state is ClaimSlotState.UNTRACEABLE:
+                    self._report_untraceable(slot)
+                    continue
+                if state is not ClaimSlotState.STALE:
+                    continue
+                current.add(slot.key)
+                since = self._stale_since.setdefault(slot.key, now)
+                if now - since >= self.grace:
+                    due.append(slot)
+            for key in [k for k in self._stale_since if k not in current]:
+                del self._stale_since[key]
+            for slot in due:
+                since = self._stale_since.pop(slot.key)
+                released = await self.ledger.release_slots(
+                    slot.instance, {slot.slot: slot.value}, unless_granted_since={slot.slot: since}
+                )
+                if slot.slot in released:
+                    self.freed += 1
+                    freed.append(slot)
+                    log.info(
+                        "reclaimed DRA slot %s (%s): its claim no longer uses it",
+                        slot.slot,
+                        slot.value,
+                    )
+            if freed:
+                await self._refresh_index()
+                self._forget_finished_pending(freed)
+        return freed
+
+    def _forget_finished_pending(self, freed: list[HeldSlot]) -> None:
+        uids = {slot.device_id for slot in freed}
+        still = {slot.device_id for slot in self.index}
+        gone = [uid for uid in uids if uid in self.state.checkpoint.pending and uid not in still]
+        if not gone:
+            return
+        for uid in gone:
+            self.state.checkpoint.pending.pop(uid, None)
+        self.state.checkpoint.save()
+
+    def _report_untraceable(self, slot: HeldSlot) -> None:
+        key = (slot.instance, slot.slot, slot.value)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        log.error(
+            "instance %s slot %s is held by %s, a claim this node's DRA checkpoint does not "
+            "know (checkpoint lost?): it is kept; once no pod uses it, free it by setting "
+            "spec.deviceUsage[%s] to an empty string",
+            slot.instance,
+            slot.slot,
+            slot.value,
+            slot.slot,
+        )

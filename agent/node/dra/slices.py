@@ -1,0 +1,260 @@
+"""Pure ResourceSlice content: which devices this node publishes, with typed attributes.
+
+Model (DESIGN.md §5): **one DRA device per slot**, so every DRA-GA cluster (≥ 1.34) can use it
+without feature gates.
+
+* **Local (unshared) Instances** go in the node's pool: pool name = node name,
+  ``spec.nodeName`` = node.
+* **Shared Instances** get a pool of their own, named after the Instance, available on exactly
+  the nodes in ``instance.nodes`` (``nodeSelector`` on ``metadata.name``), and published by one
+  deterministic agent: the node that sorts first in ``instance.nodes``. So the scheduler sees
+  each slot once, whichever node it schedules on.
+* A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
+  scheduler's accounting of existing allocations is unchanged). A slot taken through a device
+  plugin (IL ``<node>`` or CL ``C:…``) leaves the slice; so do all slots of an Instance that
+  is offline (grace period), being deleted, or draining on the publishing node (listed in
+  ``instance.draining_nodes``: the stored mark, whatever the runner's offline set says).
+  Another node draining a shared Instance stays in its pool's ``nodeSelector`` (the slice
+  admission policy ties the publisher to that list); a claim prepared there is refused
+  (``Draining``). The remaining race (scheduler allocates a slot
+  a device plugin claims at the same moment) is arbitrated by the Instance CAS: prepare fails
+  with an error naming the holder.
+
+Device names are DNS labels: the slot id when it is one, else a sanitised prefix + hash.
+Attributes (≤ 32 per device, names are C identifiers ≤ 32 chars, string values ≤ 64 chars):
+``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), then device properties,
+typed — integers as ``int``, ``true``/``false`` as ``bool``, semantic versions as ``version``,
+other strings ≤ 64 chars as ``string`` — in name order until the limit. Properties that do not
+fit (long values, names that cannot be C identifiers) are left out (they still reach the
+container as env vars).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.core.model.device_usage import ClaimUsage, parse_usage
+from agent.core.model.instance import Instance
+from agent.core.model.naming import is_dns_label
+
+DRIVER = "akri.sh"
+MAX_DEVICES_PER_SLICE = 128
+MAX_ATTRIBUTES = 32
+MAX_ATTRIBUTE_NAME = 32
+MAX_STRING_VALUE = 64
+RESERVED_ATTRIBUTES = ("configuration", "instance", "slot", "shared")
+_C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INT = re.compile(r"^[+-]?\d{1,18}$")
+_SEMVER = re.compile(
+    r"^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
+    r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
+    r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
+)
+
+
+def typed_attribute(value: str) -> dict[str, Any] | None:
+    """The typed DeviceAttribute for a property value, or None if it does not fit."""
+    lowered = value.strip().lower()
+    if lowered in ("true", "false"):
+        return {"bool": lowered == "true"}
+    if _INT.match(value.strip()):
+        number = int(value.strip())
+        if -(2**63) <= number < 2**63:
+            return {"int": number}
+    if len(value) <= MAX_STRING_VALUE and _SEMVER.match(value.strip()):
+        return {"version": value.strip()}
+    if len(value) <= MAX_STRING_VALUE:
+        return {"string": value}
+    return None
+
+
+def attribute_name(name: str) -> str | None:
+    """A C identifier (≤ 32 chars) for a property name, or None."""
+    candidate = re.sub(r"[^A-Za-z0-9_]", "_", name)
+    if candidate and candidate[0].isdigit():
+        candidate = "_" + candidate
+    if not _C_IDENTIFIER.match(candidate) or len(candidate) > MAX_ATTRIBUTE_NAME:
+        return None
+    return candidate
+
+
+def device_name(slot: str) -> str:
+    """DRA device name (DNS label) for a slot id."""
+    if is_dns_label(slot):
+        return slot
+    digest = hashlib.sha256(slot.encode()).hexdigest()[:8]
+    cleaned = re.sub(r"[^a-z0-9-]", "-", slot.lower()).strip("-")[:50].strip("-")
+    return f"{cleaned}-{digest}" if cleaned else f"d-{digest}"
+
+
+def device_attributes(instance: Instance, index: int) -> dict[str, dict[str, Any]]:
+    """Typed attributes of one slot device."""
+    return _with_slot(_instance_attributes(instance), index)
+
+
+def _instance_attributes(instance: Instance) -> dict[str, dict[str, Any]]:
+    """The attributes every slot of ``instance`` shares (``slot`` is a placeholder)."""
+    attributes: dict[str, dict[str, Any]] = {
+        "configuration": {"string": instance.configuration_name[:MAX_STRING_VALUE]},
+        "instance": {"string": instance.name[:MAX_STRING_VALUE]},
+        "slot": {},
+        "shared": {"bool": instance.shared},
+    }
+    for key, value in sorted(instance.broker_properties.items()):
+        if len(attributes) >= MAX_ATTRIBUTES:
+            break
+        name = attribute_name(key)
+        if name is None or name in attributes:
+            continue
+        typed = typed_attribute(value)
+        if typed is not None:
+            attributes[name] = typed
+    return attributes
+
+
+def _with_slot(common: dict[str, dict[str, Any]], index: int) -> dict[str, dict[str, Any]]:
+    # the value dicts are shared between the slots of one Instance (never mutated): the
+    # publisher keeps every slot's attributes, 4000+ maps at 1000 Instances
+    return {name: {"int": index} if name == "slot" else value for name, value in common.items()}
+
+
+def published_slots(instance: Instance, offline: bool) -> list[tuple[int, str]]:
+    """(index, slot id) of the slots that belong in a slice."""
+    if offline or instance.deletion_timestamp is not None:
+        return []
+    result = []
+    device_usage = instance.device_usage
+    for index, slot in enumerate(instance.slot_ids()):
+        value = device_usage.get(slot, "")
+        # free, or a DRA claim's; only "D:" values need parsing (this runs on every change)
+        if value == "" or (value.startswith("D:") and isinstance(parse_usage(value), ClaimUsage)):
+            result.append((index, slot))
+    return result
+
+
+@dataclass(frozen=True)
+class Pool:
+    """One pool this node publishes."""
+
+    name: str
+    node_name: str | None  # local pool
+    nodes: tuple[str, ...] = ()  # shared pool: nodeSelector over these node names
+    devices: tuple[dict[str, Any], ...] = field(default=())
+
+    def slice_specs(self) -> list[dict[str, Any]]:
+        """Slice ``spec``s (without pool generation/count) of ≤ 128 devices each; an empty
+        pool still gets one empty slice ("empty pool" ≠ "no pool")."""
+        chunks = [
+            list(self.devices[i : i + MAX_DEVICES_PER_SLICE])
+            for i in range(0, len(self.devices), MAX_DEVICES_PER_SLICE)
+        ] or [[]]
+        specs = []
+        for chunk in chunks:
+            spec: dict[str, Any] = {"driver": DRIVER, "devices": chunk}
+            if self.node_name is not None:
+                spec["nodeName"] = self.node_name
+            else:
+                spec["nodeSelector"] = {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchFields": [
+                                {
+                                    "key": "metadata.name",
+                                    "operator": "In",
+                                    "values": list(self.nodes),
+                                }
+                            ]
+                        }
+                    ]
+                }
+            specs.append(spec)
+        return specs
+
+
+DevicesOf = Callable[[Instance, bool], Sequence[dict[str, Any]]]
+
+
+def instance_devices(instance: Instance, offline: bool) -> tuple[dict[str, Any], ...]:
+    """The slice devices of one Instance (its published slots with their attributes)."""
+    slots = published_slots(instance, offline)
+    if not slots:
+        return ()
+    common = _instance_attributes(instance)
+    return tuple(
+        {"name": device_name(slot), "attributes": _with_slot(common, index)}
+        for index, slot in slots
+    )
+
+
+def unusable_here(instance: Instance, node: str, offline: Collection[str]) -> bool:
+    """Whether ``node`` must publish none of ``instance``'s slots: offline here (grace), or
+    draining here (the stored mark: e.g. adopted draining after another node re-created it)."""
+    return instance.name in offline or node in instance.draining_nodes
+
+
+def _devices(
+    instances: Iterable[Instance], node: str, offline: Collection[str], devices_of: DevicesOf
+) -> list[dict[str, Any]]:
+    devices: list[dict[str, Any]] = []
+    for instance in sorted(instances, key=lambda i: i.name):
+        devices.extend(devices_of(instance, unusable_here(instance, node, offline)))
+    return devices
+
+
+def desired_pools(
+    instances: Sequence[Instance],
+    node: str,
+    offline: Collection[str],
+    devices_of: DevicesOf = instance_devices,
+) -> list[Pool]:
+    """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
+    every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
+    :func:`instance_devices` (the publisher caches it per Instance version)."""
+    local = [i for i in instances if not i.shared and node in i.nodes]
+    pools = [
+        Pool(name=node, node_name=node, devices=tuple(_devices(local, node, offline, devices_of)))
+    ]
+    for instance in sorted(instances, key=lambda i: i.name):
+        if not instance.shared or not instance.nodes or min(instance.nodes) != node:
+            continue
+        pools.append(
+            Pool(
+                name=instance.name,
+                node_name=None,
+                nodes=tuple(sorted(instance.nodes)),
+                devices=tuple(devices_of(instance, unusable_here(instance, node, offline))),
+            )
+        )
+    return pools
+
+
+def same_slice_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> bool:
+    """Whether a stored slice ``spec`` has the ``wanted`` content (``pool`` aside). A plain
+    comparison — JSON from the API server compares equal to the dicts we build — except that
+    an empty list is stored as absent (``omitempty``), so absent and empty are the same."""
+
+    def present(spec: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in spec.items() if k != "pool" and v != []}
+
+    return present(stored) == present(wanted)
+
+
+def slot_for_device(
+    pool: str, device: str, instances: Mapping[str, Instance], node: str
+) -> tuple[Instance, str] | None:
+    """Resolve an allocated (pool, device) back to (Instance, slot id)."""
+    candidates: Iterable[Instance]
+    if pool == node:
+        candidates = [i for i in instances.values() if not i.shared and node in i.nodes]
+    else:
+        found = instances.get(pool)
+        candidates = [found] if found is not None else []
+    for instance in candidates:
+        for slot in instance.slot_ids():
+            if device_name(slot) == device:
+                return instance, slot
+    return None

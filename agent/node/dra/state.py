@@ -1,0 +1,278 @@
+"""Prepare / unprepare decisions for claims allocated to driver ``akri.sh`` (the DRA
+counterpart of ``plugins.py``: the gRPC layer in ``driver.py`` only translates).
+
+Prepare, per claim (serialised):
+1. already in the checkpoint → return the same answer (idempotent, also across restarts);
+2. read the ResourceClaim; require ``status.allocation`` and a matching uid;
+3. record the claim as *preparing* in the checkpoint (so its slots can always be traced to it);
+4. for each result of our driver, resolve (pool, device) to (Instance, slot) and claim the slot
+   for ``D:<claim-uid>:<node>`` through the slot ledger (CAS on the Instance);
+   a slot held by anyone else fails the claim with a message naming the holder;
+5. write the claim's CDI spec, record it as *prepared*, answer with the CDI ids.
+If a later device fails, slots claimed earlier in this call are released again.
+
+Unprepare: release the claim's slots, remove its CDI file, drop it from the checkpoint; an
+unknown claim is success.
+
+At start, :meth:`DraState.restore` compares the checkpoint with the Instances: a prepared
+claim's slot found free again (its Instance was re-created meanwhile) is taken back, one held
+by someone else is reported. Instances only ever seen through :class:`ServedInstances` names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.core.ledger.decisions import Owner
+from agent.core.ledger.ledger import SlotLedger, SlotRefusedError
+from agent.core.model.device_usage import is_free, parse_usage
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import StoreError
+from agent.node.deviceplugin.container_env import container_edits
+from agent.node.dra.cdi import CdiDevice, CdiWriter, cdi_device_name, qualified
+from agent.node.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
+from agent.node.dra.slices import DRIVER, slot_for_device
+from discovery_handlers.base import Device
+
+log = logging.getLogger(__name__)
+
+ClaimReader = Callable[[str, str], Awaitable[Mapping[str, Any] | None]]
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """What kubelet sends: namespace, uid, name."""
+
+    namespace: str
+    uid: str
+    name: str
+
+
+class PrepareError(Exception):
+    """Preparing one claim failed; the message goes back to kubelet."""
+
+
+class DraState:
+    """Prepared claims of this node."""
+
+    def __init__(
+        self,
+        ledger: SlotLedger,
+        lookup_instances: Callable[[], list[Instance]],
+        device_for: Callable[[str], Device | None],
+        read_claim: ClaimReader,
+        cdi: CdiWriter,
+        checkpoint: Checkpoint,
+    ) -> None:
+        self.ledger = ledger
+        self.node = ledger.node
+        self._instances = lookup_instances
+        self._device_for = device_for
+        self._read_claim = read_claim
+        self.cdi = cdi
+        self.checkpoint = checkpoint
+        self._lock = asyncio.Lock()
+        self.prepares = 0
+        self.unprepares = 0
+
+    async def prepare(self, ref: ClaimRef) -> PreparedClaim:
+        """Prepare one claim; raises :class:`PrepareError`."""
+        async with self._lock:
+            known = self.checkpoint.claims.get(ref.uid)
+            if known is not None:
+                return known
+            claim = await self._read_claim(ref.namespace, ref.name)
+            if claim is None:
+                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} not found")
+            uid = (claim.get("metadata") or {}).get("uid")
+            if uid != ref.uid:
+                raise PrepareError(
+                    f"ResourceClaim {ref.namespace}/{ref.name} has uid {uid}, not {ref.uid} "
+                    "(it was replaced)"
+                )
+            allocation = (claim.get("status") or {}).get("allocation")
+            if not allocation:
+                raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
+            results = driver_results(claim)
+            self.checkpoint.pending[ref.uid] = PendingClaim(ref.uid, ref.namespace, ref.name)
+            self.checkpoint.save()
+            try:
+                prepared = await self._claim_slots(ref, results)
+                try:
+                    self._write_cdi(ref, prepared)
+                except (OSError, ValueError) as error:
+                    await self._release(ref.uid, prepared)
+                    raise PrepareError(f"writing the CDI spec failed: {error}") from error
+            except PrepareError:
+                self.checkpoint.pending.pop(ref.uid, None)
+                self.checkpoint.save()
+                raise
+            claim_state = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(prepared))
+            self.checkpoint.claims[ref.uid] = claim_state
+            self.checkpoint.pending.pop(ref.uid, None)
+            self.checkpoint.save()
+            self.prepares += 1
+            log.info(
+                "prepared claim %s/%s (%s): %s",
+                ref.namespace,
+                ref.name,
+                ref.uid,
+                ", ".join(d.slot for d in prepared) or "no akri.sh devices",
+            )
+            return claim_state
+
+    async def _claim_slots(
+        self, ref: ClaimRef, results: list[Mapping[str, Any]]
+    ) -> list[PreparedDevice]:
+        owner = Owner.claim(ref.uid, self.node)
+        instances = {i.name: i for i in self._instances()}
+        prepared: list[PreparedDevice] = []
+        for result in results:
+            pool, device = str(result.get("pool")), str(result.get("device"))
+            resolved = slot_for_device(pool, device, instances, self.node)
+            if resolved is None:
+                await self._release(ref.uid, prepared)
+                raise PrepareError(f"device {pool}/{device} is not an akri.sh device of this node")
+            instance, slot = resolved
+            if self.node not in instance.nodes:
+                await self._release(ref.uid, prepared)
+                raise PrepareError(f"device {pool}/{device} is not available on {self.node}")
+            try:
+                await self.ledger.claim(instance.key, slot, owner)
+            except (SlotRefusedError, StoreError) as error:
+                await self._release(ref.uid, prepared)
+                raise PrepareError(f"cannot prepare {pool}/{device} ({slot}): {error}") from error
+            share = result.get("shareID")
+            prepared.append(
+                PreparedDevice(
+                    request_names=(str(result.get("request", "")).split("/")[0],),
+                    pool=pool,
+                    device=device,
+                    instance=instance.name,
+                    slot=slot,
+                    cdi_device_ids=(qualified(cdi_device_name(ref.uid, device)),),
+                    share_id=str(share) if share else None,
+                    namespace=instance.namespace,
+                )
+            )
+        return prepared
+
+    def _write_cdi(self, ref: ClaimRef, prepared: list[PreparedDevice]) -> None:
+        if not prepared:
+            return
+        instances = {i.name: i for i in self._instances()}
+        devices = []
+        for item in prepared:
+            instance = instances.get(item.instance)
+            edits = container_edits(
+                [instance] if instance else [], {item.instance: self._device_for(item.instance)}
+            )
+            devices.append(CdiDevice(cdi_device_name(ref.uid, item.device), edits))
+        self.cdi.write(ref.uid, devices)
+
+    async def _release(self, claim_uid: str, prepared: list[PreparedDevice]) -> None:
+        value = Owner.claim(claim_uid, self.node).value
+        for item in prepared:
+            try:
+                await self.ledger.release_values(ObjectKey(item.namespace, item.instance), {value})
+            except Exception as error:
+                log.warning("could not release %s for claim %s: %s", item.slot, claim_uid, error)
+
+    async def unprepare(self, ref: ClaimRef) -> None:
+        """Unprepare one claim (unknown claims are success)."""
+        async with self._lock:
+            known = self.checkpoint.claims.get(ref.uid)
+            value = Owner.claim(ref.uid, self.node).value
+            instances = (
+                {ObjectKey(d.namespace, d.instance) for d in known.devices}
+                if known is not None
+                # not in the checkpoint (lost?): still free whatever the Instances say it holds
+                else {i.key for i in self._instances() if value in i.device_usage.values()}
+            )
+            for key in sorted(instances):
+                await self.ledger.release_values(key, {value})
+            self.cdi.remove(ref.uid)
+            pending = self.checkpoint.pending.pop(ref.uid, None)
+            if known is not None:
+                del self.checkpoint.claims[ref.uid]
+            if known is not None or pending is not None:
+                self.checkpoint.save()
+            if known is not None:
+                self.unprepares += 1
+                log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)
+
+    def lock(self) -> asyncio.Lock:
+        """Held while a claim is prepared or unprepared (the DRA reclaimer takes it too)."""
+        return self._lock
+
+    def in_use(self, instance: Instance) -> dict[str, str]:
+        """slot -> ``D:<uid>:<node>`` for the slots of ``instance`` (by name and namespace)
+        that prepared claims in the checkpoint use: for an Instance being (re-)created."""
+        result: dict[str, str] = {}
+        for claim in self.checkpoint.claims.values():
+            for device in claim.devices:
+                if device.instance == instance.name and device.namespace == instance.namespace:
+                    result[device.slot] = Owner.claim(claim.uid, self.node).value
+        return result
+
+    async def restore(self) -> None:
+        """After a restart: every prepared claim's slot must still be held by it. A slot found
+        free (its Instance was re-created) is taken back; one held by another owner is
+        reported (it is in use twice: the claim's pod and that owner)."""
+        async with self._lock:
+            served = {i.key: i for i in self._instances()}
+            for claim in list(self.checkpoint.claims.values()):
+                owner = Owner.claim(claim.uid, self.node)
+                for device in claim.devices:
+                    key = ObjectKey(device.namespace, device.instance)
+                    instance = served.get(key)
+                    if instance is None:
+                        continue  # re-created with this slot held once discovery finds it
+                    value = instance.device_usage.get(device.slot, "")
+                    if value == owner.value:
+                        continue
+                    if is_free(parse_usage(value)):
+                        try:
+                            await self.ledger.claim(key, device.slot, owner)
+                            log.warning(
+                                "claim %s/%s (%s): slot %s was free again after a restart; "
+                                "taken back (its pod still uses it)",
+                                claim.namespace,
+                                claim.name,
+                                claim.uid,
+                                device.slot,
+                            )
+                        except (SlotRefusedError, StoreError) as error:
+                            log.error(
+                                "claim %s/%s (%s): cannot take slot %s back: %s",
+                                claim.namespace,
+                                claim.name,
+                                claim.uid,
+                                device.slot,
+                                error,
+                            )
+                        continue
+                    log.error(
+                        "claim %s/%s (%s) is prepared on slot %s, but %s holds it: the device "
+                        "is used twice; unprepare or delete one of them",
+                        claim.namespace,
+                        claim.name,
+                        claim.uid,
+                        device.slot,
+                        value,
+                    )
+
+
+def driver_results(claim: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The allocation results of driver ``akri.sh`` in a ResourceClaim."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    return [
+        r
+        for r in ((allocation.get("devices") or {}).get("results") or [])
+        if r.get("driver") == DRIVER
+    ]

@@ -1,0 +1,164 @@
+"""The node agent's own Prometheus metrics, read from its state at scrape time.
+
+The process-wide ones (telemetry counters, slot writes, API errors) are in
+``agent/ops/metrics.py``; this collector adds what only a node agent knows: the cached
+Instances and their slot holders, each Configuration's discovery state, the reclaimers,
+kubelet re-registrations, refused ResourceSlice writes and dropped Events. It reads the agent
+through :class:`NodeParts`, so it does not import ``agent/node/app.py`` (which imports it).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from agent.core.model.device_usage import (
+    ClaimUsage,
+    ConfigurationUsage,
+    Free,
+    NodeUsage,
+    parse_usage,
+)
+
+if TYPE_CHECKING:
+    from agent.core.store.base import InstanceStore
+    from agent.node.deviceplugin.manager import DevicePluginManager
+    from agent.node.deviceplugin.reclaimer import SlotReclaimer
+    from agent.node.discovery.manager import DiscoveryManager
+    from agent.node.dra.driver import DraDriver
+    from agent.node.dra.publisher import SlicePublisher
+    from agent.node.dra.reclaim import DraReclaimer
+
+HOLDERS = ("instance", "configuration", "dra", "free", "unknown")
+HANDLER_STATES = ("starting", "ok", "failed", "invalid")
+
+
+def holder_kind(value: str) -> str:
+    """Which kind of holder a deviceUsage value names."""
+    usage = parse_usage(value)
+    if isinstance(usage, Free):
+        return "free"
+    if isinstance(usage, NodeUsage):
+        return "instance"
+    if isinstance(usage, ConfigurationUsage):
+        return "configuration"
+    if isinstance(usage, ClaimUsage):
+        return "dra"
+    return "unknown"
+
+
+
+
+class NodeParts(Protocol):
+    """What the collector reads of a node agent (``agent.node.app.Agent`` has all of it)."""
+
+    @property
+    def store(self) -> InstanceStore: ...
+    @property
+    def discovery(self) -> DiscoveryManager: ...
+    @property
+    def plugins(self) -> DevicePluginManager | None: ...
+    @property
+    def reclaimer(self) -> SlotReclaimer | None: ...
+    @property
+    def dra(self) -> DraDriver | None: ...
+    @property
+    def dra_reclaimer(self) -> DraReclaimer | None: ...
+    @property
+    def publisher(self) -> SlicePublisher | None: ...
+
+
+class NodeCollector(Collector):
+    """Reads one node agent's state at scrape time."""
+
+    def __init__(self, agent: NodeParts) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._instances()
+        yield self._handler_states()
+        yield from self._node_counters()
+
+    def _instances(self) -> Iterator[Metric]:
+        agent = self.agent
+        count = GaugeMetricFamily(
+            "akri_instance_count",
+            "Instances in the agent's cache, by Configuration and sharing (Akri's metric)",
+            labels=["configuration", "is_shared"],
+        )
+        slots = GaugeMetricFamily(
+            "akri_instance_slots",
+            "Slots of each Instance by holder kind (instance-level plugin, configuration-level "
+            "plugin, DRA claim, free, unknown value)",
+            labels=["namespace", "instance", "holder"],
+        )
+        per_configuration: Counter[tuple[str, str]] = Counter()
+        for instance in agent.store.list_cached():
+            shared = "true" if instance.shared else "false"
+            per_configuration[(instance.configuration_name, shared)] += 1
+            kinds: Counter[str] = Counter()
+            for slot in instance.slot_ids():
+                kinds[holder_kind(instance.device_usage.get(slot, ""))] += 1
+            for holder in HOLDERS:
+                slots.add_metric([instance.namespace, instance.name, holder], kinds[holder])
+        for (configuration, shared), number in sorted(per_configuration.items()):
+            count.add_metric([configuration, shared], number)
+        yield count
+        yield slots
+
+    def _handler_states(self) -> Metric:
+        state = GaugeMetricFamily(
+            "akri_discovery_handler_state",
+            "1 for the current state of each Configuration's discovery: starting, ok, "
+            "failed (the last device list is kept), invalid (discoveryDetails refused)",
+            labels=["configuration", "discovery_handler_name", "state"],
+        )
+        for key, runner in sorted(self.agent.discovery.runners.items()):
+            for name in HANDLER_STATES:
+                value = 1 if runner.handler_state == name else 0
+                state.add_metric([str(key), runner.handler.name, name], value)
+        return state
+
+    def _node_counters(self) -> Iterator[Metric]:
+        agent = self.agent
+        reclaimed = CounterMetricFamily(
+            "akri_slots_reclaimed_total",
+            "Slots freed because no container or prepared claim used them any more",
+            labels=["kind"],
+        )
+        reclaimed.add_metric(
+            ["device_plugin"], agent.reclaimer.freed if agent.reclaimer is not None else 0
+        )
+        reclaimed.add_metric(
+            ["dra"], agent.dra_reclaimer.freed if agent.dra_reclaimer is not None else 0
+        )
+        yield reclaimed
+        restarts = CounterMetricFamily(
+            "akri_kubelet_reregistrations_total",
+            "Times the agent registered again with a restarted kubelet",
+            labels=["plugin"],
+        )
+        restarts.add_metric(
+            ["device_plugin"], agent.plugins.kubelet_restarts if agent.plugins is not None else 0
+        )
+        restarts.add_metric(["dra"], agent.dra.re_registrations if agent.dra is not None else 0)
+        yield restarts
+
+        refused = CounterMetricFamily(
+            "akri_resource_slice_writes_refused_total",
+            "ResourceSlice pool writes the API server refused (403/400/422: e.g. the admission "
+            "policy); the pool is skipped, the others are published",
+        )
+        publisher = agent.publisher
+        refused.add_metric([], publisher.refused_writes if publisher is not None else 0)
+        yield refused
+        dropped = CounterMetricFamily(
+            "akri_events_dropped_total",
+            "Kubernetes Events not sent because too many sends were already pending",
+        )
+        dropped.add_metric([], int(getattr(agent.store, "events_dropped", 0)))
+        yield dropped

@@ -1,0 +1,438 @@
+"""Command-line flags, each with a matching ``AKRI_*`` environment variable.
+
+A flag given on the command line wins over the environment; the environment wins over the
+default. Akri's own variable names are honoured as fallbacks where Akri has one
+(``AGENT_NODE_NAME``, ``DEBUG_ECHO_INSTANCES_SHARED``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off", ""}
+
+
+class SettingsError(ValueError):
+    """A flag or environment variable has an unusable value."""
+
+
+MIN_INTERVAL = 0.05  # seconds: a shorter poll or pass interval only burns CPU
+# The agent runs with the node's network (hostNetwork), so its port is the node's. Not 8080
+# (Akri's metrics port, and the default of many web servers and proxies that may run on a
+# node), not 8081 (controller-runtime's health probes), not 9100-9999 (the Prometheus
+# exporters' allocations: node-exporter 9100 runs on most nodes), not Kubernetes' own
+# 10248-10259 (kubelet, kube-proxy, control plane) nor 10000 (``akri handler --port``).
+CLUSTER_HEALTH_PORT = 10280
+
+
+class ValueProblem(argparse.ArgumentTypeError, ValueError):
+    """A flag or variable value that is not allowed; the message says what is."""
+
+
+def parse_bool(text: str) -> bool:
+    """Parse a boolean environment value."""
+    value = text.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueProblem(f"must be true or false, got {text[:40]!r}")
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueProblem(f"must be a number of seconds, got {text[:40]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueProblem(f"must be a finite number of seconds, got {text[:40]!r}")
+    return value
+
+
+def parse_seconds(text: str) -> float:
+    """Parse a non-negative number of seconds."""
+    value = _number(text)
+    if value < 0:
+        raise ValueProblem(f"must be ≥ 0, got {text[:40]}")
+    return value
+
+
+def parse_interval(text: str) -> float:
+    """Parse an interval in seconds, at least :data:`MIN_INTERVAL`."""
+    value = _number(text)
+    if value < MIN_INTERVAL:
+        raise ValueProblem(f"must be ≥ {MIN_INTERVAL} seconds, got {text[:40]}")
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: flag, env var (+ Akri fallbacks), parser and default."""
+
+    flag: str
+    env: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+def _networks(text: str) -> tuple[Any, ...]:
+    from agent.node.external.endpoints import parse_networks
+
+    try:
+        return parse_networks(text)
+    except ValueError as error:
+        raise ValueProblem(str(error)) from None
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueProblem(f"must be a port number, got {text[:40]!r}") from None
+    if not 0 <= value < 65536:
+        raise ValueProblem(f"must be 0 (off) to 65535, got {value}")
+    return value
+
+
+def _paths(text: str) -> list[Path]:
+    return [Path(part) for part in text.split(os.pathsep) if part]
+
+
+AGENT_OPTIONS = (
+    Option(
+        "--local",
+        "AKRI_LOCAL",
+        parse_bool,
+        False,
+        "run with the local file-backed store instead of the Kubernetes API",
+    ),
+    Option(
+        "--state-dir",
+        "AKRI_STATE_DIR",
+        Path,
+        Path("/var/lib/akri/state"),
+        "local mode: directory holding Instances",
+    ),
+    Option(
+        "--config",
+        "AKRI_CONFIG",
+        _paths,
+        [],
+        "local mode: Configuration YAML file or directory (repeatable; env: "
+        f"'{os.pathsep}'-separated)",
+    ),
+    Option(
+        "--node-name",
+        "AKRI_NODE_NAME",
+        str,
+        None,
+        "this node's name (default: $AGENT_NODE_NAME, then the host name)",
+        fallbacks=("AGENT_NODE_NAME",),
+    ),
+    Option("--log-level", "AKRI_LOG_LEVEL", str.upper, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    Option(
+        "--local-offline-grace",
+        "AKRI_LOCAL_OFFLINE_GRACE",
+        parse_seconds,
+        0.0,
+        "seconds a vanished local (unshared) device keeps its Instance",
+    ),
+    Option(
+        "--shared-offline-grace",
+        "AKRI_SHARED_OFFLINE_GRACE",
+        parse_seconds,
+        300.0,
+        "seconds a vanished shared device keeps this node in its Instance",
+    ),
+    Option(
+        "--debug-echo",
+        "AKRI_DEBUG_ECHO",
+        parse_bool,
+        None,
+        "enable the embedded debugEcho handler (default: on in local mode)",
+        fallbacks=("ENABLE_DEBUG_ECHO",),
+    ),
+    Option(
+        "--debug-echo-shared",
+        "AKRI_DEBUG_ECHO_SHARED",
+        parse_bool,
+        True,
+        "debugEcho devices are shared",
+        fallbacks=("DEBUG_ECHO_INSTANCES_SHARED",),
+    ),
+    Option(
+        "--debug-echo-availability-file",
+        "AKRI_DEBUG_ECHO_AVAILABILITY_FILE",
+        Path,
+        Path("/tmp/debug-echo-availability.txt"),
+        "debugEcho reports no devices while this file contains OFFLINE",
+    ),
+    Option(
+        "--kubeconfig",
+        "AKRI_KUBECONFIG",
+        str,
+        None,
+        "cluster mode: kubeconfig file (default: in-cluster config, then ~/.kube/config)",
+        fallbacks=("KUBECONFIG",),
+    ),
+    Option(
+        "--namespace",
+        "AKRI_NAMESPACE",
+        str,
+        None,
+        "cluster mode: only watch Configurations/Instances in this namespace (default: all)",
+    ),
+    Option(
+        "--device-plugin-dir",
+        "AKRI_DEVICE_PLUGIN_DIR",
+        Path,
+        None,
+        "kubelet device-plugin directory (default: /var/lib/kubelet/device-plugins/ in "
+        "cluster mode; in local mode the plugins run only when this is given)",
+    ),
+    Option(
+        "--pod-resources-socket",
+        "AKRI_POD_RESOURCES_SOCKET",
+        Path,
+        Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        "kubelet pod-resources socket, used to free slots of containers that are gone",
+    ),
+    Option(
+        "--reclaim-interval",
+        "AKRI_RECLAIM_INTERVAL",
+        parse_interval,
+        1.0,
+        "seconds between pod-resources checks",
+    ),
+    Option(
+        "--reclaim-grace",
+        "AKRI_RECLAIM_GRACE",
+        parse_seconds,
+        3.0,
+        "seconds a slot must be unused by any container before it is freed",
+    ),
+    Option(
+        "--dra",
+        "AKRI_DRA",
+        parse_bool,
+        None,
+        "run the DRA kubelet plugin and publish ResourceSlices (default: on in cluster mode)",
+    ),
+    Option(
+        "--plugins-registry-dir",
+        "AKRI_PLUGINS_REGISTRY_DIR",
+        Path,
+        Path("/var/lib/kubelet/plugins_registry"),
+        "kubelet plugin watcher directory (DRA registration socket)",
+    ),
+    Option(
+        "--dra-plugin-dir",
+        "AKRI_DRA_PLUGIN_DIR",
+        Path,
+        Path("/var/lib/kubelet/plugins/akri.sh"),
+        "DRA service socket and checkpoint directory",
+    ),
+    Option(
+        "--cdi-dir",
+        "AKRI_CDI_DIR",
+        Path,
+        Path("/var/run/cdi"),
+        "where CDI spec files for prepared claims are written",
+    ),
+    Option(
+        "--udev-monitor-source",
+        "AKRI_UDEV_MONITOR_SOURCE",
+        str,
+        None,
+        "udev hotplug events from 'udev' (needs udevd and hostNetwork) or 'kernel' "
+        "(default: udev if /run/udev/control exists, else kernel)",
+    ),
+    Option(
+        "--discovery-handlers-dir",
+        "AKRI_DISCOVERY_HANDLERS_DIR",
+        Path,
+        Path("/var/lib/akri"),
+        "directory of the external handlers' registration socket (agent-registration.sock) "
+        "and their sockets (Akri's $DISCOVERY_HANDLERS_DIRECTORY)",
+        fallbacks=("DISCOVERY_HANDLERS_DIRECTORY",),
+    ),
+    Option(
+        "--external-handlers",
+        "AKRI_EXTERNAL_HANDLERS",
+        parse_bool,
+        True,
+        "accept external discovery handlers on the registration socket",
+    ),
+    Option(
+        "--discovery-handler-networks",
+        "AKRI_DISCOVERY_HANDLER_NETWORKS",
+        _networks,
+        (),
+        "comma-separated CIDRs where network endpoints of external handlers may be, besides "
+        "this node's own addresses (e.g. the node's pod CIDR)",
+    ),
+    Option(
+        "--discovery-handler-sockets-anywhere",
+        "AKRI_DISCOVERY_HANDLER_SOCKETS_ANYWHERE",
+        parse_bool,
+        False,
+        "accept external handler sockets outside --discovery-handlers-dir",
+    ),
+    Option(
+        "--discovery-handler-first-list-timeout",
+        "AKRI_DISCOVERY_HANDLER_FIRST_LIST_TIMEOUT",
+        parse_seconds,
+        30.0,
+        "seconds an external handler has to send its first device list before it is cut off",
+    ),
+    Option(
+        "--health-port",
+        "AKRI_HEALTH_PORT",
+        _port,
+        None,
+        f"serve /healthz, /readyz and /metrics on this port (default: {CLUSTER_HEALTH_PORT} in "
+        "cluster mode, off in local mode; 0: off)",
+    ),
+    Option(
+        "--health-address",
+        "AKRI_HEALTH_ADDRESS",
+        str,
+        "0.0.0.0",
+        "address of the health and metrics port",
+    ),
+    Option(
+        "--log-format",
+        "AKRI_LOG_FORMAT",
+        str.lower,
+        "text",
+        "text, or json (one object per line, with configuration/instance/slot/node fields)",
+    ),
+    Option(
+        "--poll-interval",
+        "AKRI_POLL_INTERVAL",
+        parse_interval,
+        1.0,
+        "local mode: how often Configuration files and the state dir are re-checked",
+    ),
+)
+
+
+def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
+    """Add ``options`` to ``parser`` with defaults left unset (resolved by :func:`resolve`)."""
+    for option in options:
+        help_text = f"{option.help} [env {option.env}]"
+        if option.parse is parse_bool:
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                default=None,
+                action=argparse.BooleanOptionalAction,
+                help=help_text,
+            )
+        elif option.flag == "--config":
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                default=None,
+                action="append",
+                type=Path,
+                metavar="PATH",
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                option.flag, dest=option.dest, default=None, type=option.parse, help=help_text
+            )
+
+
+def resolve(
+    args: argparse.Namespace, options: tuple[Option, ...], environ: Mapping[str, str]
+) -> dict[str, Any]:
+    """Flag, else environment, else default, for every option."""
+    values: dict[str, Any] = {}
+    for option in options:
+        value = getattr(args, option.dest, None)
+        if value is None:
+            for name in (option.env, *option.fallbacks):
+                if name in environ:
+                    try:
+                        value = option.parse(environ[name])
+                    except (ValueError, TypeError) as error:
+                        raise SettingsError(
+                            f"environment variable {name} ({option.flag}): {error}"
+                        ) from error
+                    break
+        values[option.dest] = option.default if value is None else value
+    return values
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """Resolved settings of ``akri agent``."""
+
+    local: bool
+    state_dir: Path
+    config: list[Path]
+    node_name: str
+    log_level: str
+    local_offline_grace: float
+    shared_offline_grace: float
+    debug_echo: bool
+    debug_echo_shared: bool
+    debug_echo_availability_file: Path
+    kubeconfig: str | None
+    namespace: str | None
+    device_plugin_dir: Path | None
+    pod_resources_socket: Path
+    reclaim_interval: float
+    reclaim_grace: float
+    dra: bool
+    plugins_registry_dir: Path
+    dra_plugin_dir: Path
+    cdi_dir: Path
+    udev_monitor_source: str | None
+    poll_interval: float
+    discovery_handlers_dir: Path = Path("/var/lib/akri")
+    external_handlers: bool = True
+    discovery_handler_networks: tuple[Any, ...] = ()
+    discovery_handler_sockets_anywhere: bool = False
+    discovery_handler_first_list_timeout: float = 30.0
+    health_port: int | None = 0
+    health_address: str = "0.0.0.0"
+    log_format: str = "text"
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:
+        data = dict(values)
+        data["node_name"] = data["node_name"] or socket.gethostname()
+        if data["debug_echo"] is None:
+            data["debug_echo"] = bool(data["local"])
+        source = data["udev_monitor_source"]
+        if source not in (None, "udev", "kernel"):
+            raise SettingsError(f"--udev-monitor-source: expected udev or kernel, got {source!r}")
+        if data["dra"] is None:
+            data["dra"] = not data["local"]
+        if data["dra"] and data["local"]:
+            raise SettingsError("--dra needs the Kubernetes API (ResourceClaims): not in --local")
+        if data["device_plugin_dir"] is None and not data["local"]:
+            data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
+        if data["health_port"] is None:
+            data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
+        if data["log_format"] not in ("text", "json"):
+            raise SettingsError(f"--log-format: expected text or json, got {data['log_format']!r}")
+        if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise SettingsError(f"--log-level: unknown level {data['log_level']!r}")
+        return cls(**data)

@@ -1,0 +1,211 @@
+"""``akri status``: Configurations and Instances of a cluster, or the Instances of a local
+state directory, as a table or JSON; and which of the two to read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from agent.core.kube.kubeconfig import SERVICE_ACCOUNT_DIR
+from agent.core.ledger.decisions import node_slots
+from agent.core.model.instance import Instance
+from agent.core.model.keys import DEFAULT_NAMESPACE
+
+
+class StatusUsageError(ValueError):
+    """Flags of ``akri status`` that contradict each other."""
+
+
+@dataclass(frozen=True)
+class StatusSource:
+    """What ``akri status`` reads, and why (said when it cannot be read)."""
+
+    kind: Literal["cluster", "local"]
+    reason: str
+
+
+def choose_source(
+    *,
+    kubeconfig: str | None,
+    cluster: bool,
+    local: bool,
+    state_dir: Path | None,
+    environ: Mapping[str, str],
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+) -> StatusSource:
+    """The cluster when asked (``--kubeconfig``, ``--cluster``) or when one is configured
+    (``$AKRI_KUBECONFIG``, a pod's service account, as ``kubectl exec`` into the agent has, or
+    ``$KUBECONFIG``); else the local state directory. ``--local`` or ``--state-dir`` (or
+    ``AKRI_LOCAL=true``, or ``AKRI_STATE_DIR`` set: the environment of a local agent) always
+    mean the state directory. The reason names what the client will really use: in a pod it
+    takes the service account over ``$KUBECONFIG``
+    (:func:`agent.core.kube.kubeconfig.load_config`)."""
+    asked_cluster = [f for f, on in (("--kubeconfig", kubeconfig), ("--cluster", cluster)) if on]
+    asked_local = [f for f, on in (("--local", local), ("--state-dir", state_dir)) if on]
+    if asked_cluster and asked_local:
+        raise StatusUsageError(
+            f"{' and '.join(asked_cluster)} read the cluster, {' and '.join(asked_local)} a "
+            "local state directory: give one or the other"
+        )
+    if asked_cluster:
+        return StatusSource("cluster", f"{asked_cluster[0]} given")
+    if asked_local:
+        return StatusSource("local", f"{asked_local[0]} given")
+    if environ.get("AKRI_LOCAL", "").strip().lower() in ("1", "true", "yes", "on"):
+        return StatusSource("local", "AKRI_LOCAL is set")
+    # a developer's shell often exports KUBECONFIG for kubectl; AKRI_STATE_DIR says that the
+    # agent they mean to ask is a local one (as AKRI_LOCAL does)
+    if environ.get("AKRI_STATE_DIR"):
+        return StatusSource("local", "$AKRI_STATE_DIR is set")
+    # in the order the client picks them: an explicit file, the pod's service account, then
+    # $KUBECONFIG (ignored by the client in a pod)
+    if environ.get("AKRI_KUBECONFIG"):
+        return StatusSource("cluster", "$AKRI_KUBECONFIG is set; --local reads a state directory")
+    in_a_pod = (
+        environ.get("KUBERNETES_SERVICE_HOST")
+        and environ.get("KUBERNETES_SERVICE_PORT")
+        and (service_account_dir / "token").is_file()
+    )
+    if in_a_pod:
+        ignored = " ($KUBECONFIG is not used in a pod)" if environ.get("KUBECONFIG") else ""
+        return StatusSource(
+            "cluster",
+            f"running in a pod (service account){ignored}; --local reads a state directory",
+        )
+    if environ.get("KUBECONFIG"):
+        return StatusSource("cluster", "$KUBECONFIG is set; --local reads a state directory")
+    return StatusSource("local", "no cluster configured ($KUBECONFIG unset, not in a pod)")
+
+
+def _object_json(metadata: dict[str, Any], spec: Any) -> dict[str, Any]:
+    return {"metadata": metadata, "spec": spec}
+
+
+def instances_json(instances: Sequence[Instance]) -> list[dict[str, Any]]:
+    """``{"metadata": {"name": ...}, "spec": {...}}`` per Instance as in the CRD (with
+    ``namespace`` and ``annotations`` in ``metadata`` when they are not the defaults)."""
+    items: list[dict[str, Any]] = []
+    for instance in instances:
+        obj = instance.to_dict()
+        metadata: dict[str, Any] = {"name": instance.name}
+        if instance.namespace != DEFAULT_NAMESPACE:
+            metadata["namespace"] = instance.namespace
+        if instance.annotations:
+            metadata["annotations"] = dict(instance.annotations)
+        items.append(_object_json(metadata, obj["spec"]))
+    return items
+
+
+def to_json(instances: Sequence[Instance]) -> str:
+    """A local state directory's Instances: a JSON list of CRD-shaped objects."""
+    return json.dumps(instances_json(instances), indent=2, sort_keys=True)
+
+
+def cluster_json(configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]) -> str:
+    """A cluster's ``{"configurations": [...], "instances": [...]}``, both CRD-shaped
+    (``metadata`` with name, namespace outside ``default`` and annotations; ``spec``)."""
+    shaped = []
+    for obj in configurations:
+        raw = obj.get("metadata") or {}
+        metadata: dict[str, Any] = {"name": raw.get("name", "?")}
+        if raw.get("namespace", DEFAULT_NAMESPACE) != DEFAULT_NAMESPACE:
+            metadata["namespace"] = raw["namespace"]
+        if raw.get("annotations"):
+            metadata["annotations"] = dict(raw["annotations"])
+        shaped.append(_object_json(metadata, obj.get("spec") or {}))
+    shaped.sort(key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
+    body = {"configurations": shaped, "instances": instances_json(instances)}
+    return json.dumps(body, indent=2, sort_keys=True)
+
+
+def state(instance: Instance) -> str:
+    """``ok``, or ``offline (node)`` for each node in its offline grace (its slots are
+    Unhealthy there) and ``draining: N slots in use (node)`` for each node that stays in the
+    Instance only until its slots are released."""
+    parts = [f"offline ({node})" for node in instance.offline_nodes]
+    for node in instance.draining_nodes:
+        count = len(node_slots(instance, node))
+        parts.append(f"draining: {count} slot{'s' if count != 1 else ''} in use ({node})")
+    return "; ".join(parts) or "ok"
+
+
+def _usage_summary(instance: Instance) -> str:
+    parts = []
+    for slot in instance.slot_ids() + sorted(
+        k for k in instance.device_usage if k not in set(instance.slot_ids())
+    ):
+        value = instance.device_usage.get(slot, "")
+        parts.append(f"{slot.rsplit('-', 1)[-1]}={value or '-'}")
+    return " ".join(parts)
+
+
+def to_table(instances: Sequence[Instance]) -> str:
+    """An aligned text table: name, configuration, nodes, shared, capacity, deviceUsage."""
+    header = (
+        "NAME",
+        "CONFIGURATION",
+        "NODES",
+        "SHARED",
+        "CAPACITY",
+        "USED",
+        "STATE",
+        "DEVICE USAGE",
+    )
+    rows = [header]
+    for inst in instances:
+        used = sum(1 for v in inst.device_usage.values() if v)
+        name = inst.name if inst.namespace == DEFAULT_NAMESPACE else f"{inst.namespace}/{inst.name}"
+        rows.append(
+            (
+                name,
+                inst.configuration_name,
+                ",".join(inst.nodes) or "-",
+                str(inst.shared).lower(),
+                str(inst.capacity),
+                str(used),
+                state(inst),
+                _usage_summary(inst),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = [
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True))
+        + "  "
+        + row[-1]
+        for row in rows
+    ]
+    if not instances:
+        lines.append("(no instances)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def configurations_table(
+    configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]
+) -> str:
+    """Configurations (raw API objects, valid or not) with their handler, capacity and
+    Instance count."""
+    rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED")]
+    for obj in configurations:
+        metadata = obj.get("metadata") or {}
+        spec = obj.get("spec") or {}
+        namespace, name = metadata.get("namespace", DEFAULT_NAMESPACE), metadata.get("name", "?")
+        mine = [i for i in instances if i.namespace == namespace and i.configuration_name == name]
+        used = sum(1 for i in mine for v in i.device_usage.values() if v)
+        slots = sum(i.capacity for i in mine)
+        rows.append(
+            (
+                name if namespace == DEFAULT_NAMESPACE else f"{namespace}/{name}",
+                str((spec.get("discoveryHandler") or {}).get("name", "?")),
+                str(spec.get("capacity", "?")),
+                str(len(mine)),
+                f"{used}/{slots}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )

@@ -1,0 +1,108 @@
+"""Process-wide Prometheus metrics, built when scraped (``prometheus_client`` custom collector).
+
+Nothing here runs between scrapes: :class:`TelemetryCollector` reads the plain counters of
+``agent/core/telemetry.py`` and the CAS write statistics, which every process (the node agent,
+the controller) keeps. What a particular process knows beyond those (the node agent's cached
+Instances, runners, plugins) is its own collector (``agent/node/metrics.py``), handed to
+:func:`registry_for`. This module imports nothing of the node agent or the controller.
+Every metric is listed in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    UnknownMetricFamily,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from agent.core import telemetry
+from agent.core.store.cas import DEFAULT_RETRY, STATS
+
+
+class TelemetryCollector(Collector):
+    """The process-wide counters and histograms (discovery results and times, Allocate and
+    prepare times, slot writes, API errors)."""
+
+    def collect(self) -> Iterator[Metric]:
+        # untyped, so that the name is exactly Akri's (a counter would gain "_total")
+        results = UnknownMetricFamily(
+            "akri_discovery_response_result",
+            "Device lists received from discovery handlers, by handler and result (Akri's "
+            "metric, a counter): success, or failure (an error, or a list over the bounds)",
+            labels=["discovery_handler_name", "response_result"],
+        )
+        for (handler, result), number in sorted(telemetry.DISCOVERY_RESULTS.items()):
+            results.add_metric([handler, result], number)
+        yield results
+        yield histograms(
+            "akri_discovery_response_time",
+            "Seconds from starting a Configuration's discovery to its first device list "
+            "(Akri's metric)",
+            "configuration",
+            telemetry.DISCOVERY_RESPONSE_TIME,
+        )
+        yield histograms(
+            "akri_allocate_seconds",
+            "Device-plugin Allocate handling time, by plugin kind (instance, configuration)",
+            "plugin",
+            telemetry.ALLOCATE,
+        )
+        prepare = HistogramMetricFamily(
+            "akri_node_prepare_resources_seconds",
+            "DRA NodePrepareResources handling time",
+        )
+        histogram = telemetry.NODE_PREPARE
+        prepare.add_metric([], histogram.cumulative(), histogram.total)
+        yield prepare
+        writes = CounterMetricFamily(
+            "akri_slot_writes_total", "resourceVersion-checked writes of Instances (slot changes)"
+        )
+        writes.add_metric([], STATS.writes)
+        yield writes
+        conflicts = CounterMetricFamily(
+            "akri_slot_write_conflicts_total",
+            "Instance writes refused as stale (409) and retried on a fresh read",
+        )
+        conflicts.add_metric([], STATS.conflicts)
+        yield conflicts
+        gave_up = CounterMetricFamily(
+            "akri_slot_write_retries_exhausted_total",
+            f"Instance writes given up after {DEFAULT_RETRY.attempts} conflicts in a row (the "
+            "Allocate, prepare or release that needed it failed; its caller may retry)",
+        )
+        gave_up.add_metric([], STATS.gave_up)
+        yield gave_up
+        errors = CounterMetricFamily(
+            "akri_api_request_errors_total",
+            "Kubernetes API requests that failed, by HTTP status code (or 'transport': no answer)",
+            labels=["code"],
+        )
+        for code, number in sorted(telemetry.API_ERRORS.items()):
+            errors.add_metric([code], number)
+        yield errors
+
+
+def histograms(
+    name: str, documentation: str, label: str, source: telemetry.LabelledHistograms
+) -> HistogramMetricFamily:
+    """One histogram family with a series per label value of ``source``."""
+    family = HistogramMetricFamily(name, documentation, labels=[label])
+    for value, histogram in sorted(source.by_label.items()):
+        family.add_metric([value], histogram.cumulative(), histogram.total)
+    return family
+
+
+def registry_for(*collectors: Collector) -> CollectorRegistry:
+    """A registry with the process-wide metrics and the process's own ``collectors`` only (no
+    process/platform collectors: the kubelet's cAdvisor already has the container's CPU and
+    memory)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TelemetryCollector())
+    for collector in collectors:
+        registry.register(collector)
+    return registry

@@ -1,0 +1,1 @@
+"""Tests of ``agent/core``: model, store backends, ledger and slot decisions, inotify, protos."""

@@ -1,0 +1,1 @@
+"""Tests of ``agent/core/kube``: the REST client, kubeconfig, proxies, real-world clusters."""

@@ -1,0 +1,1 @@
+"""Tests of what an operator applies and runs: crds/, deploy/, examples, the README's commands."""

@@ -1,0 +1,1 @@
+"""Tests of ``agent/node``: discovery, settings, status, the local agent, slot safety."""

@@ -1,0 +1,1 @@
+"""Tests of ``agent/node/deviceplugin`` against the kubelet double."""

@@ -1,0 +1,1 @@
+"""Tests of ``agent/node/dra`` against the DRA kubelet and scheduler doubles."""

@@ -1,0 +1,202 @@
+"""DRA pure logic: typed attributes, device names, pools, CDI specs, checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.core.model.instance import Instance
+from agent.core.model.naming import DRAINING_ANNOTATION, is_dns_label
+from agent.node.deviceplugin.container_env import ContainerEdits
+from agent.node.dra.cdi import (
+    CdiDevice,
+    CdiWriter,
+    cdi_device_name,
+    qualified,
+    safe_token,
+    spec_for,
+)
+from agent.node.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from agent.node.dra.slices import (
+    MAX_ATTRIBUTES,
+    attribute_name,
+    desired_pools,
+    device_attributes,
+    device_name,
+    slot_for_device,
+    typed_attribute,
+)
+from discovery_handlers.base import DeviceSpec, Mount
+
+
+def inst(
+    name: str, shared: bool, nodes: tuple[str, ...], capacity: int = 2, **usage: str
+) -> Instance:
+    mapping = {f"{name}-{i}": "" for i in range(capacity)}
+    mapping.update({f"{name}-{k[1:]}": v for k, v in usage.items()})
+    return Instance(
+        name=name,
+        configuration_name="cams",
+        capacity=capacity,
+        shared=shared,
+        nodes=nodes,
+        device_usage=mapping,
+        broker_properties={"FPS": "30", "COLOR": "true", "FW": "1.2.3", "MODEL": "X-100"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("30", {"int": 30}),
+        ("-7", {"int": -7}),
+        ("true", {"bool": True}),
+        ("False", {"bool": False}),
+        ("1.2.3", {"version": "1.2.3"}),
+        ("2.0.0-rc.1+build.5", {"version": "2.0.0-rc.1+build.5"}),
+        ("1.2", {"string": "1.2"}),
+        ("x" * 64, {"string": "x" * 64}),
+        ("x" * 65, None),
+        ("99999999999999999999", {"string": "99999999999999999999"}),
+    ],
+)
+def test_typed_attributes(value: str, expected: object) -> None:
+    assert typed_attribute(value) == expected
+
+
+def test_attribute_names_are_c_identifiers() -> None:
+    assert attribute_name("DEBUG_ECHO_DESCRIPTION") == "DEBUG_ECHO_DESCRIPTION"
+    assert attribute_name("a-b.c") == "a_b_c"
+    assert attribute_name("9x") == "_9x"
+    assert attribute_name("x" * 33) is None
+
+
+def test_device_attributes_reserved_first_and_limited() -> None:
+    instance = inst("cams-aaaaaa", True, ("n1",)).evolve(
+        broker_properties={f"P{i:02d}": str(i) for i in range(40)}
+    )
+    attributes = device_attributes(instance, 1)
+    assert attributes["configuration"] == {"string": "cams"}
+    assert attributes["slot"] == {"int": 1} and attributes["shared"] == {"bool": True}
+    assert len(attributes) == MAX_ATTRIBUTES
+
+
+def test_device_names_are_dns_labels() -> None:
+    assert device_name("cams-aaaaaa-0") == "cams-aaaaaa-0"
+    dotted = device_name("cams.lobby-aaaaaa-0")
+    assert is_dns_label(dotted) and dotted != device_name("cams-lobby-aaaaaa-0")
+
+
+def test_pools_local_and_shared_with_single_publisher() -> None:
+    local = inst("cams-llllll", False, ("n1",), s0="n1")  # IL-held slot leaves the slice
+    shared = inst("cams-ssssss", True, ("n2", "n1"), s1="D:uid:n2")  # DRA-held stays
+    gone = inst("cams-oooooo", True, ("n1",))
+    pools = desired_pools([local, shared, gone], "n1", offline={"cams-oooooo"})
+    by_name = {p.name: p for p in pools}
+    assert by_name["n1"].node_name == "n1"
+    assert [d["name"] for d in by_name["n1"].devices] == ["cams-llllll-1"]
+    assert [d["name"] for d in by_name["cams-ssssss"].devices] == ["cams-ssssss-0", "cams-ssssss-1"]
+    spec = by_name["cams-ssssss"].slice_specs()[0]
+    assert spec["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n1", "n2"]
+    assert by_name["cams-oooooo"].devices == ()  # offline: published empty
+    # n2 is not the publisher of the shared pool (n1 sorts first)
+    assert [p.name for p in desired_pools([shared], "n2", set())] == ["n2"]
+
+
+def test_big_pools_split_into_slices_of_128() -> None:
+    many = [inst(f"cams-{i:06x}", False, ("n1",), capacity=10) for i in range(30)]
+    (pool,) = desired_pools(many, "n1", set())
+    specs = pool.slice_specs()
+    assert [len(s["devices"]) for s in specs] == [128, 128, 44]
+    empty = desired_pools([], "n1", set())[0].slice_specs()
+    assert empty == [{"driver": "akri.sh", "devices": [], "nodeName": "n1"}]
+
+
+def test_device_resolution() -> None:
+    local = inst("cams-llllll", False, ("n1",))
+    shared = inst("cams-ssssss", True, ("n1", "n2"))
+    instances = {i.name: i for i in (local, shared)}
+    assert slot_for_device("n1", "cams-llllll-1", instances, "n1") == (local, "cams-llllll-1")
+    assert slot_for_device("cams-ssssss", "cams-ssssss-0", instances, "n2") == (
+        shared,
+        "cams-ssssss-0",
+    )
+    assert slot_for_device("n1", "nope", instances, "n1") is None
+    assert slot_for_device("other-node", "cams-llllll-1", instances, "n1") is None
+
+
+def test_cdi_spec_and_safe_paths(tmp_path: Path) -> None:
+    edits = ContainerEdits(
+        envs={"A": "1"},
+        device_specs=[DeviceSpec("/dev/video0", "/dev/video0", "rw")],
+        mounts=[Mount("/data", "/host", True)],
+    )
+    name = cdi_device_name("0a1b-uid", "cams-aaaaaa-0")
+    spec = spec_for([CdiDevice(name, edits)])
+    assert spec["kind"] == "k8s.akri.sh/device" and spec["cdiVersion"] == "0.5.0"
+    device = spec["devices"][0]
+    assert device["containerEdits"]["env"] == ["A=1"]
+    assert device["containerEdits"]["deviceNodes"][0]["hostPath"] == "/dev/video0"
+    assert qualified(name) == f"k8s.akri.sh/device={name}"
+    writer = CdiWriter(tmp_path / "cdi")
+    for hostile in ["../../etc/passwd", "a/b", "..", "x" * 300, "\x00"]:
+        path = writer.path_for(hostile)
+        assert path.parent == (tmp_path / "cdi").resolve()
+        assert safe_token(hostile).startswith("h")
+    written = writer.write("uid-1", [CdiDevice(name, edits)])
+    assert json.loads(written.read_text()) == spec
+    writer.remove("uid-1")
+    assert not written.exists()
+    writer.remove("uid-1")  # idempotent
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path: Path) -> None:
+    path = tmp_path / "cp" / "checkpoint.json"
+    checkpoint = Checkpoint(path)
+    claim = PreparedClaim(
+        "uid-1",
+        "ns",
+        "c",
+        (PreparedDevice(("req",), "n1", "cams-a-0", "cams-a", "cams-a-0", ("k=x",)),),
+    )
+    checkpoint.claims["uid-1"] = claim
+    checkpoint.save()
+    again = Checkpoint(path)
+    again.load()
+    assert again.claims == {"uid-1": claim}
+    path.write_text("{broken")
+    broken = Checkpoint(path)
+    broken.load()
+    assert broken.claims == {}
+
+
+def test_an_empty_pool_stored_without_devices_is_unchanged() -> None:
+    """A real API server stores ``devices: []`` as absent: the publisher must neither
+    rewrite the slice on every sync nor report dropped fields (issue 12)."""
+    from agent.node.dra.slices import Pool, same_slice_content
+
+    wanted = Pool(name="node-a", node_name="node-a").slice_specs()[0]
+    assert wanted["devices"] == []
+    stored = {k: v for k, v in wanted.items() if k != "devices"}
+    stored["pool"] = {"name": "node-a", "generation": 1, "resourceSliceCount": 1}
+    assert same_slice_content(stored, wanted)
+    assert not same_slice_content({**stored, "devices": [{"name": "x"}]}, wanted)
+
+
+def test_a_draining_node_publishes_none_of_the_instances_slots() -> None:
+    """The stored draining mark counts even when the offline set does not list the Instance
+    (adopted draining after another node re-created it)."""
+    local = inst("cams-llllll", False, ("n1",), s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    shared = inst("cams-ssssss", True, ("n1", "n2"), s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    by_name = {p.name: p for p in desired_pools([local, shared], "n1", offline=set())}
+    assert by_name["n1"].devices == ()
+    assert by_name["cams-ssssss"].devices == ()
+    # draining on another node does not hide the slots n1 publishes for its own pool
+    other = inst("cams-mmmmmm", False, ("n1",)).with_node_mark(DRAINING_ANNOTATION, "n2", True)
+    assert len(desired_pools([other], "n1", offline=set())[0].devices) == 2

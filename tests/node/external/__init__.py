@@ -1,0 +1,1 @@
+"""Tests of ``agent/node/external``: Akri's v0 discovery protocol, both directions."""

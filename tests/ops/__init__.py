@@ -1,0 +1,1 @@
+"""Tests of ``agent/ops``: health, metrics, logs, GC tuning."""
