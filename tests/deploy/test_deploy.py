@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from agent.node.settings import AGENT_OPTIONS, AgentSettings, resolve
-from tests.deploy.test_crds import (
+from tests.doubles.crd_pipeline import (
     CONFIGURATION_CRD,
     cel_violations,
     load_crd,

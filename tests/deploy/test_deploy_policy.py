@@ -11,76 +11,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import celpy
 import pytest
 import yaml
-from celpy.adapter import json_to_cel
 
 from agent.node.dra.slices import Pool
+from tests.doubles.admission_policy import admit
 from tests.paths import REPO
 
 ROOT = REPO
-POLICY = ROOT / "deploy" / "base" / "resourceslice-policy.yaml"
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (kustomize) not installed")
-AGENT = "system:serviceaccount:akri:akri-agent"
-ENV = celpy.Environment()
-
-
-def policy() -> dict[str, Any]:
-    documents = list(yaml.safe_load_all(POLICY.read_text()))
-    found = next(d for d in documents if d["kind"] == "ValidatingAdmissionPolicy")
-    assert isinstance(found, dict)
-    return found
-
-
-def evaluate(expression: str, activation: dict[str, Any]) -> Any:
-    program = ENV.program(ENV.compile(expression))
-    return program.evaluate(activation)
-
-
-def admit(
-    operation: str,
-    slice_: dict[str, Any],
-    *,
-    old: dict[str, Any] | None = None,
-    user: str = AGENT,
-    node: str | None = "node-a",
-    found: dict[str, Any] | None = None,
-) -> tuple[bool, str]:
-    """(allowed, message) as the API server decides for this request. ``slice_`` is the
-    object sent (for a DELETE: the one deleted); ``old`` what an UPDATE replaces (default:
-    the same slice); ``found`` the policy to use (default: the base's)."""
-    spec = (found or policy())["spec"]
-    extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
-    request = {"operation": operation, "userInfo": {"username": user, "extra": extra}}
-    activation: dict[str, Any] = {
-        "request": json_to_cel(request),
-        "object": json_to_cel(None if operation == "DELETE" else slice_),
-        "oldObject": json_to_cel(None if operation == "CREATE" else (old or slice_)),
-    }
-    for condition in spec["matchConditions"]:
-        if not evaluate(condition["expression"], activation):
-            return True, "not matched"
-    variables: dict[str, Any] = {}
-    for variable in spec["variables"]:
-        activation["variables"] = (
-            json_to_cel(None)
-            if not variables
-            else celpy.celtypes.MapType(
-                {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-            )
-        )
-        variables[variable["name"]] = evaluate(variable["expression"], activation)
-    activation["variables"] = celpy.celtypes.MapType(
-        {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-    )
-    for validation in spec["validations"]:
-        if not evaluate(validation["expression"], activation):
-            if "messageExpression" in validation:
-                return False, str(evaluate(validation["messageExpression"], activation))
-            return False, " ".join(validation["message"].split())
-    return True, ""
 
 
 def node_slice(node: str) -> dict[str, Any]:

@@ -649,7 +649,7 @@ def test_the_helm_charts_onvif_configuration_loads_unchanged() -> None:
     """Akri's chart, rendered with its defaults (onvif.configuration.enabled=true): valid
     against our Configuration CRD, accepted by our model and by the handler (no warnings),
     and every filter the chart writes is Akri's 'Exclude nothing'."""
-    from tests.deploy.test_crds import (
+    from tests.doubles.crd_pipeline import (
         CONFIGURATION_CRD,
         cel_violations,
         load_crd,

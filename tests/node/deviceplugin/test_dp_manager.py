@@ -11,174 +11,22 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 
-from agent.core.ledger.ledger import SlotLedger
-from agent.core.model.configuration import Configuration
-from agent.core.model.instance import Instance
-from agent.core.model.keys import ObjectKey
-from agent.core.store.base import EventType, InstanceEvent, InstanceStore, NotFoundError
-from agent.core.store.cache import InstanceCache
 from agent.node.deviceplugin.endpoint import PluginEndpoint
-from agent.node.deviceplugin.manager import DevicePluginManager
 from agent.node.deviceplugin.registration import KubeletRegistrar
 from agent.node.deviceplugin.service import DevicePluginService
 from agent.node.deviceplugin.views import DeviceView
-from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from discovery_handlers.base import Device
 from tests.doubles.kubelet_double import KubeletDouble
-
-NODE = "n1"
-CL = "akri.sh/cam"
-
-
-class MemoryStore(InstanceStore):
-    """The cache only: ``put``/``remove`` change it and publish the event, like a watch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cache = InstanceCache()
-        self.full_lists = 0  # list_cached() of everything
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        await self._stop_watching()
-
-    def get_cached(self, key: ObjectKey) -> Instance | None:
-        return self._cache.get(key)
-
-    def list_cached(self, configuration: ObjectKey | None = None) -> list[Instance]:
-        if configuration is None:
-            self.full_lists += 1
-        return self._cache.all(configuration)
-
-    def instances_named(self, name: str) -> list[Instance]:
-        return self._cache.named(name)
-
-    def instance_configurations(self) -> set[ObjectKey]:
-        return self._cache.configuration_keys()
-
-    async def get(self, key: ObjectKey) -> Instance:
-        found = self._cache.get(key)
-        if found is None:
-            raise NotFoundError(str(key))
-        return found
-
-    async def create(self, instance: Instance) -> Instance:
-        self.put(instance)
-        return instance
-
-    async def update(self, instance: Instance) -> Instance:
-        self.put(instance)
-        return instance
-
-    async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
-        self.remove(key.name)
-
-    def configurations(self) -> list[Configuration]:
-        return []
-
-    def put(self, instance: Instance) -> None:
-        previous, catalog = self._cache.put(instance)
-        kind = EventType.ADDED if previous is None else EventType.MODIFIED
-        self._publish_instance(InstanceEvent(kind, instance, previous))
-        if catalog:
-            self._catalog_changed()
-
-    def remove(self, name: str) -> None:
-        previous, catalog = self._cache.remove(ObjectKey("default", name))
-        assert previous is not None
-        self._publish_instance(InstanceEvent(EventType.DELETED, previous, previous))
-        if catalog:
-            self._catalog_changed()
-
-
-class Source:
-    def __init__(self) -> None:
-        self.offline: set[str] = set()
-
-    def offline_instances(self) -> frozenset[str]:
-        return frozenset(self.offline)
-
-    def device_for(self, instance: str) -> Device | None:
-        return None
-
-
-def instance(index: int, configuration: str = "cam", capacity: int = 2) -> Instance:
-    name = f"{configuration}-{index:06d}"
-    return Instance(
-        name=name,
-        configuration_name=configuration,
-        capacity=capacity,
-        nodes=(NODE,),
-        device_usage={f"{name}-{s}": "" for s in range(capacity)},
-    )
-
-
-def il(index: int) -> str:
-    return f"akri.sh/cam-{index:06d}"
-
-
-@pytest.fixture
-def base() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dpm-", dir="/tmp"))  # unix socket paths are short
-    (path / "dp").mkdir()
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-async def kubelet(base: Path) -> AsyncIterator[KubeletDouble]:
-    double = KubeletDouble(base / "dp", base / "pr.sock", reregistration="kubelet")
-    await double.start()
-    yield double
-    await double.stop()
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[MemoryStore]:
-    memory = MemoryStore()
-    yield memory
-    await memory.close()
-
-
-Factory = Callable[..., Awaitable[DevicePluginManager]]
-
-
-@pytest.fixture
-async def make_manager(store: MemoryStore, kubelet: KubeletDouble) -> AsyncIterator[Factory]:
-    managers: list[DevicePluginManager] = []
-
-    async def make(**kwargs: Any) -> DevicePluginManager:
-        kwargs.setdefault("kubelet_poll", 3600)  # tests poll with check_sockets()
-        served = ServedInstances(store, Ownership(store))
-        manager = DevicePluginManager(
-            served, SlotLedger(store, NODE), Source(), kubelet.device_plugin_dir, **kwargs
-        )
-        await manager.start()
-        managers.append(manager)
-        return manager
-
-    yield make
-    for manager in managers:
-        await manager.close()
-
-
-async def registered(
-    kubelet: KubeletDouble, resources: Sequence[str], after: float | None = None
-) -> None:
-    for resource in resources:
-        await kubelet.wait_registered(resource, timeout=20, after=after)
+from tests.doubles.memory_store import MemoryStore
+from tests.node.deviceplugin.support import CL, Factory, Source, il, instance, registered
 
 
 class InFlight:

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from test_dp_manager are requested by name)
 """Issue 17, "quiet when idle": the kernel wakes the agent instead of a poll, work costs what
 changed, and a local debugEcho agent imports only what it uses.
 
@@ -24,18 +23,8 @@ from agent.core.store.local import LocalInstanceStore
 from agent.node.deviceplugin.reclaimer import HeldIndex, SlotReclaimer
 from agent.node.kubelet.state import KubeletView
 from tests.doubles.kubelet_double import KubeletDouble
-from tests.node.deviceplugin.test_dp_manager import (  # noqa: F401 - fixtures used by name
-    CL,
-    Factory,
-    MemoryStore,
-    base,
-    il,
-    instance,
-    kubelet,
-    make_manager,
-    registered,
-    store,
-)
+from tests.doubles.memory_store import MemoryStore
+from tests.node.deviceplugin.support import CL, Factory, il, instance, registered
 from tests.paths import REPO
 
 ROOT = REPO

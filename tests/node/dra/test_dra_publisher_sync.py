@@ -14,7 +14,7 @@ from agent.core.store.informer import RawEvent
 from agent.node.dra import publisher as publisher_module
 from agent.node.dra.publisher import SlicePublisher, _pool_of, _selected_nodes
 from agent.node.dra.slices import Pool, instance_devices
-from tests.deploy.test_deploy_policy import admit
+from tests.doubles.admission_policy import admit
 from tests.node.dra.test_dra_units import inst
 
 

@@ -1,0 +1,80 @@
+"""A ValidatingAdmissionPolicy evaluator: what kube-apiserver's admission decides for one
+request under ``deploy/base/resourceslice-policy.yaml`` (or a rendered copy).
+
+Stands for the API server's CEL admission: ``matchConditions`` first (a false one means not
+matched: allowed), then ``variables`` in order (each sees the ones before it), then each
+validation, with ``request``, ``object`` and ``oldObject`` bound as the server binds them (no
+``object`` on DELETE, no ``oldObject`` on CREATE). Where it differs: cel-python instead of
+cel-go (no cost limits, no type checking of the expressions before they run), and only the
+request fields the policy reads (operation, username, the node-name extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import celpy
+import yaml
+from celpy.adapter import json_to_cel
+
+from tests.paths import REPO
+
+POLICY = REPO / "deploy" / "base" / "resourceslice-policy.yaml"
+AGENT = "system:serviceaccount:akri:akri-agent"
+ENV = celpy.Environment()
+
+
+def policy() -> dict[str, Any]:
+    documents = list(yaml.safe_load_all(POLICY.read_text()))
+    found = next(d for d in documents if d["kind"] == "ValidatingAdmissionPolicy")
+    assert isinstance(found, dict)
+    return found
+
+
+def evaluate(expression: str, activation: dict[str, Any]) -> Any:
+    program = ENV.program(ENV.compile(expression))
+    return program.evaluate(activation)
+
+
+def admit(
+    operation: str,
+    slice_: dict[str, Any],
+    *,
+    old: dict[str, Any] | None = None,
+    user: str = AGENT,
+    node: str | None = "node-a",
+    found: dict[str, Any] | None = None,
+) -> tuple[bool, str]:
+    """(allowed, message) as the API server decides for this request. ``slice_`` is the
+    object sent (for a DELETE: the one deleted); ``old`` what an UPDATE replaces (default:
+    the same slice); ``found`` the policy to use (default: the base's)."""
+    spec = (found or policy())["spec"]
+    extra = {"authentication.kubernetes.io/node-name": [node]} if node else {}
+    request = {"operation": operation, "userInfo": {"username": user, "extra": extra}}
+    activation: dict[str, Any] = {
+        "request": json_to_cel(request),
+        "object": json_to_cel(None if operation == "DELETE" else slice_),
+        "oldObject": json_to_cel(None if operation == "CREATE" else (old or slice_)),
+    }
+    for condition in spec["matchConditions"]:
+        if not evaluate(condition["expression"], activation):
+            return True, "not matched"
+    variables: dict[str, Any] = {}
+    for variable in spec["variables"]:
+        activation["variables"] = (
+            json_to_cel(None)
+            if not variables
+            else celpy.celtypes.MapType(
+                {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+            )
+        )
+        variables[variable["name"]] = evaluate(variable["expression"], activation)
+    activation["variables"] = celpy.celtypes.MapType(
+        {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+    )
+    for validation in spec["validations"]:
+        if not evaluate(validation["expression"], activation):
+            if "messageExpression" in validation:
+                return False, str(evaluate(validation["messageExpression"], activation))
+            return False, " ".join(validation["message"].split())
+    return True, ""
