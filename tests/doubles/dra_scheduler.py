@@ -9,7 +9,8 @@
 * it keeps the slices (or, with ``perDeviceNodeSelection``, the devices) **available on the
   node**: ``nodeName == node``, ``allNodes: true``, or a ``nodeSelector`` whose terms match the
   node (``matchFields`` on ``metadata.name`` and ``matchExpressions`` on the node labels, which
-  come from ``node_labels=`` or the Node object in the API double);
+  come from ``node_labels=`` or the Node object in the API double, with kubelet's
+  ``kubernetes.io/hostname=<node>`` when the Node has none);
 * it excludes devices **already allocated** to any claim (``status.allocation.devices.results``
   of all claims, by driver/pool/device) unless the device sets ``allowMultipleAllocations``,
   and devices with a ``NoSchedule``/``NoExecute`` taint;
@@ -286,7 +287,11 @@ def _node_labels(
     if node_labels is not None:
         return dict(node_labels)
     node = api.get("nodes", node_name)
-    return dict(((node or {}).get("metadata") or {}).get("labels") or {})
+    labels = dict(((node or {}).get("metadata") or {}).get("labels") or {})
+    # kubelet registers every Node with this label (= the node name without
+    # --hostname-override); tests often have no Node object at all
+    labels.setdefault("kubernetes.io/hostname", node_name)
+    return labels
 
 
 def _write_status(api: ApiServerDouble, claim: JSON, status: JSON) -> JSON:

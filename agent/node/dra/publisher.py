@@ -28,10 +28,12 @@ from agent.core.model.instance import Instance
 from agent.core.store.informer import Informer, Obj, RawEvent, watch_events
 from agent.node.dra.slices import (
     DRIVER,
+    HOSTNAME_LABEL,
     Pool,
     desired_pools,
     instance_devices,
     same_slice_content,
+    selected_nodes,
 )
 
 log = logging.getLogger(__name__)
@@ -65,14 +67,8 @@ def _generation(obj: Obj) -> int:
 
 
 def _selected_nodes(obj: Obj) -> set[str]:
-    """Node names a shared slice's nodeSelector lists (``metadata.name In [...]``)."""
-    selector = (obj.get("spec") or {}).get("nodeSelector") or {}
-    names: set[str] = set()
-    for term in selector.get("nodeSelectorTerms") or []:
-        for field in term.get("matchFields") or []:
-            if field.get("key") == "metadata.name" and field.get("operator") == "In":
-                names.update(str(v) for v in field.get("values") or [])
-    return names
+    """Node names a shared slice's nodeSelector lists (either stored form)."""
+    return selected_nodes(obj.get("spec") or {})
 
 
 def _unchanged(existing: list[Obj], specs: list[dict[str, Any]]) -> bool:
@@ -185,6 +181,17 @@ class SlicePublisher:
         None: slices are then published without an owner, which only delays their cleanup."""
         try:
             node = await self._client.get(resource_path("", "v1", "nodes", name=self.node))
+            hostname = (node["metadata"].get("labels") or {}).get(HOSTNAME_LABEL)
+            if hostname is not None and hostname != self.node:
+                # shared pools select nodes by this label, listing node names
+                log.warning(
+                    "Node %s has label %s=%s: shared devices published through DRA are not "
+                    "schedulable on it (their pools select %s = node name)",
+                    self.node,
+                    HOSTNAME_LABEL,
+                    hostname,
+                    HOSTNAME_LABEL,
+                )
             return str(node["metadata"]["uid"])
         except (ApiError, KeyError, TypeError) as error:
             log.warning(

@@ -6,7 +6,8 @@ without feature gates.
 * **Local (unshared) Instances** go in the node's pool: pool name = node name,
   ``spec.nodeName`` = node.
 * **Shared Instances** get a pool of their own, named after the Instance, available on exactly
-  the nodes in ``instance.nodes`` (``nodeSelector`` on ``metadata.name``), and published by one
+  the nodes in ``instance.nodes`` (``nodeSelector``: one term, ``kubernetes.io/hostname In
+  <nodes>``, the only many-node form the API server validates), and published by one
   deterministic agent: the node that sorts first in ``instance.nodes``. So the scheduler sees
   each slot once, whichever node it schedules on.
 * A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
@@ -42,6 +43,7 @@ from agent.core.model.instance import Instance
 from agent.core.model.naming import is_dns_label
 
 DRIVER = "akri.sh"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 MAX_DEVICES_PER_SLICE = 128
 MAX_ATTRIBUTES = 32
 MAX_ATTRIBUTE_NAME = 32
@@ -158,21 +160,47 @@ class Pool:
             if self.node_name is not None:
                 spec["nodeName"] = self.node_name
             else:
-                spec["nodeSelector"] = {
-                    "nodeSelectorTerms": [
-                        {
-                            "matchFields": [
-                                {
-                                    "key": "metadata.name",
-                                    "operator": "In",
-                                    "values": list(self.nodes),
-                                }
-                            ]
-                        }
-                    ]
-                }
+                spec["nodeSelector"] = shared_node_selector(self.nodes)
             specs.append(spec)
         return specs
+
+
+def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:
+    """The ``nodeSelector`` of a shared pool: the nodes that see the device.
+
+    The API server allows a ResourceSlice exactly one node-selector term, and a ``matchFields``
+    requirement on ``metadata.name`` exactly one value (``ValidateResourceSliceSpec``,
+    ``validateNodeFieldSelectorRequirement``): neither a list of node names in one field
+    requirement nor one term per node is accepted (both are 422). A label requirement may list
+    many values, so the pool selects on the ``kubernetes.io/hostname`` label, which kubelet
+    sets to the node name unless ``--hostname-override`` makes them differ (the agent warns at
+    start when its own Node's label does not match, docs/dra.md)."""
+    return {
+        "nodeSelectorTerms": [
+            {
+                "matchExpressions": [
+                    {"key": HOSTNAME_LABEL, "operator": "In", "values": sorted(set(nodes))}
+                ]
+            }
+        ]
+    }
+
+
+def selected_nodes(spec: Mapping[str, Any]) -> set[str]:
+    """Node names a shared slice's ``nodeSelector`` lists: the ``kubernetes.io/hostname In``
+    values this agent writes, and ``metadata.name In`` values (slices written by agents before
+    the selector changed form; any number of terms), so a pool is read back and adopted
+    whichever form it is stored in."""
+    names: set[str] = set()
+    selector = spec.get("nodeSelector") or {}
+    for term in selector.get("nodeSelectorTerms") or []:
+        for requirement in term.get("matchFields") or []:
+            if requirement.get("key") == "metadata.name" and requirement.get("operator") == "In":
+                names.update(str(v) for v in requirement.get("values") or [])
+        for requirement in term.get("matchExpressions") or []:
+            if requirement.get("key") == HOSTNAME_LABEL and requirement.get("operator") == "In":
+                names.update(str(v) for v in requirement.get("values") or [])
+    return names
 
 
 DevicesOf = Callable[[Instance, bool], Sequence[dict[str, Any]]]

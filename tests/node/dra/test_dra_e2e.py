@@ -78,9 +78,15 @@ async def test_slices_follow_free_slots(api: ApiServerDouble, tmp_path: Path) ->
         assert device["attributes"]["slot"] == {"int": 0}
         assert device["attributes"]["shared"] == {"bool": True}
         assert device["attributes"]["DEBUG_ECHO_DESCRIPTION"] == {"string": "foo0"}
-        assert slice_["spec"]["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0][
-            "values"
-        ] == ["node-a"]
+        assert slice_["spec"]["nodeSelector"] == {
+            "nodeSelectorTerms": [
+                {
+                    "matchExpressions": [
+                        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+                    ]
+                }
+            ]
+        }
         # a slot taken through the IL device plugin leaves the slice promptly
         await node.ledger.claim(
             ObjectKey("default", "cam-8120fe"), "cam-8120fe-0", Owner.instance_level("node-a")

@@ -99,7 +99,12 @@ def test_pools_local_and_shared_with_single_publisher() -> None:
     assert [d["name"] for d in by_name["n1"].devices] == ["cams-llllll-1"]
     assert [d["name"] for d in by_name["cams-ssssss"].devices] == ["cams-ssssss-0", "cams-ssssss-1"]
     spec = by_name["cams-ssssss"].slice_specs()[0]
-    assert spec["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]["values"] == ["n1", "n2"]
+    (term,) = spec["nodeSelector"]["nodeSelectorTerms"]  # the API allows exactly one term
+    assert term == {
+        "matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1", "n2"]}
+        ]
+    }
     assert by_name["cams-oooooo"].devices == ()  # offline: published empty
     # n2 is not the publisher of the shared pool (n1 sorts first)
     assert [p.name for p in desired_pools([shared], "n2", set())] == ["n2"]
@@ -200,3 +205,32 @@ def test_a_draining_node_publishes_none_of_the_instances_slots() -> None:
     # draining on another node does not hide the slots n1 publishes for its own pool
     other = inst("cams-mmmmmm", False, ("n1",)).with_node_mark(DRAINING_ANNOTATION, "n2", True)
     assert len(desired_pools([other], "n1", offline=set())[0].devices) == 2
+
+
+def test_selected_nodes_reads_back_both_stored_forms() -> None:
+    """A pool written before the selector changed form (matchFields metadata.name, in one or
+    several terms) is read back like the current form (one hostname-label term), so its new
+    publisher recognises and adopts it."""
+    from agent.node.dra.slices import selected_nodes, shared_node_selector
+
+    current = {"nodeSelector": shared_node_selector(["n2", "n1", "n1"])}
+    assert current["nodeSelector"]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"] == [
+        "n1",
+        "n2",
+    ]
+    assert selected_nodes(current) == {"n1", "n2"}
+    legacy = {
+        "nodeSelector": {
+            "nodeSelectorTerms": [
+                {
+                    "matchFields": [
+                        {"key": "metadata.name", "operator": "In", "values": ["n1", "n3"]}
+                    ]
+                },
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n4"]}]},
+                {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["n9"]}]},
+            ]
+        }
+    }
+    assert selected_nodes(legacy) == {"n1", "n3", "n4"}
+    assert selected_nodes({"nodeName": "n1"}) == set()
