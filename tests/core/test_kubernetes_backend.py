@@ -18,7 +18,7 @@ import pytest
 from agent.core.kube import make_kube_client
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store import kubernetes as kubernetes_module
+from agent.core.store import kube_events
 from agent.core.store.base import ConflictError
 from agent.core.store.cas import cas_update
 from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
@@ -476,7 +476,7 @@ class EventSink:
     async def create(self, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
         self.created.append(body["message"])
         self.waiting += 1
-        if self.waiting == kubernetes_module.MAX_EVENTS_IN_FLIGHT:
+        if self.waiting == kube_events.MAX_EVENTS_IN_FLIGHT:
             self.in_flight_reached.set()
         await self.gate.wait()
         self.waiting -= 1
@@ -495,7 +495,7 @@ async def test_event_sends_in_flight_are_capped(caplog: pytest.LogCaptureFixture
     (each its own task, each its own connection wait)."""
     sink = EventSink(held=True)
     store = event_store(sink)
-    cap = kubernetes_module.MAX_EVENTS_IN_FLIGHT
+    cap = kube_events.MAX_EVENTS_IN_FLIGHT
     with caplog.at_level(logging.WARNING, logger="agent.core.store.kubernetes"):
         tasks = [
             asyncio.create_task(store.record_raw_configuration_event(CONFIG, "Bad", f"device {i}"))
@@ -517,18 +517,18 @@ async def test_event_sends_in_flight_are_capped(caplog: pytest.LogCaptureFixture
 async def test_event_deduplication_forgets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: every (object, reason, message) ever sent was kept for the agent's life."""
     now = [1000.0]
-    monkeypatch.setattr(kubernetes_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(kube_events, "time", SimpleNamespace(monotonic=lambda: now[0]))
     sink = EventSink()
     store = event_store(sink)
     await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
     await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
     assert sink.created == ["device 1"]  # the same Event at most every 5 minutes
-    now[0] += kubernetes_module.EVENT_REPEAT_INTERVAL
+    now[0] += kube_events.EVENT_REPEAT_INTERVAL
     await store.record_raw_configuration_event(CONFIG, "Bad", "device 2")
-    assert len(store._events_sent) == 1  # device 1's entry expired
+    assert len(store._events.sent) == 1  # device 1's entry expired
     await store.record_raw_configuration_event(CONFIG, "Bad", "device 1")
     assert sink.created == ["device 1", "device 2", "device 1"]
     # a flood of distinct messages within the window: the memory stays bounded
-    for i in range(kubernetes_module.MAX_EVENT_KEYS + 500):
+    for i in range(kube_events.MAX_EVENT_KEYS + 500):
         await store.record_raw_configuration_event(CONFIG, "Bad", f"flood {i}")
-    assert len(store._events_sent) <= kubernetes_module.MAX_EVENT_KEYS
+    assert len(store._events.sent) <= kube_events.MAX_EVENT_KEYS

@@ -7,15 +7,16 @@
   precondition. There is no blind merge patch of ``deviceUsage`` or ``nodes``.
 * Successful writes are applied to the cache at once (write-through), so the next decision
   never works on an older version than our own last write.
-* Invalid Configurations and discovery problems become Kubernetes Events on the Configuration.
+* Secrets/ConfigMaps named by ``discoveryProperties`` are read and watched by
+  :mod:`agent.core.store.kube_properties`.
+* Invalid Configurations and discovery problems become Kubernetes Events on the Configuration
+  (sent, de-duplicated and bounded by :mod:`agent.core.store.kube_events`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import datetime
 import json
 import logging
 import time
@@ -33,7 +34,7 @@ from agent.core.model.configuration import (
 )
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import ObjectKey
-from agent.core.model.properties import ObjectRef, PropertyResolutionError
+from agent.core.model.properties import ObjectRef
 from agent.core.store.base import (
     AlreadyExistsError,
     ConfigurationEvent,
@@ -56,6 +57,8 @@ from agent.core.store.informer import (
     identity_only,
     watch_events,
 )
+from agent.core.store.kube_events import EventRecorder
+from agent.core.store.kube_properties import PropertySources
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +67,6 @@ VERSION = "v0"
 INSTANCES = "instances"
 CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
-EVENT_REPEAT_INTERVAL = 300.0
-# Events are best effort: under a flood of distinct messages (a handler reporting thousands of
-# bad devices) neither the de-duplication memory nor the requests in flight may grow without
-# bound. Over these, the oldest memory is forgotten, and new Events are dropped and counted.
-MAX_EVENT_KEYS = 4096
-MAX_EVENTS_IN_FLIGHT = 32
 CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
 MAX_START_BACKOFF = 10.0
 TRANSIENT = (0, 429, 500, 502, 503, 504)
@@ -129,15 +126,21 @@ class KubernetesInstanceStore(InstanceStore):
             self._watcher(CONFIGURATIONS),
             self._on_configuration,
         )
-        # (object, reason, message) -> when last sent; oldest first (re-sent keys move to the
-        # end), so expired entries are dropped from the front
-        self._events_sent: collections.OrderedDict[tuple[str, str, str], float] = (
-            collections.OrderedDict()
-        )
-        self._events_in_flight = 0
-        self.events_dropped = 0  # Events not sent because MAX_EVENTS_IN_FLIGHT were pending
-        self._event_tasks: set[asyncio.Task[None]] = set()
         self.request_count = 0
+        self._events = EventRecorder(
+            api_client, settings.node_name, settings.request_timeout, self._count_request
+        )
+        self._properties = PropertySources(
+            api_client, settings.request_timeout, WATCH_TIMEOUT_SECONDS, self._count_request
+        )
+
+    def _count_request(self) -> None:
+        self.request_count += 1
+
+    @property
+    def events_dropped(self) -> int:
+        """Events not sent because too many were pending (``akri_events_dropped_total``)."""
+        return self._events.dropped
 
     @property
     def api_client(self) -> KubeClient:
@@ -251,12 +254,9 @@ class KubernetesInstanceStore(InstanceStore):
             if self._config_errors.get(key) != message:
                 self._config_errors[key] = message
                 log.error("invalid %s: %s", source, message)
-                task = asyncio.get_running_loop().create_task(
-                    self._event_for_raw(event.obj, "Configuration", "InvalidConfiguration", message)
+                self._events.record_soon(
+                    event.obj, "Configuration", "InvalidConfiguration", message
                 )
-                # a reference, or the loop may collect the task before it runs
-                self._event_tasks.add(task)
-                task.add_done_callback(self._event_tasks.discard)
             self._publish_configuration(
                 ConfigurationEvent(EventType.MODIFIED, key, None, message, source)
             )
@@ -370,167 +370,23 @@ class KubernetesInstanceStore(InstanceStore):
 
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
-        plural = "secrets" if kind == "secret" else "configmaps"
-        self.request_count += 1
-        try:
-            return await self._client.get(
-                resource_path("", "v1", plural, namespace, name),
-                request_timeout=self.settings.request_timeout,
-            )
-        except ApiError as error:
-            if error.status == 404:
-                return None
-            if error.status == 403:
-                raise PropertyResolutionError(
-                    f"cannot read {kind} {namespace}/{name}: forbidden — the agent's "
-                    f"ServiceAccount needs get, list and watch on {plural} in namespace "
-                    f"{namespace}: kubectl apply -n {namespace} -f "
-                    "deploy/properties-reader.yaml"
-                ) from error
-            what = f"HTTP {error.status}" if error.status else type(error).__name__
-            raise PropertyResolutionError(
-                f"cannot read {kind} {namespace}/{name}: {what}"
-            ) from error
+        return await self._properties.read(kind, namespace, name)
 
     def watch_objects(
         self, refs: Iterable[ObjectRef], on_change: Callable[[], None]
     ) -> Callable[[], None]:
-        tasks = [
-            asyncio.get_running_loop().create_task(
-                self._watch_named(ref, on_change), name=f"watch-{ref.kind}-{ref.name}"
-            )
-            for ref in refs
-        ]
-
-        def stop() -> None:
-            for task in tasks:
-                task.cancel()
-
-        return stop
-
-    async def _watch_named(self, ref: ObjectRef, on_change: Callable[[], None]) -> None:
-        """Watch one Secret/ConfigMap by name (field selector, so RBAC may use resourceNames)."""
-        selector = f"metadata.name={ref.name}"
-        plural = "secrets" if ref.kind == "secret" else "configmaps"
-        path = resource_path("", "v1", plural, ref.namespace)
-        initial = True
-
-        async def list_fn() -> tuple[list[Obj], str]:
-            self.request_count += 1
-            try:
-                return await self._client.list_all(
-                    path,
-                    params={"fieldSelector": selector},
-                    request_timeout=self.settings.request_timeout,
-                )
-            except ApiError as error:
-                if error.status == 0:
-                    raise
-                raise StoreUnavailableError(f"list {ref.kind}: HTTP {error.status}") from error
-
-        def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
-            stream = self._client.watch(
-                path, version, timeout_seconds=WATCH_TIMEOUT_SECONDS, field_selector=selector
-            )
-            return watch_events(stream, ref.kind)
-
-        def changed(_event: RawEvent) -> None:
-            if not initial:
-                on_change()
-
-        informer = Informer(f"{ref.kind} {ref.namespace}/{ref.name}", list_fn, watch_fn, changed)
-        while True:
-            try:
-                await informer.initial_list()
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:
-                log.warning("cannot list %s %s/%s: %s", ref.kind, ref.namespace, ref.name, error)
-                await asyncio.sleep(5)
-        initial = False
-        await informer.run()
+        return self._properties.watch(refs, on_change)
 
     # -- Kubernetes Events -----------------------------------------------------------------
     async def record_raw_configuration_event(
         self, raw: Mapping[str, Any], reason: str, message: str, *, warning: bool = True
     ) -> None:
-        await self._event_for_raw(raw, "Configuration", reason, message, warning=warning)
+        await self._events.record(raw, "Configuration", reason, message, warning=warning)
 
     async def record_instance_event(
         self, instance: Instance, reason: str, message: str, *, warning: bool = True
     ) -> None:
-        await self._event_for_raw(instance.to_dict(), "Instance", reason, message, warning=warning)
-
-    async def _event_for_raw(
-        self,
-        obj: Mapping[str, Any],
-        kind: str,
-        reason: str,
-        message: str,
-        *,
-        warning: bool = True,
-    ) -> None:
-        """Create a core/v1 Event about an akri.sh object; the same event at most every 5 min."""
-        meta = obj.get("metadata") or {}
-        name = str(meta.get("name") or "")
-        namespace = str(meta.get("namespace") or "default")
-        key = (f"{kind}/{namespace}/{name}", reason, message)
-        now = time.monotonic()
-        sent = self._events_sent
-        while sent and (
-            len(sent) >= MAX_EVENT_KEYS or now - next(iter(sent.values())) >= EVENT_REPEAT_INTERVAL
-        ):
-            sent.popitem(last=False)  # expired (or the oldest, when full)
-        if key in sent:
-            return  # sent less than EVENT_REPEAT_INTERVAL ago
-        if self._events_in_flight >= MAX_EVENTS_IN_FLIGHT:
-            if not self.events_dropped:
-                log.warning(
-                    "%d Events are being sent already: dropping new ones (counted in "
-                    "events_dropped; logged once)",
-                    self._events_in_flight,
-                )
-            self.events_dropped += 1
-            return
-        sent[key] = now
-        timestamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"generateName": f"{name}.", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": kind,
-                "name": name,
-                "namespace": namespace,
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "reason": reason,
-            "message": message[:1024],
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": "akri-agent", "host": self.settings.node_name},
-            "reportingComponent": "akri.sh/agent",
-            "reportingInstance": self.settings.node_name,
-            "firstTimestamp": timestamp,
-            "lastTimestamp": timestamp,
-            "count": 1,
-        }
-        self.request_count += 1
-        self._events_in_flight += 1
-        try:
-            await self._client.create(
-                resource_path("", "v1", "events", namespace),
-                body,
-                request_timeout=self.settings.request_timeout,
-            )
-        except Exception as error:  # an Event is best effort; never fail the caller
-            log.warning(
-                "could not record event %s on %s %s/%s: %s", reason, kind, namespace, name, error
-            )
-        finally:
-            self._events_in_flight -= 1
+        await self._events.record(instance.to_dict(), "Instance", reason, message, warning=warning)
 
 
 async def first_list(
