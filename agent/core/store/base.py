@@ -22,6 +22,7 @@ import abc
 import asyncio
 import contextlib
 import enum
+import errno
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,20 @@ class AlreadyExistsError(StoreError):
 
 class StoreUnavailableError(StoreError):
     """The backend cannot be reached right now; retry later."""
+
+
+class StorageError(StoreUnavailableError):
+    """A state file could not be written or removed (disk full, quota, read-only file system,
+    I/O error): the write did not happen and the previous file is intact. Transient from the
+    agent's point of view — the same write succeeds once space returns — so it is a kind of
+    "unavailable": a grant that needed it is refused with gRPC ``UNAVAILABLE``."""
+
+    def __init__(self, path: str, error: OSError) -> None:
+        self.path = path
+        self.errno = error.errno
+        name = errno.errorcode.get(error.errno or 0, "")
+        self.cause = (error.strerror or str(error)) + (f" ({name})" if name else "")
+        super().__init__(f"cannot write state file {path}: {self.cause}")
 
 
 class CorruptStateError(StoreError):

@@ -22,9 +22,11 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.model.configuration import Configuration
@@ -41,6 +43,7 @@ from agent.core.store.base import (
     InstanceStore,
     InvalidConfiguration,
     NotFoundError,
+    StorageError,
     StoreError,
 )
 from agent.core.store.cache import InstanceCache
@@ -49,6 +52,7 @@ from agent.core.store.files import (
     atomic_write_bytes,
     atomic_write_json,
     read_json,
+    remove_file,
     remove_stray_temp_files,
 )
 
@@ -67,14 +71,56 @@ def instance_path(instances_dir: Path, key: ObjectKey) -> Path:
     return instances_dir / key.namespace / f"{key.name}.json"
 
 
+# ASCII digits only: str.isdigit() accepts "²" and "٣", which int() then rejects or reads
+_VERSION = re.compile(r"[0-9]{1,19}")
+
+
+def is_version(text: str) -> bool:
+    """Whether ``text`` is a resourceVersion this backend writes (a decimal integer)."""
+    return _VERSION.fullmatch(text) is not None
+
+
+def _string_map(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    )
+
+
+def _metadata_problem(obj: Any) -> str | None:
+    """What :meth:`Instance.from_dict` accepts but the agent cannot use later (the API server
+    validates these; a hand-edited or damaged file is not validated by anyone else)."""
+    metadata = obj.get("metadata") if isinstance(obj, Mapping) else None
+    if not isinstance(metadata, Mapping):
+        return None  # from_dict reports it
+    for field in ("labels", "annotations"):
+        if metadata.get(field) is not None and not _string_map(metadata[field]):
+            return f"metadata.{field} must map strings to strings"
+    refs = metadata.get("ownerReferences")
+    if refs is not None and not (
+        isinstance(refs, list) and all(isinstance(ref, Mapping) for ref in refs)
+    ):
+        return "metadata.ownerReferences must be a list of objects"
+    for field in ("namespace", "resourceVersion", "uid", "deletionTimestamp"):
+        if metadata.get(field) is not None and not isinstance(metadata[field], str):
+            return f"metadata.{field} must be a string"
+    return None
+
+
 def load_instance_file(path: Path, namespace: str = DEFAULT_NAMESPACE) -> Instance:
-    """Read one Instance file; raises :class:`CorruptStateError` naming it."""
+    """Read one Instance file; raises :class:`CorruptStateError` naming it, whatever the
+    content."""
     obj = read_json(path)
+    problem = _metadata_problem(obj)
+    if problem is not None:
+        raise CorruptStateError(str(path), problem)
     try:
         instance = Instance.from_dict(obj)
     except InstanceFormatError as error:
         raise CorruptStateError(str(path), str(error)) from error
-    if instance.resource_version is None or not instance.resource_version.isdigit():
+    except (TypeError, ValueError, AttributeError, RecursionError) as error:
+        # a shape the parser did not foresee: still a broken file, named, never a traceback
+        raise CorruptStateError(str(path), f"{type(error).__name__}: {error}") from error
+    if instance.resource_version is None or not is_version(instance.resource_version):
         raise CorruptStateError(str(path), "metadata.resourceVersion must be an integer string")
     if path.name != f"{instance.name}.json":
         raise CorruptStateError(str(path), f"holds Instance {instance.name!r}, not {path.stem!r}")
@@ -100,11 +146,23 @@ def _instance_files(directory: Path) -> list[tuple[Path, str]]:
     return found
 
 
+def read_counter_file(path: Path) -> int | None:
+    """The resource-version counter (None if there is none); raises
+    :class:`CorruptStateError` naming it for any content but an integer (and OSError when it
+    cannot be read at all)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    text = raw.decode("ascii", errors="replace").strip()
+    if not is_version(text):
+        raise CorruptStateError(str(path), f"expected an integer, got {text[:40]!r}")
+    return int(text)
+
+
 def read_state_dir(state_dir: Path) -> list[Instance]:
     """All Instances in ``state_dir`` (for ``akri status``); raises on a corrupt file."""
-    counter = state_dir / COUNTER_FILE
-    if counter.exists() and not counter.read_text().strip().isdigit():
-        raise CorruptStateError(str(counter), "expected an integer")
+    read_counter_file(state_dir / COUNTER_FILE)
     directory = state_dir / INSTANCES_DIR
     if not directory.is_dir():
         return []
@@ -176,11 +234,7 @@ class LocalInstanceStore(InstanceStore):
         await self._stop_watching()
 
     def _check_counter(self) -> None:
-        if not self._counter_path.exists():
-            return
-        text = self._counter_path.read_text().strip()
-        if not text.isdigit():
-            raise CorruptStateError(str(self._counter_path), f"expected an integer, got {text!r}")
+        read_counter_file(self._counter_path)
 
     async def _poll_loop(self) -> None:
         """Pick up changes made by other processes and edits of Configuration files: woken by
@@ -251,7 +305,7 @@ class LocalInstanceStore(InstanceStore):
 
     async def create(self, instance: Instance) -> Instance:
         self._validate_key(instance.key)
-        async with self._write_lock:
+        async with self._write_lock, self._storage_errors():
             stored = await asyncio.to_thread(self._create_file, instance)
         self._apply_to_cache(stored.key, stored)
         return stored
@@ -273,7 +327,7 @@ class LocalInstanceStore(InstanceStore):
         self._validate_key(key)
         if instance.resource_version is None:
             raise ConflictError(f"{key}: update needs the resourceVersion it is based on")
-        async with self._write_lock:
+        async with self._write_lock, self._storage_errors():
             stored, current = await asyncio.to_thread(self._update_file, instance)
         if stored is None:
             assert current is not None
@@ -301,7 +355,7 @@ class LocalInstanceStore(InstanceStore):
 
     async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
         self._validate_key(key)
-        async with self._write_lock:
+        async with self._write_lock, self._storage_errors():
             outcome, current = await asyncio.to_thread(self._delete_file, key, resource_version)
         if outcome == "missing":
             self._apply_to_cache(key, None)
@@ -323,10 +377,20 @@ class LocalInstanceStore(InstanceStore):
                 if current.resource_version != resource_version:
                     return "stale", current
             self._next_version()  # a delete is a change other processes must notice
-            path.unlink()
+            remove_file(path, durable=self._durable)
         return "deleted", None
 
     # -- internals ---------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _storage_errors(self) -> AsyncIterator[None]:
+        """Any other OSError of a write (the flock file on a read-only file system, a
+        directory that cannot be made) is a :class:`StorageError` too: the caller (Allocate,
+        Prepare) refuses with a status naming it, and the old state stays as it was."""
+        try:
+            yield
+        except OSError as error:
+            raise StorageError(str(error.filename or self.state_dir), error) from error
+
     @staticmethod
     def _validate_key(key: ObjectKey) -> None:
         if not is_dns_subdomain(key.name):
@@ -349,10 +413,10 @@ class LocalInstanceStore(InstanceStore):
 
     def _next_version(self) -> str:
         """Allocate and persist the next resourceVersion (caller holds the flock)."""
-        current = 0
-        if self._counter_path.exists():
-            text = self._counter_path.read_text().strip()
-            current = int(text) if text.isdigit() else 0
+        try:
+            current = read_counter_file(self._counter_path) or 0
+        except CorruptStateError:
+            current = 0  # rewritten below, above every version seen in a file
         current = max(current, self._max_version) + 1
         if self._counter_stat() != self._last_counter_stat:
             # another process wrote since we last looked: our own write below would hide
