@@ -16,7 +16,7 @@ from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import ConfigurationEvent, EventType
 from agent.core.store.local import LocalInstanceStore
-from agent.node.deviceplugin.reclaimer import HeldIndex
+from agent.node.deviceplugin.held_slots import HeldIndex
 from agent.node.discovery import runner as runner_module
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import ServedInstances

@@ -39,15 +39,16 @@ slots (the ledger re-reads and re-decides on conflict, frees a slot only if it s
 the expected value, and keeps any slot this node granted again since it was first seen
 unused). Different Instances are released concurrently, at most ``concurrency`` at a time.
 
-Idle cost. The slots this node holds through plugins are kept in an index (:class:`HeldIndex`)
-fed by the store's Instance events when the reclaimer is given ``events`` (the agent does
+Idle cost. The slots this node holds through plugins are kept in an index
+(:class:`~agent.node.deviceplugin.held_slots.HeldIndex`, its own module, shared with the DRA
+reclaimer) fed by the store's Instance events when the reclaimer is given ``events`` (the agent does
 this), so a pass costs O(events since the last pass + held slots), not a parse of every slot
 of every Instance. When the node holds no plugin slot, a pass does not call kubelet at all.
 Without ``events`` the index is refreshed from ``list_instances()`` on every pass, re-parsing
 only Instances that changed.
 
-The decisions (which slots are held, stale, due; when to wake) are pure functions below; the
-I/O is in :class:`SlotReclaimer`.
+The decisions (which slots are stale, due; when to wake) are pure functions below; the I/O is
+in :class:`SlotReclaimer`. Which slots are held is :mod:`agent.node.deviceplugin.held_slots`.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -67,16 +68,13 @@ import grpc
 from agent.core.aio.events import Subscription
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.ledger.ledger import SlotLedger
-from agent.core.model.device_usage import ConfigurationUsage, NodeUsage, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import EventType, InstanceEvent
-from agent.node.deviceplugin.views import configuration_resource, instance_resource
+from agent.core.store.base import InstanceEvent
+from agent.node.deviceplugin.held_slots import HeldIndex, HeldSlot, SlotKey, follow_until_held
 from agent.node.kubelet.state import InUse, KubeletStateError, KubeletView
 
 log = logging.getLogger(__name__)
-
-SlotKey = tuple[ObjectKey, str]  # (instance, slot)
 
 TICK_SLACK = 0.1  # fraction of the interval a pass may move to confirm a deadline with it
 DEFAULT_CONCURRENCY = 8  # Instances released at the same time
@@ -94,166 +92,6 @@ class KubeletSource(Protocol):
     def socket_identity(self) -> tuple[int, int] | None: ...
 
     async def view(self) -> KubeletView: ...
-
-
-@dataclass(frozen=True)
-class HeldSlot:
-    """A slot this node holds through a device plugin, and the kubelet ID that proves use."""
-
-    instance: ObjectKey
-    slot: str
-    value: str
-    resource: str
-    device_id: str
-
-    @property
-    def key(self) -> SlotKey:
-        return (self.instance, self.slot)
-
-
-def held_slot(instance: Instance, slot: str, value: str, node: str) -> HeldSlot | None:
-    """``slot`` (holding ``value``) as an IL/CL slot ``node`` holds, or None."""
-    if not value or value.startswith("D:"):
-        return None  # free (most slots), or DRA's
-    usage = parse_usage(value)
-    if usage == NodeUsage(node):
-        return HeldSlot(instance.key, slot, value, instance_resource(instance.name), slot)
-    if isinstance(usage, ConfigurationUsage) and usage.node == node:
-        resource = configuration_resource(instance.configuration_name)
-        return HeldSlot(instance.key, slot, value, resource, usage.vdev)
-    return None
-
-
-SlotExtractor = Callable[[Instance, str, str, str], HeldSlot | None]
-
-
-def held_in(
-    instance: Instance, node: str, extract: SlotExtractor = held_slot
-) -> tuple[HeldSlot, ...]:
-    """The slots of one Instance that ``node`` holds (IL/CL by default)."""
-    result = []
-    for slot, value in sorted(instance.device_usage.items()):
-        if value and (held := extract(instance, slot, value, node)) is not None:
-            result.append(held)
-    return tuple(result)
-
-
-async def follow_until_held(
-    index: HeldIndex,
-    subscription: Subscription[InstanceEvent],
-    idle: asyncio.Event,
-    current: Callable[[], bool] = lambda: True,
-) -> bool:
-    """Apply Instance events to ``index`` until this node holds a slot (or ``current()``
-    turns False); ``idle`` is set meanwhile. False when the subscription ended."""
-    idle.set()
-    try:
-        while not index and current():
-            try:
-                event = await anext(subscription)
-            except StopAsyncIteration:
-                return False
-            index.apply(event)
-        return True
-    finally:
-        idle.clear()
-
-
-class HeldIndex:
-    """The slots ``node`` holds (``extract``: IL/CL by default), per Instance, kept up to date
-    by :meth:`update` / :meth:`remove` (from Instance events) or :meth:`sync` (from a list).
-    Instances for which ``served`` is False are left out.
-
-    An update costs what changed: the slots whose value differs from the object the entry
-    was computed from are found with a set difference of the two ``deviceUsage`` maps (done in
-    C), and only those are parsed — a claim on an Instance of capacity 1000 parses one slot,
-    not a thousand."""
-
-    def __init__(
-        self,
-        node: str,
-        served: Callable[[Instance], bool] = lambda _: True,
-        extract: SlotExtractor = held_slot,
-    ) -> None:
-        self.node = node
-        self._served = served
-        self._extract = extract
-        self._held: dict[ObjectKey, dict[str, HeldSlot]] = {}  # only Instances with held slots
-        self._seen: dict[ObjectKey, Instance] = {}  # the object each entry was computed from
-        self.parsed = 0  # slots parsed (tests)
-
-    def update(self, instance: Instance) -> None:
-        """Record the current state of ``instance``."""
-        key = instance.key
-        if not self._served(instance):
-            self.remove(key)
-            return
-        previous = self._seen.get(key)
-        self._seen[key] = instance
-        if previous is instance:
-            return
-        if (
-            previous is None
-            or previous.configuration_name != instance.configuration_name
-            or previous.name != instance.name
-        ):
-            held = {h.slot: h for h in held_in(instance, self.node, self._extract)}
-            self.parsed += len(instance.device_usage)
-        else:
-            changed = {
-                slot for slot, _ in previous.device_usage.items() ^ instance.device_usage.items()
-            }
-            if not changed:
-                return  # no slot changed (status, nodes, properties, resourceVersion only)
-            held = dict(self._held.get(key, {}))
-            for slot in changed:
-                value = instance.device_usage.get(slot, "")
-                found = self._extract(instance, slot, value, self.node) if value else None
-                self.parsed += 1
-                if found is None:
-                    held.pop(slot, None)
-                else:
-                    held[slot] = found
-        if held:
-            self._held[key] = held
-        else:
-            self._held.pop(key, None)
-
-    def remove(self, name: ObjectKey) -> None:
-        """``name`` was deleted."""
-        self._seen.pop(name, None)
-        self._held.pop(name, None)
-
-    def apply(self, event: InstanceEvent) -> None:
-        """Apply one store event."""
-        if event.type == EventType.DELETED:
-            self.remove(event.instance.key)
-        else:
-            self.update(event.instance)
-
-    def sync(self, instances: Iterable[Instance]) -> None:
-        """Make the index match ``instances`` (every cached Instance)."""
-        names = set()
-        for instance in instances:
-            names.add(instance.key)
-            self.update(instance)
-        for name in [n for n in self._seen if n not in names]:
-            self.remove(name)
-
-    def clear(self) -> None:
-        self._held.clear()
-        self._seen.clear()
-
-    def __bool__(self) -> bool:
-        return bool(self._held)
-
-    def __len__(self) -> int:
-        return sum(len(slots) for slots in self._held.values())
-
-    def __iter__(self) -> Iterator[HeldSlot]:
-        for key in list(self._held):
-            slots = self._held[key]
-            yield from sorted(slots.values(), key=lambda h: h.slot)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from agent.core.model.device_usage import ClaimUsage, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import InstanceEvent
-from agent.node.deviceplugin.reclaimer import HeldIndex, HeldSlot, follow_until_held, held_in
+from agent.node.deviceplugin.held_slots import HeldIndex, HeldSlot, follow_until_held, held_in
 from agent.node.dra.checkpoint import Checkpoint
 from agent.node.dra.slices import DRIVER, device_name
 from agent.node.dra.state import ClaimReader, DraState, driver_results

@@ -8,7 +8,8 @@ from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import DRAINING_ANNOTATION
 from agent.node.deviceplugin.container_env import container_edits, env_name
-from agent.node.deviceplugin.reclaimer import HeldSlot, held_in, plan_reclaim
+from agent.node.deviceplugin.held_slots import HeldSlot, held_in
+from agent.node.deviceplugin.reclaimer import plan_reclaim
 from agent.node.deviceplugin.views import (
     InsufficientInstancesError,
     configuration_devices,

@@ -20,7 +20,8 @@ from pathlib import Path
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.model.instance import Instance
 from agent.core.store.local import LocalInstanceStore
-from agent.node.deviceplugin.reclaimer import HeldIndex, SlotReclaimer
+from agent.node.deviceplugin.held_slots import HeldIndex
+from agent.node.deviceplugin.reclaimer import SlotReclaimer
 from agent.node.kubelet.state import KubeletView
 from tests.doubles.kubelet_double import KubeletDouble
 from tests.doubles.memory_store import MemoryStore

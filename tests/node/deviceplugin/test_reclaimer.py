@@ -18,9 +18,8 @@ from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import EventType, InstanceEvent
 from agent.core.store.local import LocalInstanceStore
+from agent.node.deviceplugin.held_slots import HeldIndex, HeldSlot
 from agent.node.deviceplugin.reclaimer import (
-    HeldIndex,
-    HeldSlot,
     SlotReclaimer,
     by_instance,
     next_tick_after,

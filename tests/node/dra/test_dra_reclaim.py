@@ -23,7 +23,7 @@ from agent.core.ledger.ledger import SlotLedger
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.local import LocalInstanceStore
-from agent.node.deviceplugin.reclaimer import HeldSlot
+from agent.node.deviceplugin.held_slots import HeldSlot
 from agent.node.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
 from agent.node.dra.reclaim import ClaimSlotState, DraReclaimer, claim_slots_in, classify
 from tests.doubles.apiserver import ApiServerDouble
