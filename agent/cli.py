@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import gc
-import logging
-import os
-import signal
+# Imports are deferred to the command that needs them: `akri --version` and `akri version`
+# import nothing beyond ``agent`` (the version is a constant there, not an importlib.metadata
+# scan of every installed distribution, 14-56 ms), and `akri status` imports neither gRPC nor
+# the event loop's modules before it needs them.
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.core.store.base import CorruptStateError, InstanceStore, StoreError
-from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, add_options, resolve
+from agent import __version__
+
+if TYPE_CHECKING:
+    import argparse
+    from pathlib import Path
+
+    from agent.core.store.base import InstanceStore
+    from agent.node.settings import AgentSettings
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -34,8 +37,13 @@ HANDLER_FLAGS = {
 
 
 def _parser() -> argparse.ArgumentParser:
+    import argparse
+    from pathlib import Path
+
+    from agent.node.settings import AGENT_OPTIONS, add_options
+
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"akri {_version()}")
+    parser.add_argument("--version", action="version", version=f"akri {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("version", help="print the version")
     agent = commands.add_parser("agent", help="run the node agent")
@@ -89,16 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("akri-py-agent")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
+    import logging
+
     if log_format == "json":
         from agent.ops.log_format import JsonFormatter
 
@@ -128,6 +129,12 @@ def _check_state_dir(path: Path) -> str | None:
 
 
 async def _run_agent(settings: AgentSettings) -> int:
+    import asyncio
+    import gc
+    import logging
+    import signal
+
+    from agent.core.store.base import CorruptStateError, StoreError
     from agent.core.store.local import LocalInstanceStore
     from agent.node.app import Agent
 
@@ -214,6 +221,9 @@ async def _cluster_objects(
 
 
 def _cluster_status(args: argparse.Namespace, why: str) -> int:
+    import asyncio
+    import os
+
     from agent.core.kube import ApiError, ConfigError, TransportError
     from agent.core.model.instance import Instance
     from agent.node.status import cluster_json, configurations_table, to_table
@@ -241,6 +251,8 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
 
 
 def _print(text: str) -> int:
+    import os
+
     try:
         print(text)
         sys.stdout.flush()
@@ -253,6 +265,10 @@ def _print(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from agent.core.store.base import CorruptStateError
     from agent.node.status import StatusUsageError, choose_source, to_json, to_table
 
     try:
@@ -288,6 +304,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
+    import asyncio
+    import logging
+    import signal
+
     from agent.node.app import build_handlers
     from agent.node.external.serve import run_handler_process
 
@@ -313,9 +333,19 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``akri`` console script."""
-    args = _parser().parse_args(argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments in (["--version"], ["version"]):
+        # before the parser: building it imports the agent's settings (and their modules)
+        print(f"akri {__version__}")
+        return 0
+    import asyncio
+    import os
+
+    from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, resolve
+
+    args = _parser().parse_args(arguments)
     if args.command == "version":
-        print(f"akri {_version()}")
+        print(f"akri {__version__}")
         return 0
     if args.command == "status":
         return _status(args)

@@ -332,6 +332,17 @@ def test_the_wheel_s_entrypoint_runs(wheel_akri: Path) -> None:
     assert done.returncode == 0 and "--health-port" in done.stdout, done.stderr
 
 
+def test_the_wheel_installs_with_bytecode(wheel_akri: Path) -> None:
+    # issue 27: pip compiles at install (even with PYTHONDONTWRITEBYTECODE), so the image's
+    # agent and a `pip install` start from bytecode; the Dockerfile compiles again anyway
+    site = next((wheel_akri.parent.parent / "lib").glob("python3*/site-packages"))
+    tag = sys.implementation.cache_tag
+    for module in ("agent/cli", "agent/node/app", "agent/core/store/local"):
+        source = site / f"{module}.py"
+        compiled = source.parent / "__pycache__" / f"{source.stem}.{tag}.pyc"
+        assert compiled.is_file(), f"{compiled} missing: the wheel's install did not compile"
+
+
 @needs_kubectl
 def test_the_entrypoint_runs_what_the_manifests_ask(wheel_akri: Path) -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
