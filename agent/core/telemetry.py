@@ -63,3 +63,9 @@ NODE_PREPARE = Histogram(LATENCY_BUCKETS)
 DISCOVERY_RESPONSE_TIME = LabelledHistograms(DISCOVERY_BUCKETS)  # by configuration
 DISCOVERY_RESULTS: Counter[tuple[str, str]] = Counter()  # (handler, success/failure)
 API_ERRORS: Counter[str] = Counter()  # HTTP status code, or "transport"
+EXTERNAL_CUT_OFFS: Counter[str] = Counter()  # by handler name: streams cut off (flood, garbage...)
+# by handler name: endpoints forgotten, unreachable past the reconnect window
+EXTERNAL_FORGOTTEN: Counter[str] = Counter()
+# seconds the event loop ran a timer late (agent/ops/loop_monitor.py), one sample a second
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LOOP_LAG = Histogram(LOOP_LAG_BUCKETS)

@@ -14,6 +14,8 @@ import asyncio
 import logging
 import time
 
+from agent.core import telemetry
+
 log = logging.getLogger(__name__)
 
 INTERVAL = 1.0  # seconds between samples (an idle agent wakes for little else)
@@ -38,6 +40,7 @@ class LoopMonitor:
             await asyncio.sleep(self.interval)
             lag = max(0.0, loop.time() - asked - self.interval)
             self.samples += 1
+            telemetry.LOOP_LAG.observe(lag)
             self.last_tick = time.monotonic()
             if lag > self.max_lag:
                 self.max_lag = lag

@@ -85,6 +85,31 @@ class TelemetryCollector(Collector):
         for code, number in sorted(telemetry.API_ERRORS.items()):
             errors.add_metric([code], number)
         yield errors
+        cut_offs = CounterMetricFamily(
+            "akri_discovery_handler_cut_offs_total",
+            "Streams of an external discovery handler cut off (flooding, garbage, a hung first "
+            "list): the endpoint is paused and its last good list kept",
+            labels=["discovery_handler_name"],
+        )
+        for name, number in sorted(telemetry.EXTERNAL_CUT_OFFS.items()):
+            cut_offs.add_metric([name], number)
+        yield cut_offs
+        forgotten = CounterMetricFamily(
+            "akri_discovery_handler_endpoints_forgotten_total",
+            "External discovery handler endpoints forgotten after being unreachable for the "
+            "reconnect window: their devices follow the offline grace until they register again",
+            labels=["discovery_handler_name"],
+        )
+        for name, number in sorted(telemetry.EXTERNAL_FORGOTTEN.items()):
+            forgotten.add_metric([name], number)
+        yield forgotten
+        lag = HistogramMetricFamily(
+            "akri_event_loop_lag_seconds",
+            "How late the event loop ran a 1 s timer (anything holding the loop: a long "
+            "synchronous pass, a full garbage collection, a blocking write)",
+        )
+        lag.add_metric([], telemetry.LOOP_LAG.cumulative(), telemetry.LOOP_LAG.total)
+        yield lag
 
 
 def histograms(

@@ -52,6 +52,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from agent.core import telemetry
 from agent.node.discovery.limits import ReportRejectedError
 from agent.node.external.endpoints import Endpoint, check_device_list, merge_lists
 from discovery_handlers.base import (
@@ -185,6 +186,7 @@ class ExternalHandler(DiscoveryHandler):
         uid = endpoint.uid
         if self.endpoints.get(uid) is endpoint:
             del self.endpoints[uid]
+            telemetry.EXTERNAL_FORGOTTEN[self.name] += 1
             log.warning(
                 "discovery handler %s: endpoint %s forgotten (unreachable for %.0fs): its "
                 "devices follow the offline grace",
@@ -202,6 +204,7 @@ class ExternalHandler(DiscoveryHandler):
     def _cut_off(self, endpoint: Endpoint, state: _StreamState, why: str) -> None:
         state.cut_offs += 1
         self.cut_off_count += 1
+        telemetry.EXTERNAL_CUT_OFFS[self.name] += 1
         pause = min(MAX_CUT_OFF_PAUSE, self.cut_off_pause * 2 ** (state.cut_offs - 1))
         state.paused_until = self._clock() + pause
         message = (

@@ -28,6 +28,21 @@ END = object()  # ends the current stream
 GARBAGE = object()  # one message that is no DiscoverResponse
 
 
+def exported(family: str, handler: str) -> float:
+    """The value /metrics shows for ``family`` and this handler name (0 when absent)."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.ops.metrics import registry_for
+
+    text = generate_latest(registry_for()).decode()
+    for metric in text_string_to_metric_families(text):
+        for sample in metric.samples:
+            if sample.name == family and sample.labels["discovery_handler_name"] == handler:
+                return float(sample.value)
+    return 0.0
+
+
 class ScriptedEndpoint:
     """A ``v0.DiscoveryHandler`` whose newest stream for some ``discoveryDetails`` sends what
     the test puts in ``queues[details]`` (``queue`` for details ``""``); each stream has its
@@ -175,10 +190,13 @@ async def test_an_endpoint_that_does_not_come_back_within_its_window_is_forgotte
     lists = Lists(handler)
     await endpoint.queue.put(devices("a"))
     assert await lists.next() == ["a"]
+    forgotten = exported("akri_discovery_handler_endpoints_forgotten_total", "scripted")
     await endpoint.stop()
     # gone for good: only now do its devices leave (and follow the offline grace)
     assert await lists.next() == []
     assert handler.endpoints == {}
+    # an operator sees it on /metrics (an alert follows it: deploy/components/monitoring)
+    assert exported("akri_discovery_handler_endpoints_forgotten_total", "scripted") == forgotten + 1
     await lists.close()
 
 
@@ -229,9 +247,11 @@ async def test_a_cut_off_endpoint_keeps_its_last_good_list(
     await endpoint.queue.put(devices("a"))
     assert await lists.next() == ["a"]
     endpoint.discovered.clear()
+    cut_offs = exported("akri_discovery_handler_cut_offs_total", "scripted")
     await endpoint.queue.put(devices("b", "b") if bad == "duplicate" else GARBAGE)
     await dialled(endpoint)  # cut off, paused, dialled again
     assert [reason for _name, reason, _message in reports] == ["DiscoveryHandlerCutOff"]
+    assert exported("akri_discovery_handler_cut_offs_total", "scripted") == cut_offs + 1
     if bad == "garbage":
         assert "not a DiscoverResponse" in reports[0][2]
     await endpoint.queue.put(devices("c"))
