@@ -166,15 +166,18 @@ def decide_claim(
     index = parse_slot_id(instance.name, slot)
     if index is None:
         return Refused("UnknownSlot", f"{slot!r} is not a slot of instance {instance.name}")
+    current_value = instance.device_usage.get(slot, "")
+    if current_value and current_value == owner.value:
+        # kubelet re-offering a slot this owner holds: O(1), no copy, nothing to write. Before
+        # the capacity check: a slot draining beyond a lowered capacity is still this owner's,
+        # and kubelet hands an init container's devices to the app containers with a new
+        # Allocate (issue 23, 7b)
+        return Granted(slot, instance.device_usage, changed=False)
     if index >= instance.capacity:
         return Refused(
             "UnknownSlot",
             f"{slot} is beyond the capacity {instance.capacity} of instance {instance.name}",
         )
-    current_value = instance.device_usage.get(slot, "")
-    if current_value and current_value == owner.value:
-        # kubelet re-offering a slot this owner holds: O(1), no copy, nothing to write
-        return Granted(slot, instance.device_usage, changed=False)
     if owner.node in instance.draining_nodes:
         return _draining(instance, owner)
     current = parse_usage(current_value)

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import grpc
 
-from agent.core.ledger.decisions import Owner
+from agent.core.ledger.decisions import Owner, slots_held_by
 from agent.core.ledger.ledger import SlotLedger, SlotRefusedError
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
@@ -251,6 +251,8 @@ class ConfigurationPlugin:
                 granted.append((key, owner, result.slot, result.changed))
                 used.append(candidate)
                 placed = True
+                if choice.moved_from is not None and choice.moved_from in known:
+                    await self._release_moved(known[choice.moved_from].key, owner)
                 break
             if not placed:
                 await self._roll_back(granted)
@@ -263,6 +265,17 @@ class ConfigurationPlugin:
 
     def _lookup(self, name: str) -> Instance | None:
         return next((i for i in self._list(self.configuration) if i.name == name), None)
+
+    async def _release_moved(self, old: ObjectKey, owner: Owner) -> None:
+        """Free the stale slot a moved vdev left behind (see ``ClChoice.moved_from``); a
+        failure leaves it to the reclaimer, which frees it once kubelet's assignment of the
+        vdev ends."""
+        instance = self._ledger.store.get_cached(old)
+        for slot in slots_held_by(instance, owner) if instance is not None else ():
+            try:
+                await self._ledger.release(old, slot, owner)
+            except StoreError as error:
+                log.warning("could not release %s of moved %s: %s", slot, owner.value, error)
 
     async def _roll_back(self, granted: Sequence[tuple[ObjectKey, Owner, str, bool]]) -> None:
         for instance, owner, slot, new in granted:

@@ -206,11 +206,15 @@ def configuration_devices(
 
 @dataclass(frozen=True)
 class ClChoice:
-    """Where to try to put one requested vdev: candidate Instances in order of preference."""
+    """Where to try to put one requested vdev: candidate Instances in order of preference.
+    ``moved_from``: the Instance where this node holds the vdev for a gone container, to be
+    released once the vdev has its new slot (it shared an Instance with another vdev of the
+    same request)."""
 
     vdev: str
     held_in: str | None
     candidates: tuple[str, ...]
+    moved_from: str | None = None
 
 
 class InsufficientInstancesError(ValueError):
@@ -224,16 +228,26 @@ def plan_configuration_allocation(
 ) -> list[ClChoice]:
     """For one container request: the vdevs it already holds stay where they are; every other
     vdev gets distinct Instances, its own bound Instance first, then the Instance with the most
-    free slots. Raises :class:`InsufficientInstancesError` when not enough Instances remain."""
+    free slots. Raises :class:`InsufficientInstancesError` when not enough Instances remain.
+
+    Two held vdevs of one Instance in one request (two containers each had one; both ended,
+    and kubelet, which sees both free and Healthy, gives both to a new container): the first
+    stays, the others are placed like new vdevs and ``moved_from`` their old Instance. kubelet
+    gave their ids to this container, so no other container on this node uses them: the old
+    slot is stale and is released once the new one is held (issue 23, 7d)."""
     by_id = {d.id: d for d in devices}
     taken: set[str] = set()
     choices: list[ClChoice] = []
+    moving: dict[str, str] = {}  # vdev -> the Instance it leaves
     for vdev in requested:
         device = by_id.get(vdev)
         if device is not None and device.slot is not None:
+            if device.instance in taken:
+                moving[vdev] = device.instance
+                continue
             taken.add(device.instance)
             choices.append(ClChoice(vdev, device.instance, (device.instance,)))
-    pending = [v for v in requested if by_id.get(v) is None or by_id[v].slot is None]
+    pending = [v for v in requested if by_id.get(v) is None or by_id[v].slot is None or v in moving]
     for vdev in pending:
         device = by_id.get(vdev)
         ranked = sorted(
@@ -250,7 +264,7 @@ def plan_configuration_allocation(
                 "not enough distinct instances with a free slot"
             )
         taken.add(order[0])
-        choices.append(ClChoice(vdev, None, tuple(order)))
+        choices.append(ClChoice(vdev, None, tuple(order), moving.get(vdev)))
     return choices
 
 
