@@ -51,7 +51,10 @@ def _diff(old: Instance, new: Instance) -> list[str]:
         changes.append(f"draining {list(old.draining_nodes)} -> {list(new.draining_nodes)}")
     if changes:
         lines.append(f"instance {_name(new)} updated: " + "; ".join(changes))
-    for slot in sorted(set(old.device_usage) | set(new.device_usage)):
+    # only the slots whose value changed (a C-level set difference of the two maps): a claim
+    # on a 1,000-slot Instance compares 1,000 items here, not sorts and looks up 2,000 keys
+    changed = {slot for slot, _ in old.device_usage.items() ^ new.device_usage.items()}
+    for slot in sorted(changed):
         before, after = old.device_usage.get(slot, ""), new.device_usage.get(slot, "")
         if before != after and slot in old.device_usage and slot in new.device_usage:
             lines.append(f"slot {slot}: {_usage(before)} -> {_usage(after)}")

@@ -463,7 +463,9 @@ class SlotLedger:
         )
         assert isinstance(decision, Granted)
         if decision.changed:
-            log.info("slot %s: %r -> %r", slot, decision.replaced, owner.value)
+            # DEBUG: the activity log (agent/node/activity_log.py) writes the one INFO line
+            # per slot change, from the store's event, for our writes and other nodes' alike
+            log.debug("slot %s: %r -> %r", slot, decision.replaced, owner.value)
         return ClaimResult(decision.slot, stored, decision.changed)
 
     async def claim_any(
@@ -475,7 +477,7 @@ class SlotLedger:
         )
         assert isinstance(decision, Granted)
         if decision.changed:
-            log.info("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
+            log.debug("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
         return ClaimResult(decision.slot, stored, decision.changed)
 
     async def release(self, instance: ObjectKey, slot: str, owner: Owner) -> bool:
@@ -490,7 +492,7 @@ class SlotLedger:
             raise
         assert isinstance(decision, Released)
         if decision.changed:
-            log.info("slot %s: %r -> free", slot, owner.value)
+            log.debug("slot %s: %r -> free", slot, owner.value)
         return decision.changed
 
     def _check_own(self, values: Collection[str]) -> None:
@@ -553,5 +555,5 @@ class SlotLedger:
             raise
         assert isinstance(decision, Released)
         for slot in decision.slots:
-            log.info("slot %s: released (stale holder on %s)", slot, self.node)
+            log.debug("slot %s: released (stale holder on %s)", slot, self.node)
         return decision.slots
