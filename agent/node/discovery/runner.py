@@ -1,7 +1,8 @@
 """``ConfigurationRunner``: discovery for one Configuration on this node.
 
-Two tasks: the *handler task* consumes the handler's stream of full device lists (restarting it
-with capped backoff if it fails), and the *reconcile task* turns the latest list into Instance
+Two tasks: the *handler task* (:class:`~agent.node.discovery.handler_feed.HandlerFeed`, its own
+module: handler runs, restarts with capped backoff, ``discoveryProperties``) keeps the latest
+full device list, and the *reconcile task* — this module's job — turns that list into Instance
 writes. Reconciling is sequential and idempotent: it is woken by a new device list, a
 Configuration change, an Instance change of this Configuration, or a grace deadline, and
 writes nothing when the store already matches.
@@ -9,39 +10,28 @@ writes nothing when the store already matches.
 Every write goes through the slot ledger (creation with the slots already in use, joins that
 take the free slots this node's containers already use, spec changes that carry the slots
 over, departures that wait while this node holds slots).
-
-A handler that fails is not a handler that reports no devices: its last successful list is
-kept until it reports again, so an exception never starts the offline grace of a device that
-may still be there. Only a successful report that lacks a device does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 
-from agent.core import telemetry
 from agent.core.ledger.ledger import EvidenceUnavailableError, SlotLedger
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import OFFLINE_ANNOTATION
-from agent.core.model.properties import (
-    PropertyResolutionError,
-    references,
-    resolve_properties,
-)
 from agent.core.store.base import (
     AlreadyExistsError,
     InstanceStore,
     NotFoundError,
     StoreError,
 )
-from agent.node.discovery.limits import ReportRejectedError, check_report
+from agent.node.discovery.handler_feed import HandlerFeed
 from agent.node.discovery.plan import (
     DesiredInstance,
     DiscoveryPlan,
@@ -49,16 +39,10 @@ from agent.node.discovery.plan import (
     new_instance,
     plan_discovery,
 )
-from discovery_handlers.base import (
-    Device,
-    DiscoveryHandler,
-    InvalidDiscoveryDetailsError,
-    report_problems_to,
-)
+from discovery_handlers.base import Device, DiscoveryHandler
 
 log = logging.getLogger("agent.discovery")
 
-MAX_HANDLER_BACKOFF = 60.0
 MAX_RECONCILE_BACKOFF = 30.0
 EVIDENCE_RETRY = (0.5, 30.0)  # first and longest wait before retrying unreadable evidence
 EVIDENCE_LOG_INTERVAL = 60.0  # one log line per Instance at most this often
@@ -100,16 +84,14 @@ class ConfigurationRunner:
     ) -> None:
         self._on_offline_change = on_offline_change
         self.configuration = configuration
-        self.handler = handler
         self.store = store
         self.node = node
         self.ledger = ledger or SlotLedger(store, node)
         self._grace_for = grace_for
         self._clock = clock
-        self._devices: list[Device] | None = None
+        self._feed = HandlerFeed(handler, store, lambda: self.configuration, self.wake, clock)
         self._missing_since: dict[str, float] = {}
         self._wake = asyncio.Event()
-        self._handler_task: asyncio.Task[None] | None = None
         self._reconcile_task: asyncio.Task[None] | None = None
         self.offline: frozenset[str] = frozenset()  # names: in grace, or draining
         self.draining: dict[str, tuple[str, ...]] = {}  # name -> slots this node still holds
@@ -129,23 +111,26 @@ class ConfigurationRunner:
         # name -> uid of an Instance this node is not in whose slots its evidence was checked
         # for (:meth:`_adopt_unseen`): once per Instance version
         self._unseen_checked: dict[str, str | None] = {}
-        self._stop_watching: Callable[[], None] = lambda: None
-        self._properties_digest: str | None = None
-        # for metrics and status: starting, ok, failed (last list kept), invalid
-        self.handler_state = "starting"
 
     @property
     def key(self) -> ObjectKey:
         """The Configuration's key."""
         return self.configuration.key
 
+    @property
+    def handler(self) -> DiscoveryHandler:
+        """The handler discovering for this Configuration."""
+        return self._feed.handler
+
+    @property
+    def handler_state(self) -> str:
+        """For metrics and status: starting, ok, failed (last list kept), invalid."""
+        return self._feed.state
+
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         """Start discovery and reconciliation."""
-        self._watch_property_sources()
-        self._handler_task = asyncio.create_task(
-            self._run_handler(), name=f"handler-{self.configuration.name}"
-        )
+        self._feed.start()
         self._reconcile_task = asyncio.create_task(
             self._reconcile_loop(), name=f"reconcile-{self.configuration.name}"
         )
@@ -153,11 +138,12 @@ class ConfigurationRunner:
     async def stop(self) -> None:
         """Stop discovery. The Instances stay as they are (a retirement or a new runner takes
         them over)."""
-        self._stop_watching()
-        for task in (self._handler_task, self._reconcile_task):
+        self._feed.stop_watching()
+        tasks = (self._feed.task, self._reconcile_task)
+        for task in tasks:
             if task is not None:
                 task.cancel()
-        for task in (self._handler_task, self._reconcile_task):
+        for task in tasks:
             if task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -169,13 +155,13 @@ class ConfigurationRunner:
         """Apply an edited Configuration; restarts the handler if what it sees changed."""
         restart = configuration.discovery_hash != self.configuration.discovery_hash
         self.configuration = configuration
-        if restart and self._handler_task is not None:
+        if restart and self._feed.task is not None:
             log.info(
                 "configuration %s: discovery details changed, restarting discovery",
                 configuration.key,
             )
-            self._watch_property_sources()
-            self._restart_handler()
+            self._feed.watch_property_sources()
+            self._feed.restart()
         self.wake()
 
     def replace_handler(self, handler: DiscoveryHandler) -> None:
@@ -186,146 +172,12 @@ class ConfigurationRunner:
             self.configuration.key,
             handler.name,
         )
-        self.handler = handler
-        self._restart_handler()
-
-    def _restart_handler(self) -> None:
-        if self._handler_task is not None:
-            self._handler_task.cancel()
-        self._handler_task = asyncio.create_task(
-            self._run_handler(), name=f"handler-{self.configuration.name}"
-        )
-
-    # -- discoveryProperties -----------------------------------------------------------------
-    def _watch_property_sources(self) -> None:
-        self._stop_watching()
-        refs = references(self.configuration.discovery_handler.discovery_properties)
-        if refs:
-            self._stop_watching = self.store.watch_objects(refs, self._property_source_changed)
-        else:
-            self._stop_watching = lambda: None
-
-    def _property_source_changed(self) -> None:
-        asyncio.get_running_loop().create_task(self._recheck_properties())
-
-    async def _recheck_properties(self) -> None:
-        try:
-            digest = _digest(await self._resolve())
-        except PropertyResolutionError:
-            digest = "unresolvable"
-        if digest != self._properties_digest:
-            log.info(
-                "configuration %s: a referenced Secret/ConfigMap changed; restarting discovery",
-                self.configuration.key,
-            )
-            self._restart_handler()
-
-    async def _resolve(self) -> dict[str, bytes | None]:
-        return await resolve_properties(
-            self.configuration.discovery_handler.discovery_properties, self.store.read_object
-        )
+        self._feed.handler = handler
+        self._feed.restart()
 
     def wake(self) -> None:
         """Ask for a reconcile (cheap; coalesces)."""
         self._wake.set()
-
-    # -- handler -----------------------------------------------------------------------------
-    async def _run_handler(self) -> None:
-        backoff = 1.0
-        key = self.configuration.key
-        # an embedded handler's problems with single devices (discovery_handlers.base.
-        # ProblemReporter) become Events on this Configuration (this task's context only)
-        report_problems_to(
-            lambda reason, message: self.store.record_configuration_event(
-                self.configuration, reason, message
-            )
-        )
-        while True:
-            details = self.configuration.discovery_handler.discovery_details
-            started = self._clock()
-            try:
-                properties = await self._resolve()
-                self._properties_digest = _digest(properties)
-                first = True
-                async for devices in self.handler.discover(details, properties):
-                    if first:
-                        first = False
-                        telemetry.DISCOVERY_RESPONSE_TIME.observe(str(key), self._clock() - started)
-                    try:
-                        check_report(devices)
-                    except ReportRejectedError:
-                        telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
-                        raise
-                    telemetry.DISCOVERY_RESULTS[(self.handler.name, "success")] += 1
-                    self.handler_state = "ok"
-                    shown = [device.id[:80] for device in devices[:10]]
-                    ids = f"{shown} and {len(devices) - 10} more" if len(devices) > 10 else shown
-                    log.info(
-                        "configuration %s: %s reports %d device(s): %s",
-                        key,
-                        self.handler.name,
-                        len(devices),
-                        ids,
-                    )
-                    self._devices = list(devices)
-                    self.wake()
-                log.warning(
-                    "configuration %s: handler %s ended its stream; restarting",
-                    key,
-                    self.handler.name,
-                )
-            except asyncio.CancelledError:
-                raise
-            except PropertyResolutionError as error:
-                self.handler_state = "failed"
-                # keep the last device list: a briefly missing Secret must not drop devices
-                log.error("configuration %s: %s; retrying in %.0fs", key, error, backoff)
-                await self.store.record_configuration_event(
-                    self.configuration, "DiscoveryPropertiesUnresolved", str(error)
-                )
-            except ReportRejectedError as error:
-                self.handler_state = "failed"
-                log.error(
-                    "configuration %s: handler %s reported %s; keeping its last accepted device "
-                    "list (retrying in %.0fs)",
-                    key,
-                    self.handler.name,
-                    error,
-                    backoff,
-                )
-                await self.store.record_configuration_event(
-                    self.configuration, "DiscoveryReportRejected", str(error)
-                )
-            except InvalidDiscoveryDetailsError as error:
-                self.handler_state = "invalid"
-                log.error(
-                    "configuration %s: %s (keeping the last device list until it is edited)",
-                    key,
-                    error,
-                )
-                await self.store.record_configuration_event(
-                    self.configuration, "InvalidDiscoveryDetails", str(error)
-                )
-                return  # waits for an edited Configuration (update() restarts us)
-            except Exception as error:
-                telemetry.DISCOVERY_RESULTS[(self.handler.name, "failure")] += 1
-                self.handler_state = "failed"
-                log.error(
-                    "configuration %s: handler %s failed: %s: %s (keeping its last device "
-                    "list until it reports again; retrying in %.0fs)",
-                    key,
-                    self.handler.name,
-                    type(error).__name__,
-                    error,
-                    backoff,
-                )
-                await self.store.record_configuration_event(
-                    self.configuration, "DiscoveryFailed", f"{type(error).__name__}: {error}"
-                )
-            if self._clock() - started > 2 * MAX_HANDLER_BACKOFF:
-                backoff = 1.0
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_HANDLER_BACKOFF)
 
     # -- reconcile ---------------------------------------------------------------------------
     async def _reconcile_loop(self) -> None:
@@ -337,7 +189,7 @@ class ConfigurationRunner:
                 async with asyncio.timeout(timeout):  # (wait_for may lose a cancellation)
                     await self._wake.wait()
             self._wake.clear()
-            if self._devices is None:
+            if self._feed.devices is None:
                 deadline = None
                 continue  # the handler has not reported yet
             try:
@@ -365,7 +217,7 @@ class ConfigurationRunner:
             self.configuration,
             self.node,
             shared,
-            self._devices or [],
+            self._feed.devices or [],
             NamespaceInstances(self.store, self.configuration.namespace),
             self._missing_since,
             self._clock(),
@@ -607,12 +459,3 @@ async def report_draining(
     instance = store.get_cached(key)
     if instance is not None:
         await store.record_instance_event(instance, "Draining", message, warning=False)
-
-
-def _digest(properties: Mapping[str, bytes | None]) -> str:
-    """A fingerprint of resolved values (compared, never logged)."""
-    hasher = hashlib.sha256()
-    for key in sorted(properties):
-        value = properties[key]
-        hasher.update(key.encode() + b"\0" + (b"\1" + value if value is not None else b"\0"))
-    return hasher.hexdigest()
