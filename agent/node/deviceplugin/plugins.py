@@ -109,44 +109,56 @@ class InstancePlugin:
         self, container_requests: Sequence[Sequence[str]]
     ) -> list[api_pb2.ContainerAllocateResponse]:
         owner = Owner.instance_level(self._ledger.node)
-        responses = []
         for ids in container_requests:
-            if self.instance in self._source.offline_instances():
-                raise AllocationError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"{self.resource_name}: device is offline on {self._ledger.node}",
-                )
             for device_id in ids:
                 if parse_slot_id(self.instance, device_id) is None:
                     raise AllocationError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"{self.resource_name}: unknown device {device_id!r}",
                     )
-            served = self._lookup(self.instance)
-            if served is None:
-                raise AllocationError(
-                    grpc.StatusCode.NOT_FOUND, f"{self.resource_name}: instance is gone"
-                )
-            key = served.key
-            claimed: list[str] = []
-            try:
-                for device_id in ids:
-                    result = await self._ledger.claim(key, device_id, owner)
-                    if result.changed:
-                        claimed.append(device_id)
-            except (SlotRefusedError, StoreError) as error:
-                await self._roll_back(key, claimed, owner)
-                code = (
-                    _refusal_code(error)
-                    if isinstance(error, SlotRefusedError)
-                    else grpc.StatusCode.UNAVAILABLE
-                )
-                raise AllocationError(code, f"{self.resource_name}: {error}") from error
-            current = self._lookup(self.instance)
-            if current is None:
-                raise AllocationError(grpc.StatusCode.NOT_FOUND, f"{self.instance} vanished")
-            responses.append(_response([current], self._source))
+        responses = []
+        # every slot this request newly claimed, across its containers: a request that fails
+        # part-way gives them all back (kubelet admits all of it or nothing)
+        claimed: list[tuple[ObjectKey, str]] = []
+        try:
+            for ids in container_requests:
+                responses.append(await self._allocate_container(ids, owner, claimed))
+        except Exception:
+            for key, device_id in reversed(claimed):
+                await self._roll_back(key, [device_id], owner)
+            raise
         return responses
+
+    async def _allocate_container(
+        self, ids: Sequence[str], owner: Owner, claimed: list[tuple[ObjectKey, str]]
+    ) -> api_pb2.ContainerAllocateResponse:
+        if self.instance in self._source.offline_instances():
+            raise AllocationError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{self.resource_name}: device is offline on {self._ledger.node}",
+            )
+        served = self._lookup(self.instance)
+        if served is None:
+            raise AllocationError(
+                grpc.StatusCode.NOT_FOUND, f"{self.resource_name}: instance is gone"
+            )
+        key = served.key
+        try:
+            for device_id in ids:
+                result = await self._ledger.claim(key, device_id, owner)
+                if result.changed:
+                    claimed.append((key, device_id))
+        except (SlotRefusedError, StoreError) as error:
+            code = (
+                _refusal_code(error)
+                if isinstance(error, SlotRefusedError)
+                else grpc.StatusCode.UNAVAILABLE
+            )
+            raise AllocationError(code, f"{self.resource_name}: {error}") from error
+        current = self._lookup(self.instance)
+        if current is None:
+            raise AllocationError(grpc.StatusCode.NOT_FOUND, f"{self.instance} vanished")
+        return _response([current], self._source)
 
     async def _roll_back(self, key: ObjectKey, claimed: Collection[str], owner: Owner) -> None:
         for device_id in claimed:
@@ -206,20 +218,29 @@ class ConfigurationPlugin:
         self, container_requests: Sequence[Sequence[str]]
     ) -> list[api_pb2.ContainerAllocateResponse]:
         prefix = configuration_resource_name(self.configuration) + "-"
+        for ids in container_requests:
+            for vdev in ids:
+                tail = vdev[len(prefix) :] if vdev.startswith(prefix) else ""
+                if not tail.isdigit():
+                    raise AllocationError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{self.resource_name}: unknown device {vdev!r}",
+                    )
         responses = []
+        # what this request claimed, across its containers: all given back if any part fails
+        granted: list[tuple[ObjectKey, Owner, str, bool]] = []
         async with self._lock:
-            for ids in container_requests:
-                for vdev in ids:
-                    tail = vdev[len(prefix) :] if vdev.startswith(prefix) else ""
-                    if not tail.isdigit():
-                        raise AllocationError(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"{self.resource_name}: unknown device {vdev!r}",
-                        )
-                responses.append(await self._allocate_container(ids))
+            try:
+                for ids in container_requests:
+                    responses.append(await self._allocate_container(ids, granted))
+            except Exception:
+                await self._roll_back(granted)
+                raise
         return responses
 
-    async def _allocate_container(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+    async def _allocate_container(
+        self, ids: Sequence[str], granted: list[tuple[ObjectKey, Owner, str, bool]]
+    ) -> api_pb2.ContainerAllocateResponse:
         node = self._ledger.node
         try:
             choices = plan_configuration_allocation(
@@ -230,7 +251,6 @@ class ConfigurationPlugin:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.resource_name}: {error}"
             ) from error
         known = {i.name: i for i in self._list(self.configuration)}
-        granted: list[tuple[ObjectKey, Owner, str, bool]] = []  # (instance, owner, slot, new)
         used: list[str] = []
         for choice in choices:
             owner = Owner.configuration_level(choice.vdev, node)
@@ -244,7 +264,6 @@ class ConfigurationPlugin:
                 except SlotRefusedError:
                     continue  # taken meanwhile (another node): next Instance
                 except StoreError as error:
-                    await self._roll_back(granted)
                     raise AllocationError(
                         grpc.StatusCode.UNAVAILABLE, f"{self.resource_name}: {error}"
                     ) from error
@@ -255,7 +274,6 @@ class ConfigurationPlugin:
                     await self._release_moved(known[choice.moved_from].key, owner)
                 break
             if not placed:
-                await self._roll_back(granted)
                 raise AllocationError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.resource_name}: no instance has a free slot for {choice.vdev}",
@@ -278,7 +296,8 @@ class ConfigurationPlugin:
                 log.warning("could not release %s of moved %s: %s", slot, owner.value, error)
 
     async def _roll_back(self, granted: Sequence[tuple[ObjectKey, Owner, str, bool]]) -> None:
-        for instance, owner, slot, new in granted:
+        """(instance, owner, slot, newly claimed) of a failed request: free the new ones."""
+        for instance, owner, slot, new in reversed(granted):
             if not new:
                 continue
             try:

@@ -197,15 +197,43 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         try:
             responses = await self.logic.allocate(requests)
         except AllocationError as error:
-            telemetry.ALLOCATE.observe(self.kind, time.perf_counter() - started)
+            code, message = error.code, str(error)
             log.warning("%s: Allocate %s refused: %s", self.logic.resource_name, requests, error)
+        except Exception as error:
+            code, message = refusal_for(self.logic.resource_name, error)
+            log.error(
+                "%s: Allocate %s failed: %s",
+                self.logic.resource_name,
+                requests,
+                message,
+                exc_info=not isinstance(error, OSError),  # a bug: its traceback helps
+            )
+        else:
+            telemetry.ALLOCATE.observe(self.kind, time.perf_counter() - started)
+            self.allocations += 1
             self.changed()
-            await context.abort(error.code, str(error))
-            raise  # unreachable: abort raises
+            return api_pb2.AllocateResponse(container_responses=responses)
         telemetry.ALLOCATE.observe(self.kind, time.perf_counter() - started)
-        self.allocations += 1
-        self.changed()
-        return api_pb2.AllocateResponse(container_responses=responses)
+        # kubelet counted the devices as allocated before it asked; what it should see may
+        # have changed too (a roll-back, a slot taken meanwhile): send the whole list again,
+        # even when it looks unchanged, so kubelet re-syncs with it
+        self.resend()
+        await context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
 
     async def PreStartContainer(self, request: Any, context: Any) -> Any:
+        # nothing to do (pre_start_required is false): no I/O, so nothing that can fail
         return api_pb2.PreStartContainerResponse()
+
+
+def refusal_for(resource: str, error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status for an error the plugin logic did not translate itself: a file-system
+    error is ``UNAVAILABLE`` naming its cause (retrying later may work), anything else
+    ``INTERNAL`` (never the UNKNOWN a raw exception gives kubelet)."""
+    if isinstance(error, OSError):
+        where = f" ({error.filename})" if error.filename else ""
+        return (
+            grpc.StatusCode.UNAVAILABLE,
+            f"{resource}: I/O error{where}: {error.strerror or error}",
+        )
+    return grpc.StatusCode.INTERNAL, f"{resource}: internal error: {type(error).__name__}: {error}"
