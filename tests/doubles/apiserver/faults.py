@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +88,12 @@ class Fault:
     the connection without answering) or only ``delay`` (answer normally, late). ``delay`` can
     be combined with the others. With ``after=True`` the request is processed first (state
     changes!) and only its response is replaced, like a lost reply.
+
+    ``hang=True`` holds matching requests until :meth:`release` (or ``delay`` seconds, if
+    given), then processes them. A delayed or held request is processed even when its client
+    has given up meanwhile (timed out, disconnected), like a real API server whose write
+    reaches etcd after the client's deadline: ``late`` counts the requests processed after
+    being held or delayed, ``held`` the requests waiting right now.
     """
 
     verb: frozenset[str] | None = None
@@ -101,9 +110,52 @@ class Fault:
     times: int | None = 1  # None: unlimited
     until: float | None = None  # time.monotonic() deadline
     hits: int = 0
+    hang: bool = False
+    held: int = 0
+    late: int = 0
+    _released: threading.Event = field(default_factory=threading.Event, repr=False)
+    _wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(
+        default_factory=list, repr=False
+    )
+
+    def release(self) -> None:
+        """Let the held requests through (they are processed, late) and stop holding new
+        ones. Thread-safe."""
+        self._released.set()
+        for loop, event in list(self._wakers):
+            loop.call_soon_threadsafe(event.set)
+
+    @property
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    async def wait(self) -> None:
+        """Hold a request for this fault's delay, or until released when it hangs."""
+        if not self.hang:
+            await asyncio.sleep(self.delay)
+            return
+        if self.released:
+            return
+        event = asyncio.Event()
+        waker = (asyncio.get_running_loop(), event)
+        self._wakers.append(waker)
+        self.held += 1
+        try:
+            if self.released:
+                return
+            if self.delay:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), self.delay)
+            else:
+                await event.wait()
+        finally:
+            self.held -= 1
+            self._wakers.remove(waker)
 
     @property
     def active(self) -> bool:
+        if self.hang and self.released:
+            return False
         if self.times is not None and self.hits >= self.times:
             return False
         return self.until is None or time.monotonic() < self.until
@@ -146,9 +198,10 @@ class FaultInjector:
         after: bool = False,
         times: int | None = 1,
         duration: float | None = None,
+        hang: bool = False,
     ) -> Fault:
-        if status is None and not drop and not delay:
-            raise ValueError("a fault needs status=, drop=True or delay=")
+        if status is None and not drop and not delay and not hang:
+            raise ValueError("a fault needs status=, drop=True, delay= or hang=True")
         fault = Fault(
             verb=_as_set(verb),
             resource=_as_set(resource),
@@ -163,6 +216,7 @@ class FaultInjector:
             after=after,
             times=times,
             until=time.monotonic() + duration if duration is not None else None,
+            hang=hang,
         )
         self.rules.append(fault)
         return fault
@@ -176,4 +230,7 @@ class FaultInjector:
         return None
 
     def clear(self) -> None:
+        for fault in self.rules:
+            if fault.hang:
+                fault.release()  # nothing stays held by a rule nobody can reach any more
         self.rules.clear()

@@ -120,6 +120,7 @@ class ApiServerDouble:
         self.bookmark_interval = bookmark_interval
         self.strict_strategic_merge = strict_strategic_merge
         self.faults = FaultInjector()
+        self._held_requests: set[asyncio.Future[web.StreamResponse]] = set()
         self.requests: builtins.list[RecordedRequest] = []
         # Unexpected exceptions raised while serving (answered with 500); tests may assert
         # that this stays empty.
@@ -167,6 +168,8 @@ class ApiServerDouble:
             return
         for watcher in list(self._watchers):
             watcher.close()
+        for held in list(self._held_requests):
+            held.cancel()  # a stopped server never applies what it was holding
         await runner.cleanup()
 
     async def restart(self, downtime: float = 0.0) -> None:
@@ -374,6 +377,29 @@ class ApiServerDouble:
             verb=verb, resource=resource, name=name, delay=seconds, times=times, duration=duration
         )
 
+    def hang(
+        self,
+        *,
+        verb: Names = None,
+        resource: Names = None,
+        name: str | None = None,
+        namespace: str | None = None,
+        times: int | None = None,
+        seconds: float = 0.0,
+    ) -> Fault:
+        """Hold matching requests (all of them by default) until ``fault.release()`` — or for
+        ``seconds`` each, if given — then process them: a hung API server whose writes still
+        land after the client has given up (``fault.late`` counts those)."""
+        return self.faults.add(
+            verb=verb,
+            resource=resource,
+            name=name,
+            namespace=namespace,
+            hang=True,
+            delay=seconds,
+            times=times,
+        )
+
     def clear_faults(self) -> None:
         self.faults.clear()
 
@@ -416,8 +442,31 @@ class ApiServerDouble:
         )
         self.requests.append(record)
         fault = self.faults.take(info) if info.verb != "nonresource" else None
-        if fault is not None and fault.delay:
-            await asyncio.sleep(fault.delay)
+        if fault is not None and (fault.delay or fault.hang):
+            # held, then processed even if the client gave up meanwhile (aiohttp may cancel
+            # the handler of a closed connection): the write lands late, as on a real server
+            held = asyncio.ensure_future(self._held(request, record, fault, handler))
+            self._held_requests.add(held)
+            held.add_done_callback(self._held_requests.discard)
+            return await asyncio.shield(held)
+        return await self._process(request, record, fault, handler)
+
+    async def _held(
+        self, request: web.Request, record: RecordedRequest, fault: Fault, handler: Handler
+    ) -> web.StreamResponse:
+        await fault.wait()
+        # counted whether or not the client still listens: a client that closed its
+        # connection shows only as a half-closed socket until the answer is written
+        fault.late += 1
+        return await self._process(request, record, fault, handler)
+
+    async def _process(
+        self,
+        request: web.Request,
+        record: RecordedRequest,
+        fault: Fault | None,
+        handler: Handler,
+    ) -> web.StreamResponse:
         if fault is not None and not fault.after and (fault.drop or fault.status):
             return self._apply_fault(request, record, fault)
         try:
@@ -764,13 +813,18 @@ class ApiServerDouble:
     async def _delete_options(self, request: web.Request) -> JSON:
         raw = await request.read()
         options: JSON = {}
+        # like the real handler: DeleteOptions from the query, then from the body
+        if "propagationPolicy" in request.query:
+            options["propagationPolicy"] = request.query["propagationPolicy"]
+        if "orphanDependents" in request.query:
+            options["orphanDependents"] = _truthy(request.query["orphanDependents"])
         if raw:
             try:
                 decoded = json.loads(raw)
             except ValueError as exc:
                 raise errors.bad_request(f"invalid DeleteOptions: {exc}") from exc
             if isinstance(decoded, dict):
-                options = decoded
+                options.update({k: v for k, v in decoded.items() if v is not None})
         if request.query.get("dryRun") == "All":
             options["dryRun"] = ["All"]
         return options

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import random
 import threading
@@ -21,18 +22,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import yaml
 
 from tests.doubles.apiserver import errors
 from tests.doubles.apiserver.errors import ApiError
+from tests.doubles.apiserver.gc import (
+    GarbageCollector,
+    deletion_finalizers,
+    validate_delete_options,
+)
 from tests.doubles.apiserver.patches import (
     PatchError,
     json_patch,
     merge_patch,
     strategic_merge_patch,
 )
+from tests.doubles.apiserver.resource_validation import validate_resource
 from tests.doubles.apiserver.resources import (
     CRD_GR,
     NAMESPACES_GR,
@@ -56,6 +63,26 @@ def json_copy(value: Any) -> Any:
 
 JSON = dict[str, Any]
 Key = tuple[str, str]  # (namespace or "", name)
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _collecting(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A public write of the store: the garbage collection it causes runs before it returns
+    (the outermost write drains; the collector's own writes only queue work)."""
+
+    @functools.wraps(method)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        store = args[0]
+        assert isinstance(store, Store)
+        with store.lock:
+            result = method(*args, **kwargs)
+            store.gc.drain()
+            return result
+
+    return wrapper
+
 
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
@@ -192,6 +219,8 @@ class Store:
         self._watchers: set[Watcher] = set()
         # Hooks called after each committed event (used by tests and by the server).
         self.listeners: list[Callable[[Event], None]] = []
+        # ownerReferences and the orphan / foregroundDeletion finalizers (gc.py)
+        self.gc = GarbageCollector(self)
         ns_rt = self.registry.get(NAMESPACES_GR)
         assert ns_rt is not None
         for ns in namespaces:
@@ -252,6 +281,7 @@ class Store:
         self._append_history(event)
         for watcher in list(self._watchers):
             watcher.offer(event)
+        self.gc.observe(event)
         for listener in list(self.listeners):
             listener(event)
 
@@ -334,6 +364,7 @@ class Store:
             raise errors.not_found(NAMESPACES_GR, namespace)
         return namespace
 
+    @_collecting
     def create(
         self,
         rt: ResourceType,
@@ -397,6 +428,7 @@ class Store:
 
     # --- update / patch ------------------------------------------------------------------
 
+    @_collecting
     def update(
         self,
         rt: ResourceType,
@@ -424,6 +456,7 @@ class Store:
                 rt, version, key, current, candidate, subresource, dry_run, field_validation
             )
 
+    @_collecting
     def patch(
         self,
         rt: ResourceType,
@@ -616,6 +649,7 @@ class Store:
 
     # --- delete --------------------------------------------------------------------------
 
+    @_collecting
     def delete(
         self,
         rt: ResourceType,
@@ -628,6 +662,11 @@ class Store:
     ) -> JSON:
         """Delete, or mark for deletion when finalizers are present. Returns the object."""
         options = options or {}
+        causes = validate_delete_options(options)
+        if causes:
+            raise errors.invalid(
+                GroupResource("meta.k8s.io", "deleteoptions"), "DeleteOptions", "", causes
+            )
         with self.lock:
             key, current = self._require(rt, namespace, name)
             meta = current["metadata"]
@@ -651,14 +690,23 @@ class Store:
                 return self._output(rt, version, current)
             if rt.gr == NAMESPACES_GR:
                 self._delete_namespace_contents(name)
-            if meta.get("finalizers"):
-                if meta.get("deletionTimestamp"):
+            # the garbage collector's finalizers (orphan / foregroundDeletion) follow the
+            # options, also on an object already being deleted (the server's own write)
+            finalizers = (
+                deletion_finalizers(current, options)
+                if self.gc.enabled
+                else list(meta.get("finalizers") or [])
+            )
+            if finalizers:
+                if meta.get("deletionTimestamp") and finalizers == meta.get("finalizers"):
                     return self._output(rt, version, current)
                 new = json_copy(current)
                 new_meta = new["metadata"]
-                new_meta["deletionTimestamp"] = now_rfc3339()
-                new_meta["deletionGracePeriodSeconds"] = 0
-                new_meta["generation"] = int(new_meta.get("generation", 0)) + 1
+                new_meta["finalizers"] = finalizers
+                if not meta.get("deletionTimestamp"):
+                    new_meta["deletionTimestamp"] = now_rfc3339()
+                    new_meta["deletionGracePeriodSeconds"] = 0
+                    new_meta["generation"] = int(new_meta.get("generation", 0)) + 1
                 new_meta["resourceVersion"] = self._next_rv()
                 self._bucket(rt)[key] = new
                 self._emit("MODIFIED", rt, new, current)
@@ -677,6 +725,7 @@ class Store:
         self._after_write(rt, current, None)
         return final
 
+    @_collecting
     def delete_collection(
         self,
         rt: ResourceType,
@@ -729,6 +778,8 @@ class Store:
                 del spec["devices"]
         if self.validate:
             causes = validate_metadata(new, dns_label_name=rt.gr == NAMESPACES_GR)
+            if not rt.custom:
+                causes += validate_resource(rt.group, rt.plural, new, old)
             schema = rt.schemas.get(version) if rt.custom else None
             if schema is not None:
                 dropped = prune_and_default(new, schema)
