@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from agent.node.deviceplugin.manager import DevicePluginManager
     from agent.node.deviceplugin.reclaimer import SlotReclaimer
     from agent.node.dra.driver import DraDriver
+    from agent.node.dra.health import HealthReporter
     from agent.node.dra.publisher import SlicePublisher
     from agent.node.dra.reclaim import DraReclaimer
     from agent.node.dra.state import DraState
@@ -127,6 +128,7 @@ class Agent:
                 settings.pod_resources_socket, settings.device_plugin_dir / CHECKPOINT_FILE
             )
         self.evidence = NodeEvidence(node, self.kubelet)
+        self.evidence.siblings = lambda instance: store.list_cached(instance.configuration_key)
         self.ledger = SlotLedger(store, node, evidence=self.evidence)
         self.ownership = Ownership(store)
         self.served = ServedInstances(store, self.ownership)
@@ -144,6 +146,7 @@ class Agent:
         self._reclaim_task: asyncio.Task[None] | None = None
         self.dra: DraDriver | None = None
         self.dra_state: DraState | None = None
+        self.dra_health: HealthReporter | None = None
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
@@ -186,6 +189,7 @@ class Agent:
         from agent.node.dra.cdi import CdiWriter
         from agent.node.dra.checkpoint import Checkpoint
         from agent.node.dra.driver import DraDriver
+        from agent.node.dra.health import HealthReporter
         from agent.node.dra.publisher import SlicePublisher
         from agent.node.dra.reclaim import DraReclaimer
         from agent.node.dra.state import DraState
@@ -204,8 +208,17 @@ class Agent:
         )
         self.dra_state = state
         self.evidence.dra = state
+        health = HealthReporter(
+            self.settings.node_name,
+            self.served.all,
+            self.discovery.offline_instances,
+            state.prepared_devices,
+        )
+        self.dra_health = health
+        # a device going offline reaches kubelet's NodeWatchResources stream at once
+        self.discovery.add_offline_listener(health.changed)
         self.dra = DraDriver(
-            state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir
+            state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir, health=health
         )
         dra_reclaimer = DraReclaimer(
             state,
@@ -377,11 +390,15 @@ class Agent:
     def _wake_publisher(self) -> None:
         if self.publisher is not None:
             self.publisher.trigger()
+        if self.dra_health is not None:
+            self.dra_health.changed()
 
     async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
         async for _ in events:
             if self.publisher is not None:
                 self.publisher.trigger()
+            if self.dra_health is not None:
+                self.dra_health.changed()
 
     async def stop(self) -> None:
         """Stop discovery; Instances and slots stay as they are for the next start."""

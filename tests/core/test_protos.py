@@ -34,6 +34,9 @@ PROTO_MODULES = {
     "agent.protos.dra.v1beta1.api_pb2": "dra/v1beta1/api.proto",
     "agent.protos.podresources.v1.api_pb2": "podresources/v1/api.proto",
     "agent.protos.akri.discovery.v0.discovery_pb2": "akri/discovery/v0/discovery.proto",
+    "agent.protos.dra_health.v1alpha1.api_pb2": "dra_health/v1alpha1/api.proto",
+    "agent.protos.dra_health.v1beta1.api_pb2": "dra_health/v1beta1/api.proto",
+    "agent.protos.dra_health.v1.api_pb2": "dra_health/v1/api.proto",
 }
 
 # _pb2 module -> {service full name: [methods in declaration order]}
@@ -70,6 +73,15 @@ EXPECTED_SERVICES: dict[str, dict[str, list[str]]] = {
         "v0.Registration": ["RegisterDiscoveryHandler"],
         "v0.DiscoveryHandler": ["Discover"],
     },
+    "agent.protos.dra_health.v1alpha1.api_pb2": {
+        "v1alpha1.DRAResourceHealth": ["NodeWatchResources"],
+    },
+    "agent.protos.dra_health.v1beta1.api_pb2": {
+        "v1beta1.DRAResourceHealth": ["NodeWatchResources"],
+    },
+    "agent.protos.dra_health.v1.api_pb2": {
+        "v1.DRAResourceHealth": ["NodeWatchResources"],
+    },
 }
 
 # full gRPC method paths the kubelet / Akri use on the wire
@@ -91,9 +103,18 @@ REQUIRED_METHOD_PATHS = {
     "/v1.PodResourcesLister/Get",
     "/v0.Registration/RegisterDiscoveryHandler",
     "/v0.DiscoveryHandler/Discover",
+    "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+    "/v1beta1.DRAResourceHealth/NodeWatchResources",
+    "/v1.DRAResourceHealth/NodeWatchResources",
 }
 
-SERVER_STREAMING = {"/v1beta1.DevicePlugin/ListAndWatch", "/v0.DiscoveryHandler/Discover"}
+SERVER_STREAMING = {
+    "/v1beta1.DevicePlugin/ListAndWatch",
+    "/v0.DiscoveryHandler/Discover",
+    "/v1alpha1.DRAResourceHealth/NodeWatchResources",
+    "/v1beta1.DRAResourceHealth/NodeWatchResources",
+    "/v1.DRAResourceHealth/NodeWatchResources",
+}
 
 
 def _grpc_module(pb2_name: str) -> str:

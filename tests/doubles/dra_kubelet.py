@@ -35,9 +35,27 @@ driven exactly as the kubelet would drive it (reference ``k8s-device-apis.md`` �
   this node are deleted after ``wipe_delay`` seconds (30 s in the kubelet; ``None`` disables)
   unless an instance registers again.
 
+* **Device health** (KEP-4680, ``ResourceHealthStatus`` gate; ``health=True``, the default):
+  for every registration a task opens ``DRAResourceHealth/NodeWatchResources`` on the DRA
+  socket and consumes the stream like ``HandleWatchResourcesStream`` (``pkg/kubelet/cm/dra/
+  manager.go``): each message replaces the driver's device list (``updateHealthInfo``); a
+  device whose status is older than its ``health_check_timeout_seconds`` (30 s when ≤ 0) reads
+  ``Unknown`` (``getHealthInfo``); when the stream ends the driver's health is cleared
+  (``clearDriver``) and it is opened again after ``health_retry`` seconds (5 s,
+  ``wait.UntilWithContext``). Which version: with ``health_by_advertisement`` (newer kubelets,
+  ``pickHealthService``) the first of ``v1``, ``v1alpha1`` that the plugin lists in
+  ``supported_versions``, none if it lists neither; without it (kubelet 1.34-1.36) always
+  ``v1alpha1``. Pods given to :meth:`track_pod` get ``status.containerStatuses[].
+  allocatedResourcesStatus`` as ``UpdateAllocatedResourcesStatus`` builds it (resource name
+  ``claim:<pod claim>[/<request>]``, one entry per prepared device with ``resourceID`` = its
+  first CDI id, else ``<driver>/<pool>/<device>``; ``health``; ``message`` when set — the
+  ``ResourceHealthStatusMessage`` field); the claim's real name comes from
+  ``status.resourceClaimStatuses``, like the kubelet. With an API double the pod status is
+  also written through the ``pods/status`` subresource when it changes.
+
 Not emulated: the periodic ``GetInfo`` health probing of newer plugin watchers, the gRPC
 connection monitoring (a registered instance counts as connected until its socket goes away),
-the health API (``DRAResourceHealth``), CDI hand-off to a runtime, and the claim tombstones.
+CDI hand-off to a runtime, and the claim tombstones.
 
 All times are ``time.monotonic()`` values.
 """
@@ -61,6 +79,10 @@ from agent.protos.dra.v1 import api_pb2 as dra_v1
 from agent.protos.dra.v1 import api_pb2_grpc as dra_v1_grpc
 from agent.protos.dra.v1beta1 import api_pb2 as dra_v1beta1
 from agent.protos.dra.v1beta1 import api_pb2_grpc as dra_v1beta1_grpc
+from agent.protos.dra_health.v1 import api_pb2 as health_v1
+from agent.protos.dra_health.v1 import api_pb2_grpc as health_v1_grpc
+from agent.protos.dra_health.v1alpha1 import api_pb2 as health_v1alpha1
+from agent.protos.dra_health.v1alpha1 import api_pb2_grpc as health_v1alpha1_grpc
 from agent.protos.pluginregistration.v1 import api_pb2 as reg
 from agent.protos.pluginregistration.v1 import api_pb2_grpc as reg_grpc
 
@@ -81,7 +103,19 @@ MAX_BACKOFF = 122.0
 
 RESOURCE_CLAIMS = "resourceclaims.resource.k8s.io"
 RESOURCE_SLICES = "resourceslices.resource.k8s.io"
+PODS = "pods"
+HEALTH_V1 = "v1.DRAResourceHealth"
+HEALTH_V1ALPHA1 = "v1alpha1.DRAResourceHealth"
+# healthServicesSupportedByKubelet / pickHealthService (dra_plugin_manager.go), v1 preferred.
+HEALTH_SERVICES_SUPPORTED_BY_KUBELET: tuple[str, ...] = (HEALTH_V1, HEALTH_V1ALPHA1)
+HEALTH_RETRY = 5.0  # wait.UntilWithContext(..., 5*time.Second)
+DEFAULT_HEALTH_TIMEOUT = 30.0  # DefaultHealthTimeout
+_HEALTH_MODULES: dict[str, tuple[ModuleType, ModuleType]] = {
+    HEALTH_V1: (health_v1, health_v1_grpc),
+    HEALTH_V1ALPHA1: (health_v1alpha1, health_v1alpha1_grpc),
+}
 
+JSON = dict[str, Any]
 ClaimRef = tuple[str, str, str]
 """``(namespace, uid, name)`` of a ResourceClaim, as in ``dra.v1.Claim``."""
 
@@ -160,10 +194,33 @@ class ClaimInfo:
     drivers: list[str] = field(default_factory=list)
     prepared: bool = False
     response: Any | None = None  # NodePrepareResourceResponse (of the service used)
+    # driver -> its prepared devices (claimInfo.DriverState), for the health status
+    driver_devices: dict[str, list[Any]] = field(default_factory=dict)
 
     @property
     def ref(self) -> ClaimRef:
         return (self.namespace, self.uid, self.name)
+
+
+@dataclass(frozen=True)
+class DeviceHealthState:
+    """The kubelet's cached health of one device (``state.DeviceHealth``)."""
+
+    health: str  # "Healthy" | "Unhealthy" | "Unknown"
+    message: str
+    received: float  # monotonic time of the message that carried it
+    timeout: float
+
+
+@dataclass(frozen=True)
+class HealthUpdate:
+    """One message received on a NodeWatchResources stream."""
+
+    driver: str
+    service: str
+    at: float
+    devices: dict[tuple[str, str], DeviceHealthState]
+    changed: tuple[tuple[str, str], ...]  # (pool, device) whose health changed
 
 
 @dataclass
@@ -203,6 +260,9 @@ class DraKubeletDouble:
         wipe_delay: float | None = WIPING_DELAY,
         check_reserved_for: bool = True,
         initial_backoff: float = INITIAL_BACKOFF,
+        health: bool = True,
+        health_by_advertisement: bool = True,
+        health_retry: float = HEALTH_RETRY,
     ) -> None:
         self.registry_dir = Path(registry_dir)
         self.node_name = node_name
@@ -213,12 +273,18 @@ class DraKubeletDouble:
         self.wipe_delay = wipe_delay
         self.check_reserved_for = check_reserved_for
         self.initial_backoff = initial_backoff
+        self.health_enabled = health
+        self.health_by_advertisement = health_by_advertisement
+        self.health_retry = health_retry
         # History, kept across restarts.
         self.attempts: list[RegistrationAttempt] = []
         self.deregistrations: list[Deregistration] = []
         self.calls: list[DraCall] = []
         self.wiped: list[tuple[str | None, list[str]]] = []  # (driver or None = all, names)
         self.restarts = 0
+        self.health_updates: list[HealthUpdate] = []
+        self.health_streams_opened: list[tuple[str, str]] = []  # (driver, service)
+        self.pod_status_writes: list[tuple[str, JSON]] = []  # (pod uid, containerStatuses)
         # Live state.
         self._registrations: dict[Path, Registration] = {}
         self._sockets: dict[Path, _SocketState] = {}
@@ -228,6 +294,10 @@ class DraKubeletDouble:
         self._closing: set[asyncio.Future[None]] = set()
         self._changed = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._health_tasks: dict[Path, asyncio.Task[None]] = {}
+        self.device_health: dict[str, dict[tuple[str, str], DeviceHealthState]] = {}
+        self.pod_objects: dict[str, JSON] = {}  # pod uid -> Pod object (track_pod)
+        self._pod_statuses: dict[str, JSON] = {}
         # Checkpoint (survives restart()).
         self.claims: dict[str, ClaimInfo] = {}
 
@@ -258,6 +328,9 @@ class DraKubeletDouble:
             with contextlib.suppress(asyncio.CancelledError):
                 await wipe
         self._wipe_tasks.clear()
+        for path in list(self._health_tasks):
+            await self._stop_health(path)
+        self.device_health.clear()
         self._registrations.clear()
         self._sockets.clear()
         channels, self._channels = self._channels, {}
@@ -411,6 +484,9 @@ class DraKubeletDouble:
         if registration is None:
             return
         self.deregistrations.append(Deregistration(registration.driver, path, time.monotonic()))
+        task = self._health_tasks.pop(path, None)
+        if task is not None:
+            task.cancel()
         self._close_unused_channels()
         if self.registration(registration.driver) is None:
             self._schedule_wipe(registration.driver)
@@ -467,6 +543,7 @@ class DraKubeletDouble:
                     wipe = self._wipe_tasks.pop(info.name, None)
                     if wipe is not None:
                         wipe.cancel()
+                    self._start_health(self._registrations[path])
                 try:
                     await stub.NotifyRegistrationStatus(
                         reg.RegistrationStatus(plugin_registered=service is not None, error=error),
@@ -659,7 +736,7 @@ class DraKubeletDouble:
             for name in drivers:
                 batches.setdefault(name, []).append(info)
         errors: list[str] = []
-        per_claim: dict[str, list[Any]] = {}
+        per_claim: dict[str, list[tuple[str, Any]]] = {}
         failed: set[str] = set()
         for name, infos in batches.items():
             refs = [i.ref for i in infos]
@@ -686,7 +763,7 @@ class DraKubeletDouble:
                     )
                     failed.add(uid)
                     continue
-                per_claim.setdefault(uid, []).append(entry)
+                per_claim.setdefault(uid, []).append((name, entry))
             missing = [uid for uid in requested if uid not in response.claims]
             if missing:
                 errors.append(
@@ -698,7 +775,9 @@ class DraKubeletDouble:
             if info.uid in failed or len(entries) != len(info.drivers):
                 continue
             info.prepared = True
-            info.response = entries[0] if len(entries) == 1 else _merge(entries)
+            responses = [entry for _, entry in entries]
+            info.response = responses[0] if len(responses) == 1 else _merge(responses)
+            info.driver_devices = {name: list(entry.devices) for name, entry in entries}
             results[info.uid] = info.response
         if errors:
             raise PrepareError("; ".join(errors))
@@ -823,6 +902,207 @@ class DraKubeletDouble:
         registration = self._registration_for(driver or self._default_driver())
         return await self._call(
             registration, service or registration.service, "NodeUnprepareResources", claims
+        )
+
+    # --- device health (KEP-4680) ----------------------------------------------------------
+
+    def choose_health_service(self, supported_versions: Sequence[str]) -> str | None:
+        """``pickHealthService``: the kubelet's preferred health version the plugin lists; a
+        kubelet without it (1.34-1.36) always uses v1alpha1."""
+        if not self.health_by_advertisement:
+            return HEALTH_V1ALPHA1
+        for service in HEALTH_SERVICES_SUPPORTED_BY_KUBELET:
+            if service in supported_versions:
+                return service
+        return None
+
+    def _start_health(self, registration: Registration) -> None:
+        if not self.health_enabled:
+            return
+        service = self.choose_health_service(registration.supported_versions)
+        if service is None:
+            return
+        old = self._health_tasks.pop(registration.socket, None)
+        if old is not None:
+            old.cancel()
+        self._health_tasks[registration.socket] = asyncio.create_task(
+            self._health_loop(registration, service), name=f"dra-health-{registration.driver}"
+        )
+
+    async def _stop_health(self, path: Path) -> None:
+        task = self._health_tasks.pop(path, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _health_loop(self, registration: Registration, service: str) -> None:
+        messages, stubs = _HEALTH_MODULES[service]
+        while True:
+            self.health_streams_opened.append((registration.driver, service))
+            try:
+                stub = stubs.DRAResourceHealthStub(self._channel(registration.endpoint))
+                call = stub.NodeWatchResources(messages.NodeWatchResourcesRequest())
+                async for response in call:
+                    self._health_received(registration.driver, service, messages, response)
+            except grpc.aio.AioRpcError:
+                pass  # logged by the kubelet; the stream is opened again below
+            finally:
+                # HandleWatchResourcesStream: clearDriver when the stream exits
+                if self.device_health.pop(registration.driver, None):
+                    self._health_changed(registration.driver, None)
+            await asyncio.sleep(self.health_retry)
+
+    def _health_received(self, driver: str, service: str, messages: Any, response: Any) -> None:
+        now = time.monotonic()
+        names = {
+            messages.HEALTHY: "Healthy",
+            messages.UNHEALTHY: "Unhealthy",
+        }
+        devices: dict[tuple[str, str], DeviceHealthState] = {}
+        for item in response.devices:
+            timeout = float(item.health_check_timeout_seconds)
+            devices[(item.device.pool_name, item.device.device_name)] = DeviceHealthState(
+                names.get(item.health, "Unknown"),
+                item.message if len(item.message) <= 1024 else item.message[:1021] + "...",
+                now,
+                timeout if timeout > 0 else DEFAULT_HEALTH_TIMEOUT,
+            )
+        before = self.device_health.get(driver, {})
+        changed = tuple(
+            sorted(
+                key
+                for key in set(before) | set(devices)
+                if (before.get(key) and (before[key].health, before[key].message))
+                != (devices.get(key) and (devices[key].health, devices[key].message))
+            )
+        )
+        self.device_health[driver] = devices
+        self.health_updates.append(HealthUpdate(driver, service, now, devices, changed))
+        if changed:
+            self._health_changed(driver, changed)
+        self._changed.set()
+
+    def health_of(self, driver: str, pool: str, device: str) -> str:
+        """``getHealthInfo``: the device's health, ``Unknown`` once its status is too old."""
+        state = self.device_health.get(driver, {}).get((pool, device))
+        if state is None or time.monotonic() - state.received > state.timeout:
+            return "Unknown"
+        return state.health
+
+    def _health_changed(self, driver: str, changed: Sequence[tuple[str, str]] | None) -> None:
+        """Refresh the status of the tracked pods using a changed device (all of the driver's
+        when ``changed`` is None)."""
+        for info in self.claims.values():
+            devices = info.driver_devices.get(driver, [])
+            if not any(changed is None or (d.pool_name, d.device_name) in changed for d in devices):
+                continue
+            for pod_uid in info.pods:
+                if pod_uid in self.pod_objects:
+                    self._publish_pod_status(pod_uid)
+
+    def track_pod(self, pod: JSON) -> None:
+        """Give the double the Pod object of a pod it prepares (``metadata.uid``,
+        ``spec.containers[].resources.claims``, ``status.resourceClaimStatuses``), so that its
+        ``allocatedResourcesStatus`` is kept (:meth:`pod_status`)."""
+        self.pod_objects[pod["metadata"]["uid"]] = pod
+        self._publish_pod_status(pod["metadata"]["uid"])
+
+    def container_statuses(self, pod: JSON) -> list[JSON]:
+        """``UpdateAllocatedResourcesStatus`` for ``pod``: one entry per container, with
+        ``allocatedResourcesStatus`` when one of its claims has prepared devices."""
+        namespace = pod["metadata"].get("namespace", "default")
+        claim_names = {
+            s.get("name"): s.get("resourceClaimName")
+            for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
+        }
+        by_name = {(i.namespace, i.name): i for i in self.claims.values()}
+        statuses: list[JSON] = []
+        for container in pod["spec"].get("containers") or []:
+            entry: JSON = {"name": container["name"]}
+            resources: list[JSON] = []
+            for claim in (container.get("resources") or {}).get("claims") or []:
+                actual = claim_names.get(claim["name"])
+                info = by_name.get((namespace, actual)) if actual else None
+                if info is None:
+                    continue
+                name = f"claim:{claim['name']}"
+                if claim.get("request"):
+                    name += f"/{claim['request']}"
+                health: list[JSON] = []
+                for driver, devices in sorted(info.driver_devices.items()):
+                    for device in devices:
+                        resource_id = (
+                            device.cdi_device_ids[0]
+                            if device.cdi_device_ids
+                            else f"{driver}/{device.pool_name}/{device.device_name}"
+                        )
+                        item: JSON = {
+                            "resourceID": resource_id,
+                            "health": self.health_of(driver, device.pool_name, device.device_name),
+                        }
+                        state = self.device_health.get(driver, {}).get(
+                            (device.pool_name, device.device_name)
+                        )
+                        if state is not None and state.message and item["health"] != "Unknown":
+                            item["message"] = state.message
+                        health.append(item)
+                if health:
+                    resources.append({"name": name, "resources": health})
+            if resources:
+                entry["allocatedResourcesStatus"] = resources
+            statuses.append(entry)
+        return statuses
+
+    def pod_status(self, pod_uid: str) -> JSON:
+        """The tracked pod's last computed ``status`` (``containerStatuses``)."""
+        return self._pod_statuses.get(pod_uid, {})
+
+    def _publish_pod_status(self, pod_uid: str) -> None:
+        pod = self.pod_objects[pod_uid]
+        status = {"containerStatuses": self.container_statuses(pod)}
+        if status == self._pod_statuses.get(pod_uid):
+            return
+        self._pod_statuses[pod_uid] = status
+        self.pod_status_writes.append((pod_uid, status))
+        if self.api is None:
+            return
+        meta = pod["metadata"]
+        stored = self.api.get(PODS, meta["name"], meta.get("namespace", "default"))
+        if stored is None or stored["metadata"].get("uid") != pod_uid:
+            return
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": meta["name"],
+                "namespace": stored["metadata"]["namespace"],
+                "resourceVersion": stored["metadata"]["resourceVersion"],
+            },
+            "status": {**(stored.get("status") or {}), **status},
+        }
+        self.api.store.update(
+            self.api.resource(PODS),
+            "v1",
+            stored["metadata"]["namespace"],
+            meta["name"],
+            body,
+            subresource="status",
+        )
+
+    async def wait_for_health(
+        self,
+        driver: str,
+        pool: str,
+        device: str,
+        health: str,
+        timeout: float = 10.0,  # noqa: ASYNC109
+    ) -> None:
+        """Wait until the kubelet's cache shows ``health`` for the device."""
+        await self.wait_for(
+            lambda: self.health_of(driver, pool, device) == health,
+            timeout,
+            f"{driver}/{pool}/{device} to be {health}",
         )
 
     # --- gRPC ----------------------------------------------------------------------------

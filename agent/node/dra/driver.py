@@ -3,7 +3,9 @@
 * ``pluginregistration.Registration`` on ``<plugins_registry>/akri.sh-reg.sock``: ``GetInfo``
   answers type ``DRAPlugin``, name ``akri.sh``, the DRA socket as endpoint and
   ``["v1.DRAPlugin", "v1beta1.DRAPlugin"]`` (kubelet takes the first it supports);
-  ``NotifyRegistrationStatus`` is recorded (a refusal is logged as an error).
+  ``NotifyRegistrationStatus`` is recorded (a refusal is logged as an error). With a
+  :class:`HealthReporter` the three ``DRAResourceHealth`` versions (``health.py``) are listed
+  after them and served on the DRA socket.
 * ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and the v1beta1 twin on
   ``<plugin dir>/dra.sock``: every claim in a request gets an entry, with ``error`` set when
   preparing it failed (kubelet retries).
@@ -26,6 +28,7 @@ import grpc
 
 from agent.core import telemetry
 from agent.core.aio.fswatch import DirectoryWatch
+from agent.node.dra.health import HEALTH_SERVICES, HealthReporter, add_health_services
 from agent.node.dra.state import ClaimRef, DraState, PrepareError
 from agent.protos.dra.v1 import api_pb2 as v1
 from agent.protos.dra.v1 import api_pb2_grpc as v1_grpc
@@ -41,8 +44,9 @@ SUPPORTED_VERSIONS = ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
 
 
 class _Registration(reg_grpc.RegistrationServicer):
-    def __init__(self, endpoint: Path) -> None:
+    def __init__(self, endpoint: Path, versions: list[str] = SUPPORTED_VERSIONS) -> None:
         self.endpoint = endpoint
+        self.versions = versions
         self.status: tuple[bool, str] | None = None
         self.registered = asyncio.Event()
 
@@ -51,7 +55,7 @@ class _Registration(reg_grpc.RegistrationServicer):
             type="DRAPlugin",
             name=DRIVER_NAME,
             endpoint=str(self.endpoint),
-            supported_versions=SUPPORTED_VERSIONS,
+            supported_versions=self.versions,
         )
 
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
@@ -143,14 +147,24 @@ class DraDriver:
     """Serves the DRA and registration sockets."""
 
     def __init__(
-        self, state: DraState, registry_dir: Path, plugin_dir: Path, *, poll: float = 0.5
+        self,
+        state: DraState,
+        registry_dir: Path,
+        plugin_dir: Path,
+        *,
+        poll: float = 0.5,
+        health: HealthReporter | None = None,
     ) -> None:
         self.state = state
         self.registry_dir = registry_dir
         self.plugin_dir = plugin_dir
         self.dra_socket = plugin_dir / "dra.sock"
         self.registration_socket = registry_dir / f"{DRIVER_NAME}-reg.sock"
-        self.registration = _Registration(self.dra_socket)
+        self.health = health
+        # the health services after the DRAPlugin ones: kubelet takes the first DRAPlugin
+        # version it knows and ignores entries it does not (validateSupportedServices)
+        versions = SUPPORTED_VERSIONS + (list(HEALTH_SERVICES) if health is not None else [])
+        self.registration = _Registration(self.dra_socket, versions)
         self._poll = poll
         self._dra_server: grpc.aio.Server | None = None
         self._reg_server: grpc.aio.Server | None = None
@@ -170,6 +184,8 @@ class DraDriver:
         server = grpc.aio.server()
         v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self.state), server)
         v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self.state), server)
+        if self.health is not None:
+            add_health_services(self.health, server)
         server.add_insecure_port(f"unix://{self.dra_socket}")
         await server.start()
         self._dra_server = server

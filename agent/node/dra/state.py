@@ -220,6 +220,14 @@ class DraState:
                     result[device.slot] = Owner.claim(claim.uid, self.node).value
         return result
 
+    def prepared_devices(self) -> list[tuple[str, str, str]]:
+        """``(pool, device, instance)`` of every device of a prepared claim (health.py)."""
+        return [
+            (device.pool, device.device, device.instance)
+            for claim in self.checkpoint.claims.values()
+            for device in claim.devices
+        ]
+
     async def restore(self) -> None:
         """After a restart: every prepared claim's slot must still be held by it. A slot found
         free (its Instance was re-created) is taken back; one held by another owner is

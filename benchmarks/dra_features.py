@@ -1,0 +1,136 @@
+"""Benchmarks of the DRA features of issue 26 (device health, extended resources, slice sizes).
+
+    python benchmarks/dra_features.py [--samples N] [--out FILE] [--only NAME ...]
+
+Runs in one process: the API-server double, an in-process agent node (``tests/harness/
+dp_nodes.py``: the real Agent with the Kubernetes store over HTTP, debugEcho devices) and the
+DRA kubelet double speaking gRPC over unix sockets, so start and end of every sample are read
+from one monotonic clock. Prints one JSON object and writes it to ``--out``.
+
+* ``dra_health_update_ms``: the agent learns a device is offline (its discovery handler
+  reported a list without it; the discovery manager's offline listener fires) → the kubelet
+  double has received the ``UNHEALTHY`` ``NodeWatchResources`` message for it. The device is
+  brought back between samples (and its ``HEALTHY`` message awaited).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``tests`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from agent.node.discovery.manager import GraceSettings
+from benchmarks.stats import summarize
+from tests.doubles.apiserver import ApiServerDouble
+from tests.doubles.dra_kubelet import DraKubeletDouble
+from tests.harness.dp_nodes import start_dp_node
+from tests.harness.k8s_nodes import CRDS, debug_echo_configuration
+
+DRIVER = "akri.sh"
+NODE = "bench-a"
+
+
+async def _wait(predicate: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+async def measure_health(samples: int) -> dict[str, Any]:
+    """``dra_health_update_ms``: offline noticed by the agent → UNHEALTHY at the kubelet."""
+    latencies: list[float] = []
+    async with ApiServerDouble(crds=CRDS) as api:
+        api.create(debug_echo_configuration("cam", ("foo0",), 2))
+        with tempfile.TemporaryDirectory() as tmp:
+            node = await start_dp_node(
+                api, NODE, Path(tmp), dra=True, grace=GraceSettings(local=0, shared=3600)
+            )
+            kubelet = DraKubeletDouble(node.registry_dir, NODE, api)
+            try:
+                await kubelet.start()
+                await kubelet.wait_for_registration(DRIVER, timeout=20)
+                instance = "cam-8120fe"
+                device = f"{instance}-0"
+                await kubelet.wait_for_health(DRIVER, instance, device, "Healthy", timeout=20)
+                noticed: list[float] = []
+                node.agent.discovery.add_offline_listener(lambda: noticed.append(time.monotonic()))
+                for _ in range(samples):
+                    noticed.clear()
+                    mark = len(kubelet.health_updates)
+                    node.offline()
+                    await _wait(
+                        lambda m=mark: any(
+                            u.devices.get((instance, device)) is not None
+                            and u.devices[(instance, device)].health == "Unhealthy"
+                            for u in kubelet.health_updates[m:]
+                        ),
+                        20,
+                        "UNHEALTHY at the kubelet",
+                    )
+                    received = next(
+                        u.at
+                        for u in kubelet.health_updates[mark:]
+                        if u.devices[(instance, device)].health == "Unhealthy"
+                    )
+                    latencies.append((received - noticed[0]) * 1000)
+                    node.offline(False)
+                    await kubelet.wait_for_health(DRIVER, instance, device, "Healthy", timeout=20)
+            finally:
+                await kubelet.stop()
+                await node.stop()
+    return {
+        **summarize(latencies, 2),
+        "method": "discovery manager's offline listener fires for the device (its handler "
+        "reported a list without it) → the DRA kubelet double receives the NodeWatchResources "
+        "message with the device UNHEALTHY (v1 stream over the agent's DRA unix socket; one "
+        "process, one monotonic clock)",
+    }
+
+
+MEASUREMENTS = {"dra_health_update_ms": measure_health}
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "samples": args.samples,
+    }
+    for name in args.only:
+        print(f"measuring {name} ...", file=sys.stderr)
+        try:
+            results[name] = await MEASUREMENTS[name](args.samples)
+        except Exception as exc:  # report, keep measuring the others
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=50)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(MEASUREMENTS), default=sorted(MEASUREMENTS)
+    )
+    args = parser.parse_args(argv)
+    results = asyncio.run(amain(args))
+    text = json.dumps(results, indent=2, sort_keys=True)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 1 if any(isinstance(v, dict) and "error" in v for v in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
