@@ -45,6 +45,7 @@ from benchmarks.latency import LatencyBench, LatencyPlan
 from benchmarks.local_mode import LocalPlan, measure_idle, measure_large_instance, measure_startup
 from benchmarks.network_handlers import measure_mdns, measure_mqtt
 from benchmarks.onvif_discovery import measure_onvif
+from benchmarks.peer import PeerPlan, run_peer, table
 from benchmarks.scale import ScalePlan, run_scale
 
 PLANS: dict[str, dict[str, Any]] = {
@@ -90,8 +91,10 @@ PLANS: dict[str, dict[str, Any]] = {
         "local": LocalPlan(startups=10, idle_seconds=60),
     },
 }
+# the side-by-side section (benchmarks/peer.py): only with --peer-bin
+PEER_PLANS = {"quick": PeerPlan(rounds=3, idle_seconds=10), "full": PeerPlan(rounds=5)}
 UDEV_SAMPLES = {"quick": 5, "full": 20}
-SECTIONS = ("latency", "scale", "contention", "udev", "local")
+SECTIONS = ("latency", "scale", "contention", "udev", "local", "peer")
 LATENCY_KEYS = (
     "discovery_to_kubelet_ms",
     "discovery_online_flip_ms",
@@ -118,6 +121,12 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ARG",
         help="extra argument for every agent process (repeatable; e.g. --agent-arg=--no-dra)",
+    )
+    parser.add_argument(
+        "--peer-bin",
+        type=Path,
+        help="squat/generic-device-plugin binary: runs the side-by-side section (skipped "
+        "without it; docs/performance.md says how to build it)",
     )
     return parser
 
@@ -445,6 +454,15 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         await udev_section(results, UDEV_SAMPLES[mode])
     if "local" in args.only:
         await local_section(results, plans["local"])
+    if "peer" in args.only:
+        await peer_section(results, PEER_PLANS[mode], args.peer_bin)
+
+
+async def peer_section(results: dict[str, Any], plan: PeerPlan, binary: Path | None) -> None:
+    """Our local agent and the Go peer, alternating (benchmarks/peer.py); a table on stderr."""
+    within = plan.rounds * (2 * plan.idle_seconds + 2 * plan.settle_seconds + 300)
+    await measure(results, "peer", lambda: run_peer(binary, plan), within)
+    log("side by side with the Go peer:\n" + table(results["peer"]))
 
 
 async def amain(args: argparse.Namespace, results: dict[str, Any]) -> None:
