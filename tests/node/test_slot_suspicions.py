@@ -7,6 +7,8 @@ See docs/slot-model.md ("Suspicions tested") for what each showed.
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from agent.core.ledger.decisions import (
     Granted,
     Owner,
     Refused,
+    decide_adopt,
     decide_claim,
     decide_claim_any,
     resize_usage,
@@ -27,6 +30,9 @@ from agent.core.model.keys import ObjectKey
 from agent.core.store.local import LocalInstanceStore
 from agent.node.deviceplugin.plugins import ConfigurationPlugin
 from agent.node.deviceplugin.service import AllocationError
+from agent.node.kubelet.evidence import NodeEvidence
+from agent.node.kubelet.state import KubeletState
+from agent.protos.deviceplugin.v1beta1 import api_pb2
 
 NAME = "cams-8120fe"
 NODES = ("node-a", "node-b")
@@ -149,3 +155,61 @@ async def test_d_two_vdevs_of_one_instance_without_another_are_refused_and_kept(
     # each alone is an idempotent re-grant, as listed
     for vdev in ("cams-0", "cams-1"):
         assert len(await plugin.allocate([[vdev]])) == 1
+
+
+# -- (a) ------------------------------------------------------------------------------------
+def _checkpoint(entries: list[tuple[str, list[str], dict[str, str]]]) -> bytes:
+    """kubelet's device-manager checkpoint with one container per entry."""
+    items = [
+        {
+            "PodUID": f"pod-{n}",
+            "ContainerName": "c",
+            "ResourceName": resource,
+            "DeviceIDs": {"-1": ids},
+            "AllocResp": base64.b64encode(
+                api_pb2.ContainerAllocateResponse(envs=envs).SerializeToString()
+            ).decode(),
+        }
+        for n, (resource, ids, envs) in enumerate(entries)
+    ]
+    return json.dumps({"Data": {"PodDeviceEntries": items}, "Checksum": 0}).encode()
+
+
+def _cam(digest: str, **usage: str) -> Instance:
+    return Instance(
+        name=f"cam-{digest}", configuration_name="cam", capacity=2, nodes=("node-a",)
+    ).evolve(
+        device_usage={f"cam-{digest}-{i}": usage.get(f"s{i}", "") for i in range(2)},
+    )
+
+
+async def test_a_a_recreated_instance_never_takes_the_vdev_its_sibling_holds(
+    tmp_path: Path,
+) -> None:
+    """One container holds two vdevs, cam-3 on A (8120fe) and cam-2 on B (a19705): the
+    reverse of their sorted pairing (cam-2 -> 8120fe, cam-3 -> a19705). B is re-created, all
+    free. Its evidence must give it cam-2 (the vdev A does not hold), not cam-3 — which would
+    put C:cam-3:node-a in both Instances and keep B's slot held whenever cam-3 is in use."""
+    path = tmp_path / "kubelet_internal_checkpoint"
+    path.write_bytes(
+        _checkpoint(
+            [("akri.sh/cam", ["cam-3", "cam-2"], {"P": "a", "P_8120FE": "a", "P_A19705": "b"})]
+        )
+    )
+    evidence = NodeEvidence("node-a", KubeletState(tmp_path / "no-pod-resources.sock", path))
+    a = _cam("8120fe", s0="C:cam-3:node-a")
+    recreated_b = _cam("a19705")
+    evidence.siblings = lambda instance: [a, recreated_b]
+    in_use = await evidence.in_use(recreated_b, 0.0)
+    adoption = decide_adopt(recreated_b, in_use)
+    assert [value for _, value in adoption.adopted] == ["C:cam-2:node-a"]
+    # A, looked at with B re-created, keeps what it holds and gets nothing more
+    assert decide_adopt(a, await evidence.in_use(a, 0.0)).adopted == ()
+    # both re-created (no sibling holds anything): sorted pairing, still one value each
+    evidence.siblings = lambda instance: [_cam("8120fe"), recreated_b]
+    values = [
+        value
+        for inst in (_cam("8120fe"), recreated_b)
+        for _, value in decide_adopt(inst, await evidence.in_use(inst, 0.0)).adopted
+    ]
+    assert sorted(values) == ["C:cam-2:node-a", "C:cam-3:node-a"]

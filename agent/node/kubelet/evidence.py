@@ -18,8 +18,9 @@ slots of this node's running containers free:
   the container's virtual devices (:mod:`agent.node.deviceplugin.container_env`). Such an entry
   holds *some* slot of that Instance as ``C:<vdev>:<node>`` (which slot does not matter; the
   ledger takes a free one). A container with several virtual devices does not say which vdev
-  went to which Instance: they are paired in sorted order, which is harmless since all of
-  them are released together when the container ends; the evidence names every vdev of the
+  went to which Instance: a vdev one of its other Instances holds now stays that Instance's,
+  the rest are paired in sorted order (harmless: all of them are released together when the
+  container ends, and no vdev is given to two Instances); the evidence names every vdev of the
   container (``SlotsInUse.represented_by``), and the ledger leaves an entry alone that the
   version it writes over already holds under any of them. An Instance without broker
   properties gives its containers no env var and cannot be recognised
@@ -37,6 +38,7 @@ checkpoint file is read on every question but parsed only when its bytes changed
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -97,22 +99,53 @@ class CheckpointCache:
 
 
 def configuration_level_in_use(
-    instance: Instance, node: str, allocations: list[CheckpointAllocation]
+    instance: Instance,
+    node: str,
+    allocations: list[CheckpointAllocation],
+    siblings: Iterable[Instance] = (),
 ) -> dict[str, frozenset[str]]:
     """``C:<vdev>:<node>`` values of the configuration-level containers that use ``instance``,
     each with every value its container may be held under (pure; see the module docstring).
     Only the Instance's name and Configuration name are read: whether such a container is
-    already held is decided on the version the ledger writes over."""
+    already held is decided on the version the ledger writes over.
+
+    ``siblings``: the Configuration's other Instances as cached now. A vdev of the container
+    that one of them holds (``C:<vdev>:<node>``) is that sibling's, whatever the sorted order
+    says; only the container's other vdevs are paired, in sorted order, with its other
+    Instances. Without this, an Instance re-created while a sibling kept its slot could be
+    given the sibling's vdev: one ``C:<vdev>:<node>`` in two Instances, the second held for
+    as long as kubelet hands that vdev to anyone (issue 23, 7a)."""
     resource = configuration_resource(instance.configuration_name)
     digest = digest_of_instance(instance.name).upper()
+    prefix = "C:"
+    suffix = f":{node}"
+    held_by: dict[str, str] = {}  # this node's C: value -> digest of the sibling holding it
+    for sibling in siblings:
+        if sibling.name == instance.name or sibling.configuration_name != (
+            instance.configuration_name
+        ):
+            continue
+        for value in sibling.device_usage.values():
+            if value.startswith(prefix) and value.endswith(suffix):
+                held_by[value] = digest_of_instance(sibling.name).upper()
     values: dict[str, frozenset[str]] = {}
     for entry in allocations:
         if entry.resource != resource or digest not in entry.digests or not entry.device_ids:
             continue
         vdevs = sorted(entry.device_ids)
         candidates = [Owner.configuration_level(vdev, node).value for vdev in vdevs]
-        position = sorted(entry.digests).index(digest)
-        values[candidates[min(position, len(candidates) - 1)]] = frozenset(candidates)
+        group = frozenset(candidates)
+        claimed = {
+            held_by[value]: value
+            for value in candidates
+            if value in held_by and held_by[value] in entry.digests and held_by[value] != digest
+        }
+        left = [value for value in candidates if value not in claimed.values()]
+        others = sorted(d for d in entry.digests if d not in claimed)
+        if not left or digest not in others:
+            continue  # every vdev of the container is held by its other Instances
+        position = others.index(digest)
+        values[left[min(position, len(left) - 1)]] = group
     return values
 
 
@@ -123,6 +156,9 @@ class NodeEvidence:
         self.node = node
         self.kubelet = kubelet
         self.dra: DraEvidence | None = None
+        # the Configuration's Instances as cached (the app wires the store in): pairs a
+        # configuration-level container's vdevs with its Instances (configuration_level_in_use)
+        self.siblings: Callable[[Instance], Iterable[Instance]] = lambda _: ()
         self.checkpoint = CheckpointCache(kubelet.checkpoint) if kubelet else None
 
     async def in_use(self, instance: Instance, not_before: float) -> SlotsInUse:
@@ -138,7 +174,9 @@ class NodeEvidence:
                 if parse_slot_id(instance.name, device_id) is not None:
                     result[device_id] = self.node
             # read after the view above: a container allocated before it is in the file
-            anywhere = configuration_level_in_use(instance, self.node, self.checkpoint.current())
+            anywhere = configuration_level_in_use(
+                instance, self.node, self.checkpoint.current(), self.siblings(instance)
+            )
         if self.dra is not None:
             result.update(self.dra.in_use(instance))
         return SlotsInUse(result, tuple(anywhere), anywhere)
