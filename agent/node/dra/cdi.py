@@ -12,7 +12,6 @@ device names starting with a digit (claim uids do).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import re
 from collections.abc import Sequence
@@ -20,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent.core.store.files import atomic_write_json
+from agent.core.store.base import StorageError
+from agent.core.store.files import atomic_write_json, remove_file
 from agent.node.deviceplugin.container_env import ContainerEdits
 
 CDI_VERSION = "0.5.0"
@@ -101,11 +101,17 @@ class CdiWriter:
         return path
 
     def write(self, claim_uid: str, devices: Sequence[CdiDevice]) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write the claim's spec atomically; raises :class:`StorageError` (no spec, no
+        partial spec) when the directory cannot take it."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise StorageError(str(self.directory), error) from error
         path = self.path_for(claim_uid)
         atomic_write_json(path, spec_for(devices))
         return path
 
     def remove(self, claim_uid: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.path_for(claim_uid).unlink()
+        """Remove the claim's spec (none is fine); raises :class:`StorageError` when it
+        stays (the unprepare is then refused, and kubelet retries it)."""
+        remove_file(self.path_for(claim_uid))

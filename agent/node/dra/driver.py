@@ -28,6 +28,7 @@ import grpc
 
 from agent.core import telemetry
 from agent.core.aio.fswatch import DirectoryWatch
+from agent.core.store.base import StoreError
 from agent.node.dra.health import HEALTH_SERVICES, HealthReporter, add_health_services
 from agent.node.dra.state import ClaimRef, DraState, PrepareError
 from agent.protos.dra.v1 import api_pb2 as v1
@@ -113,10 +114,14 @@ async def _unprepare_all(state: DraState, claims: Any, pb: Any) -> Any:
         try:
             await state.unprepare(ClaimRef(claim.namespace, claim.uid, claim.name))
             responses[claim.uid] = pb.NodeUnprepareResourceResponse()
+        except StoreError as error:
+            # the API or the disk (StorageError names the file and the cause): kubelet retries
+            log.warning("unprepare %s failed: %s", claim.uid, error)
+            responses[claim.uid] = pb.NodeUnprepareResourceResponse(error=f"unavailable: {error}")
         except Exception as error:
             log.exception("unprepare %s failed", claim.uid)
             responses[claim.uid] = pb.NodeUnprepareResourceResponse(
-                error=f"{type(error).__name__}: {error}"
+                error=f"internal error: {type(error).__name__}: {error}"
             )
     return pb.NodeUnprepareResourcesResponse(claims=responses)
 

@@ -43,7 +43,7 @@ from agent.core.aio.events import Subscription
 from agent.core.model.device_usage import ClaimUsage, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import InstanceEvent
+from agent.core.store.base import InstanceEvent, StorageError, StoreError
 from agent.node.deviceplugin.held_slots import HeldIndex, HeldSlot, follow_until_held, held_in
 from agent.node.dra.checkpoint import Checkpoint
 from agent.node.dra.slices import DRIVER, device_name
@@ -238,9 +238,20 @@ class DraReclaimer:
                 del self._stale_since[key]
             for slot in due:
                 since = self._stale_since.pop(slot.key)
-                released = await self.ledger.release_slots(
-                    slot.instance, {slot.slot: slot.value}, unless_granted_since={slot.slot: since}
-                )
+                try:
+                    released = await self.ledger.release_slots(
+                        slot.instance,
+                        {slot.slot: slot.value},
+                        unless_granted_since={slot.slot: since},
+                    )
+                except StoreError as error:
+                    # the API or the disk refused (StorageError names the cause): still stale
+                    # since then, so the next pass frees it without a new grace
+                    self._stale_since[slot.key] = since
+                    log.warning(
+                        "cannot free DRA slot %s (%s) now: %s", slot.slot, slot.value, error
+                    )
+                    continue
                 if slot.slot in released:
                     self.freed += 1
                     freed.append(slot)
@@ -260,9 +271,11 @@ class DraReclaimer:
         gone = [uid for uid in uids if uid in self.state.checkpoint.pending and uid not in still]
         if not gone:
             return
-        for uid in gone:
-            self.state.checkpoint.pending.pop(uid, None)
-        self.state.checkpoint.save()
+        try:
+            self.state.checkpoint.forget(gone)
+        except StorageError as error:
+            # harmless: a "preparing" entry whose claim is gone frees nothing more later
+            log.warning("could not drop finished claims from the DRA checkpoint: %s", error)
 
     def _report_untraceable(self, slot: HeldSlot) -> None:
         key = (slot.instance, slot.slot, slot.value)

@@ -32,7 +32,7 @@ from agent.core.ledger.ledger import SlotLedger, SlotRefusedError
 from agent.core.model.device_usage import is_free, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import StoreError
+from agent.core.store.base import StorageError, StoreError
 from agent.node.deviceplugin.container_env import container_edits
 from agent.node.dra.cdi import CdiDevice, CdiWriter, cdi_device_name, qualified
 from agent.node.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
@@ -99,23 +99,32 @@ class DraState:
             if not allocation:
                 raise PrepareError(f"ResourceClaim {ref.namespace}/{ref.name} is not allocated")
             results = driver_results(claim)
-            self.checkpoint.pending[ref.uid] = PendingClaim(ref.uid, ref.namespace, ref.name)
-            self.checkpoint.save()
             try:
-                prepared = await self._claim_slots(ref, results)
+                self.checkpoint.record_preparing(PendingClaim(ref.uid, ref.namespace, ref.name))
+            except StorageError as error:
+                raise PrepareError(f"DRA checkpoint unavailable: {error}") from error
+            prepared: list[PreparedDevice] = []
+            try:
+                await self._claim_slots(ref, results, prepared)
                 try:
                     self._write_cdi(ref, prepared)
-                except (OSError, ValueError) as error:
-                    await self._release(ref.uid, prepared)
+                except (StorageError, OSError, ValueError) as error:
                     raise PrepareError(f"writing the CDI spec failed: {error}") from error
-            except PrepareError:
-                self.checkpoint.pending.pop(ref.uid, None)
-                self.checkpoint.save()
-                raise
-            claim_state = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(prepared))
-            self.checkpoint.claims[ref.uid] = claim_state
-            self.checkpoint.pending.pop(ref.uid, None)
-            self.checkpoint.save()
+                claim_state = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(prepared))
+                try:
+                    self.checkpoint.record_prepared(claim_state)
+                except StorageError as error:
+                    # not recorded, so not answered: the slots go back (still traceable
+                    # through the "preparing" entry if even that fails)
+                    self._remove_cdi(ref.uid)
+                    raise PrepareError(f"DRA checkpoint unavailable: {error}") from error
+            except Exception as error:
+                # whatever failed part-way: give back every slot this call claimed
+                await self._release(ref.uid, prepared)
+                self._forget_preparing(ref.uid)
+                if isinstance(error, PrepareError):
+                    raise
+                raise PrepareError(f"internal error: {type(error).__name__}: {error}") from error
             self.prepares += 1
             log.info(
                 "prepared claim %s/%s (%s): %s",
@@ -127,25 +136,23 @@ class DraState:
             return claim_state
 
     async def _claim_slots(
-        self, ref: ClaimRef, results: list[Mapping[str, Any]]
-    ) -> list[PreparedDevice]:
+        self, ref: ClaimRef, results: list[Mapping[str, Any]], prepared: list[PreparedDevice]
+    ) -> None:
+        """Claim the slot of every result, appending each to ``prepared`` as it is claimed
+        (the caller gives them back if anything fails)."""
         owner = Owner.claim(ref.uid, self.node)
         instances = {i.name: i for i in self._instances()}
-        prepared: list[PreparedDevice] = []
         for result in results:
             pool, device = str(result.get("pool")), str(result.get("device"))
             resolved = slot_for_device(pool, device, instances, self.node)
             if resolved is None:
-                await self._release(ref.uid, prepared)
                 raise PrepareError(f"device {pool}/{device} is not an akri.sh device of this node")
             instance, slot = resolved
             if self.node not in instance.nodes:
-                await self._release(ref.uid, prepared)
                 raise PrepareError(f"device {pool}/{device} is not available on {self.node}")
             try:
                 await self.ledger.claim(instance.key, slot, owner)
             except (SlotRefusedError, StoreError) as error:
-                await self._release(ref.uid, prepared)
                 raise PrepareError(f"cannot prepare {pool}/{device} ({slot}): {error}") from error
             share = result.get("shareID")
             prepared.append(
@@ -160,7 +167,6 @@ class DraState:
                     namespace=instance.namespace,
                 )
             )
-        return prepared
 
     def _write_cdi(self, ref: ClaimRef, prepared: list[PreparedDevice]) -> None:
         if not prepared:
@@ -174,6 +180,19 @@ class DraState:
             )
             devices.append(CdiDevice(cdi_device_name(ref.uid, item.device), edits))
         self.cdi.write(ref.uid, devices)
+
+    def _remove_cdi(self, claim_uid: str) -> None:
+        try:
+            self.cdi.remove(claim_uid)
+        except (StorageError, ValueError) as error:
+            log.warning("could not remove the CDI spec of claim %s: %s", claim_uid, error)
+
+    def _forget_preparing(self, claim_uid: str) -> None:
+        try:
+            self.checkpoint.forget([claim_uid])
+        except StorageError as error:
+            # stays "preparing": the DRA reclaimer asks the API about it and frees what is left
+            log.warning("could not drop claim %s from the DRA checkpoint: %s", claim_uid, error)
 
     async def _release(self, claim_uid: str, prepared: list[PreparedDevice]) -> None:
         value = Owner.claim(claim_uid, self.node).value
@@ -194,14 +213,13 @@ class DraState:
                 # not in the checkpoint (lost?): still free whatever the Instances say it holds
                 else {i.key for i in self._instances() if value in i.device_usage.values()}
             )
+            # each step can fail (API, disk) and raise: kubelet retries the unprepare, and the
+            # checkpoint entry, dropped last and only once written, makes the retry find
+            # everything again
             for key in sorted(instances):
                 await self.ledger.release_values(key, {value})
             self.cdi.remove(ref.uid)
-            pending = self.checkpoint.pending.pop(ref.uid, None)
-            if known is not None:
-                del self.checkpoint.claims[ref.uid]
-            if known is not None or pending is not None:
-                self.checkpoint.save()
+            self.checkpoint.forget([ref.uid])
             if known is not None:
                 self.unprepares += 1
                 log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)

@@ -9,6 +9,7 @@ import pytest
 
 from agent.core.model.instance import Instance
 from agent.core.model.naming import DRAINING_ANNOTATION, is_dns_label
+from agent.core.store.base import CorruptStateError
 from agent.node.deviceplugin.container_env import ContainerEdits
 from agent.node.dra.cdi import (
     CdiDevice,
@@ -173,8 +174,9 @@ def test_checkpoint_round_trip_and_corruption(tmp_path: Path) -> None:
     assert again.claims == {"uid-1": claim}
     path.write_text("{broken")
     broken = Checkpoint(path)
-    broken.load()
-    assert broken.claims == {}
+    # never "starting empty": that would leave the claims' D: slots untraceable for good
+    with pytest.raises(CorruptStateError, match=str(path)):
+        broken.load()
 
 
 def test_an_empty_pool_stored_without_devices_is_unchanged() -> None:
