@@ -39,6 +39,7 @@ from tests.doubles.apiserver.patches import (
     merge_patch,
     strategic_merge_patch,
 )
+from tests.doubles.apiserver.resource_validation import validate_resource
 from tests.doubles.apiserver.resources import (
     CRD_GR,
     NAMESPACES_GR,
@@ -777,6 +778,8 @@ class Store:
                 del spec["devices"]
         if self.validate:
             causes = validate_metadata(new, dns_label_name=rt.gr == NAMESPACES_GR)
+            if not rt.custom:
+                causes += validate_resource(rt.group, rt.plural, new, old)
             schema = rt.schemas.get(version) if rt.custom else None
             if schema is not None:
                 dropped = prune_and_default(new, schema)
