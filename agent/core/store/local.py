@@ -32,7 +32,7 @@ from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
-from agent.core.model.naming import is_dns_label, is_dns_subdomain
+from agent.core.model.naming import MAX_CAPACITY, is_dns_label, is_dns_subdomain
 from agent.core.store.base import (
     AlreadyExistsError,
     ConfigurationEvent,
@@ -122,6 +122,9 @@ def load_instance_file(path: Path, namespace: str = DEFAULT_NAMESPACE) -> Instan
         raise CorruptStateError(str(path), f"{type(error).__name__}: {error}") from error
     if instance.resource_version is None or not is_version(instance.resource_version):
         raise CorruptStateError(str(path), "metadata.resourceVersion must be an integer string")
+    if instance.capacity > MAX_CAPACITY:
+        # never written by an agent; its slots would not even fit kubelet's device ids
+        raise CorruptStateError(str(path), f"spec.capacity is above {MAX_CAPACITY}")
     if path.name != f"{instance.name}.json":
         raise CorruptStateError(str(path), f"holds Instance {instance.name!r}, not {path.stem!r}")
     if instance.namespace != namespace:
