@@ -1,4 +1,4 @@
-"""The ``akri`` command: ``akri agent``, ``akri handler`` and ``akri status``."""
+"""The ``akri`` command: ``akri agent``, ``controller``, ``handler``, ``status``, ``version``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import argparse
     from pathlib import Path
 
+    from agent.controller.settings import ControllerSettings
     from agent.core.store.base import InstanceStore
     from agent.node.settings import AgentSettings
 
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     import argparse
     from pathlib import Path
 
+    from agent.controller.settings import add_flags
     from agent.node.settings import AGENT_OPTIONS, add_options
 
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
@@ -48,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("version", help="print the version")
     agent = commands.add_parser("agent", help="run the node agent")
     add_options(agent, AGENT_OPTIONS)
+    controller = commands.add_parser(
+        "controller",
+        help="run the cluster-wide controller (brokers, dead nodes' slots; leader-elected)",
+        description="Broker Pods/Jobs and Services for Configurations that ask for them, and "
+        "dead nodes' slots given back. Run two or more replicas: one holds the Lease and "
+        "works, the others wait warm (docs/controller.md).",
+    )
+    add_flags(controller)
     handler = commands.add_parser(
         "handler",
         help="run one of the embedded discovery handlers as an external handler process",
@@ -202,6 +212,59 @@ async def _run_agent(settings: AgentSettings) -> int:
     return 0
 
 
+async def _run_controller(settings: ControllerSettings) -> int:
+    import asyncio
+    import logging
+    import signal
+
+    from agent.controller.app import Controller
+    from agent.core.kube import ApiError, make_kube_client
+    from agent.core.store.base import StoreError
+
+    log = logging.getLogger("agent.controller")
+    try:
+        client = make_kube_client(settings.kubeconfig)
+    except Exception as error:
+        log.error(
+            "cannot configure the Kubernetes client (%s: %s); use --kubeconfig or run in a pod",
+            type(error).__name__,
+            error,
+        )
+        return EXIT_USAGE
+    controller = Controller(settings, client)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await controller.run(stop)
+    except StoreError as error:
+        log.error("cannot start: %s", error)
+        return EXIT_UNAVAILABLE
+    except ApiError as error:
+        log.error("cannot start: Kubernetes API: %s", error)
+        return EXIT_UNAVAILABLE
+    except OSError as error:
+        log.error("cannot start: %s", error.strerror or error)
+        return EXIT_UNUSABLE_PATH
+    return 0
+
+
+def _controller(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from agent.controller.settings import ControllerSettings, ControllerSettingsError
+
+    try:
+        settings = ControllerSettings.resolve(args, os.environ)
+    except ControllerSettingsError as error:
+        print(f"akri controller: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    _configure_logging(settings.log_level, settings.log_format, settings.identity)
+    return asyncio.run(_run_controller(settings))
+
+
 async def _cluster_objects(
     kubeconfig: str | None, namespace: str | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -349,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "status":
         return _status(args)
+    if args.command == "controller":
+        return _controller(args)
     if args.command == "handler":
         try:
             values = resolve(args, AGENT_OPTIONS, os.environ)

@@ -159,7 +159,9 @@ def decide_claim(
     reclaimable: Collection[str] = (),
 ) -> Granted | Refused:
     """Claim a specific slot for ``owner``."""
-    if instance.deletion_timestamp is not None:
+    # a terminating Instance (its akri.sh/slots finalizer waits for its holders) gives no new
+    # slot, but kubelet re-asking for the one its owner holds is granted below
+    if instance.deletion_timestamp is not None and instance.device_usage.get(slot) != owner.value:
         return Refused("Deleting", f"instance {instance.name} is being deleted")
     if owner.node not in instance.nodes:
         return _not_on_node(instance, owner)
@@ -492,3 +494,37 @@ def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
         .evolve(nodes=remaining)
     )
     return Leave(updated, delete=not remaining and held_count(instance) == 0)
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """:func:`decide_evict_node`: ``instance`` without the dead node (to write), or ``delete``
+    it when no node is left; ``freed`` are the slots the dead node held."""
+
+    instance: Instance
+    freed: tuple[str, ...]
+    delete: bool
+
+
+def decide_evict_node(instance: Instance, node: str) -> Eviction | None:
+    """Remove a *dead* ``node`` from ``instance`` (the controller, for a node NotReady past its
+    grace or deleted): free exactly the slots whose value names that node (``<node>``,
+    ``C:<vdev>:<node>``, ``D:<claim>:<node>``) — never another node's, nor a value that cannot
+    be parsed — drop it from ``nodes`` and from the draining/offline marks. ``delete`` when no
+    node is left (nobody sees the device any more). None when the node neither is listed nor
+    holds a slot.
+
+    Unlike :func:`decide_leave`, which lets a live node go only once it holds nothing, this
+    frees held slots: their containers died with the node. The node's own agent re-joins with
+    its kubelet's evidence (:func:`decide_adopt`) if it comes back."""
+    held = node_slots(instance, node)
+    if node not in instance.nodes and not held:
+        return None
+    usage = _release_keys(instance, held) if held else dict(instance.device_usage)
+    remaining = tuple(n for n in instance.nodes if n != node)
+    updated = (
+        with_draining(instance, node, False)
+        .with_node_mark(OFFLINE_ANNOTATION, node, False)
+        .evolve(nodes=remaining, device_usage=usage)
+    )
+    return Eviction(updated, held, delete=not remaining)

@@ -123,6 +123,8 @@ def builtin_resources() -> list[ResourceType]:
     return [
         _rt("", "v1", "namespaces", "Namespace", False, ["ns"], subresources=["status"]),
         _rt("", "v1", "pods", "Pod", True, ["po"], ["all"], ["status"]),
+        _rt("", "v1", "services", "Service", True, ["svc"], ["all"], ["status"]),
+        _rt("batch", "v1", "jobs", "Job", True, [], ["all"], ["status"]),
         _rt("", "v1", "nodes", "Node", False, ["no"], subresources=["status"]),
         _rt("", "v1", "secrets", "Secret", True),
         _rt("", "v1", "configmaps", "ConfigMap", True, ["cm"]),

@@ -1,0 +1,545 @@
+"""The controller's I/O: watch, decide (pure modules), write.
+
+One pass (:meth:`Reconciler.reconcile_once`) looks at everything in the caches:
+
+1. **dead nodes** (:mod:`agent.controller.nodes`): each Instance that lists a dead node, or
+   holds a slot of it, is rewritten by :func:`~agent.core.ledger.decisions.decide_evict_node`
+   through resourceVersion-checked writes (the decision is re-made on every re-read, and
+   dropped if the node turned Ready meanwhile); an Instance left without a node is deleted
+   with a resourceVersion precondition; the dead node's stale shared ResourceSlices are
+   deleted for their next publisher (:mod:`agent.controller.slices`);
+2. **brokers** (:mod:`agent.controller.brokers`): Pods / Jobs per Instance;
+3. **Services** (:mod:`agent.controller.services`) following Running broker Pods.
+
+Passes run when any watched collection changes (coalesced), when a grace period ends, and
+every ``resync_interval``. Creating an object that exists already (409) counts as done, and
+every delete carries a uid precondition so that a newer object of the same name survives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import collections
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.controller import brokers, services, slices
+from agent.controller.nodes import NodeWatch
+from agent.controller.watched import Watched
+from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
+from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
+from agent.core.model.configuration import Configuration
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import ConflictError, InstanceStore, NotFoundError, StoreError
+from agent.core.store.cas import DEFAULT_RETRY, STATS
+from agent.core.store.informer import Obj, RawEvent
+
+log = logging.getLogger("agent.controller")
+
+COALESCE = 0.02  # seconds: a burst of watch events makes one pass
+# Released a dead node's share of an Instance beyond deviceUsage and nodes (e.g. a finalizer
+# per node): called after the eviction was written, with the Instance as it was before it
+NodeReleaseHook = Callable[[Instance, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ReconcileSettings:
+    """Timing of the reconciler (seconds)."""
+
+    node_grace: float = 300.0
+    pending_broker_grace: float = brokers.PENDING_GRACE
+    failed_broker_grace: float = brokers.FAILED_GRACE
+    resync_interval: float = 60.0
+    namespace: str | None = None  # None: every namespace
+    request_timeout: float = 30.0
+
+
+@dataclass
+class ControllerStats:
+    """Counters for ``/metrics`` (docs/metrics.md)."""
+
+    pods_created: collections.Counter[str] = field(default_factory=collections.Counter)
+    pods_removed: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    jobs_created: collections.Counter[str] = field(default_factory=collections.Counter)
+    services_created: collections.Counter[str] = field(default_factory=collections.Counter)
+    services_deleted: collections.Counter[str] = field(default_factory=collections.Counter)
+    brokers_waiting: dict[str, int] = field(default_factory=dict)  # configuration -> nodes
+    nodes_cleaned: int = 0
+    slots_freed: int = 0
+    instances_deleted: int = 0
+    slices_handed_over: int = 0
+    passes: int = 0
+    write_errors: int = 0
+    last_pass_seconds: float = 0.0
+
+
+def parse_time(text: Any) -> float:
+    """An RFC 3339 timestamp (``creationTimestamp``) as epoch seconds (0 when absent/odd)."""
+    if not isinstance(text, str) or not text:
+        return 0.0
+    try:
+        return float(calendar.timegm(time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return 0.0
+
+
+def observed(obj: Mapping[str, Any]) -> brokers.ObservedPod:
+    """A broker Pod (or Job) as the pure decisions see it."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    status = obj.get("status") or {}
+    phase = str(status.get("phase") or "Pending")
+    if obj.get("kind") == "Job" or "active" in status or "succeeded" in status:
+        phase = "Running" if status.get("active") else phase
+    return brokers.ObservedPod(
+        name=str(meta.get("name") or ""),
+        uid=str(meta.get("uid") or ""),
+        node=str(labels.get(brokers.TARGET_NODE_LABEL) or ""),
+        spec=str(labels.get(brokers.SPEC_LABEL) or ""),
+        phase=phase,
+        created=parse_time(meta.get("creationTimestamp")),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+class Reconciler:
+    """Watches and reconciles; :meth:`run` only while this replica leads."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        store: InstanceStore,
+        settings: ReconcileSettings,
+        *,
+        release_hooks: Sequence[NodeReleaseHook] = (),
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.client = client
+        self.store = store
+        self.settings = settings
+        self.release_hooks = tuple(release_hooks)
+        self._monotonic = monotonic
+        self._wall = wall
+        self.stats = ControllerStats()
+        self.nodes = NodeWatch(grace=settings.node_grace)
+        self.wake = asyncio.Event()
+        ns = settings.namespace
+        self.node_cache = Watched(client, "nodes", resource_path("", "v1", "nodes"), self._on_node)
+        self.pod_cache = Watched(
+            client,
+            "broker-pods",
+            resource_path("", "v1", "pods", ns),
+            self._on_change,
+            label_selector=brokers.BROKER_SELECTOR,
+        )
+        self.job_cache = Watched(
+            client,
+            "broker-jobs",
+            resource_path("batch", "v1", "jobs", ns),
+            self._on_change,
+            label_selector=brokers.BROKER_SELECTOR,
+        )
+        self.service_cache = Watched(
+            client,
+            "broker-services",
+            resource_path("", "v1", "services", ns),
+            self._on_change,
+            label_selector=brokers.BROKER_SELECTOR,
+        )
+        self.slice_cache = Watched(
+            client,
+            "resourceslices",
+            resource_path("resource.k8s.io", "v1", "resourceslices"),
+            lambda _event: None,  # read when a node is cleaned, never a reason for a pass
+        )
+        self.synced = False
+        self.dra_slices = True  # False when the cluster does not serve resource.k8s.io/v1
+        self._subscriptions: list[Any] = []
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- caches ----------------------------------------------------------------------------
+    def _on_node(self, event: RawEvent) -> None:
+        name = str((event.obj.get("metadata") or {}).get("name") or "")
+        self.nodes.observe(name, None if event.type == "DELETED" else event.obj, self._monotonic())
+        self.wake.set()
+
+    def _on_change(self, _event: RawEvent) -> None:
+        self.wake.set()
+
+    async def start(self) -> None:
+        """Fill every cache (the store must be started) and keep them watched."""
+        for cache in (self.node_cache, self.pod_cache, self.job_cache, self.service_cache):
+            await cache.start()
+        try:
+            await self.slice_cache.start()
+        except ApiError as error:
+            if error.status != 404:
+                raise
+            self.dra_slices = False
+            log.info("the cluster serves no resource.k8s.io/v1 ResourceSlices: no hand-over")
+        for subscribe in (self.store.subscribe_instances, self.store.subscribe_configurations):
+            subscription = subscribe()
+            self._subscriptions.append(subscription)
+            self._tasks.append(asyncio.create_task(self._follow(subscription)))
+        self.synced = True
+
+    async def _follow(self, subscription: Any) -> None:
+        async for _event in subscription:
+            self.wake.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for subscription in self._subscriptions:
+            close = getattr(subscription, "close", None)
+            if close is not None:
+                close()
+        for cache in (
+            self.node_cache,
+            self.pod_cache,
+            self.job_cache,
+            self.service_cache,
+            self.slice_cache,
+        ):
+            await cache.stop()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Reconcile until cancelled (while leading)."""
+        while True:
+            self.wake.clear()
+            started = self._monotonic()
+            try:
+                next_at = await self.reconcile_once()
+            except (ApiError, TransportError, StoreError) as error:
+                log.warning("reconcile pass failed (%s); retrying", error)
+                next_at = self._monotonic() + 1.0 + random.random()
+            self.stats.passes += 1
+            self.stats.last_pass_seconds = self._monotonic() - started
+            timeout = self.settings.resync_interval
+            if next_at is not None:
+                timeout = min(timeout, max(0.05, next_at - self._monotonic()))
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout)
+                await asyncio.sleep(COALESCE)
+            except TimeoutError:
+                pass
+
+    async def reconcile_once(self) -> float | None:
+        """One pass; returns when (monotonic) the next grace period ends, if any."""
+        deadlines: list[float] = []
+        await self._clean_dead_nodes(deadlines)
+        configurations = {c.key: c for c in self.store.configurations()}
+        instances = self.store.list_cached()
+        now = self._wall()
+        await self._reconcile_brokers(configurations, instances, now, deadlines)
+        await self._reconcile_services(configurations, instances)
+        return min(deadlines, default=None)
+
+    # -- dead nodes ------------------------------------------------------------------------
+    async def _clean_dead_nodes(self, deadlines: list[float]) -> None:
+        instances = self.store.list_cached()
+        listed: set[str] = set()
+        for instance in instances:
+            listed.update(instance.nodes)
+        now = self._monotonic()
+        dead = sorted(self.nodes.dead_among(listed, now))
+        upcoming = self.nodes.next_deadline(listed, now)
+        if upcoming is not None:
+            deadlines.append(upcoming)
+        for node in dead:
+            await self.clean_node(node)
+
+    async def clean_node(self, node: str) -> None:
+        """Free everything ``node`` holds and take it out of every Instance."""
+        freed = 0
+        touched = 0
+        for instance in self.store.list_cached():
+            if node not in instance.nodes and not node_slots(instance, node):
+                continue
+            eviction = await self._evict(instance.key, node)
+            if eviction is None:
+                continue
+            touched += 1
+            freed += len(eviction.freed)
+            for hook in self.release_hooks:
+                await hook(instance, node)
+        if not touched:
+            return
+        self.stats.nodes_cleaned += 1
+        self.stats.slots_freed += freed
+        log.warning(
+            "node %s is %s: removed from %d Instance(s), %d slot(s) freed",
+            node,
+            "gone" if node not in self.nodes.ready else
+            f"not Ready for over {self.settings.node_grace:g}s",
+            touched,
+            freed,
+        )  # fmt: skip
+        await self._hand_over_slices(node)
+
+    async def _evict(self, key: ObjectKey, node: str) -> Eviction | None:
+        """decide_evict_node on the cached, then on every re-read version of ``key``: an
+        update or (no node left) a delete, both resourceVersion-checked."""
+        current = self.store.get_cached(key)
+        for attempt in range(1, DEFAULT_RETRY.attempts + 1):
+            if not self.nodes.is_dead(node, self._monotonic()):
+                return None  # it came back: nothing of a live node is freed
+            try:
+                if current is None:
+                    current = await self.store.get(key)
+                eviction = decide_evict_node(current, node)
+                if eviction is None:
+                    return None
+                if eviction.delete:
+                    await self.store.delete(key, resource_version=current.resource_version)
+                    self.stats.instances_deleted += 1
+                else:
+                    await self.store.update(eviction.instance)
+                STATS.writes += 1
+            except NotFoundError:
+                return None
+            except ConflictError:
+                STATS.conflicts += 1
+                await asyncio.sleep(DEFAULT_RETRY.delay(attempt))
+                current = None
+                continue
+            await self._record_eviction(current, node, eviction)
+            return eviction
+        STATS.gave_up += 1
+        log.warning("instance %s: gave up removing dead node %s (conflicts)", key.name, node)
+        return None
+
+    async def _record_eviction(self, instance: Instance, node: str, eviction: Eviction) -> None:
+        what = "deleted (no node left)" if eviction.delete else "updated"
+        log.info(
+            "instance %s: dead node %s removed, slots freed: %s; %s",
+            instance.name,
+            node,
+            ", ".join(eviction.freed) or "none",
+            what,
+        )
+        await self.store.record_instance_event(
+            instance,
+            "DeadNodeRemoved",
+            f"node {node} is dead (NotReady past the grace, or deleted): removed; "
+            f"slots freed: {', '.join(eviction.freed) or 'none'}; Instance {what}",
+        )
+
+    async def _hand_over_slices(self, node: str) -> None:
+        if not self.dra_slices:
+            return
+        for name, version in slices.stale_shared_slices(self.slice_cache.cache.values(), node):
+            path = resource_path("resource.k8s.io", "v1", "resourceslices", None, name)
+            body = {"kind": "DeleteOptions", "apiVersion": "v1",
+                    "preconditions": {"resourceVersion": version}}  # fmt: skip
+            try:
+                await self.client.delete(path, body)
+            except ApiError as error:
+                if error.status not in (404, 409):
+                    raise
+                continue  # gone, or rewritten by a live publisher: theirs now
+            self.stats.slices_handed_over += 1
+            log.info("ResourceSlice %s of dead node %s deleted for the next publisher", name, node)
+
+    # -- brokers ---------------------------------------------------------------------------
+    def _by_instance(self, cache: Watched) -> dict[tuple[str, str], list[Obj]]:
+        grouped: dict[tuple[str, str], list[Obj]] = collections.defaultdict(list)
+        for obj in cache.cache.values():
+            meta = obj.get("metadata") or {}
+            instance = (meta.get("labels") or {}).get(brokers.INSTANCE_LABEL)
+            if instance:
+                grouped[(str(meta.get("namespace") or ""), str(instance))].append(obj)
+        return grouped
+
+    async def _reconcile_brokers(
+        self,
+        configurations: Mapping[ObjectKey, Configuration],
+        instances: Iterable[Instance],
+        now: float,
+        deadlines: list[float],
+    ) -> None:
+        pods = self._by_instance(self.pod_cache)
+        jobs = self._by_instance(self.job_cache)
+        timing = brokers.Timing(
+            self.settings.pending_broker_grace, self.settings.failed_broker_grace
+        )
+        ready = self.nodes.ready_nodes()
+        waiting: collections.Counter[str] = collections.Counter()
+        seen: set[tuple[str, str]] = set()
+        for instance in instances:
+            ident = (instance.namespace, instance.name)
+            seen.add(ident)
+            configuration = configurations.get(instance.configuration_key)
+            if configuration is None:
+                continue  # Akri: no Configuration, nothing to do (owner GC follows)
+            mine = [observed(obj) for obj in pods.get(ident, ())]
+            plan = brokers.plan_pods(configuration, instance, mine, ready, now, timing)
+            if plan.next_check is not None:
+                deadlines.append(self._monotonic() + max(0.0, plan.next_check - now))
+            if plan.waiting:
+                waiting[configuration.name] += len(plan.waiting)
+            for removal in plan.remove:
+                await self._remove_pod(instance.namespace, configuration.name, removal)
+            for pod in plan.create:
+                await self._create(self.pod_cache, "pods", pod, configuration.name)
+            job_plan = brokers.plan_job(
+                configuration, instance, [observed(obj) for obj in jobs.get(ident, ())]
+            )
+            if job_plan.create is not None:
+                await self._create(self.job_cache, "jobs", job_plan.create, configuration.name)
+            elif job_plan.waiting:
+                waiting[configuration.name] += 1
+        # broker Pods of Instances that are gone (owner GC does it too, when it runs)
+        for (namespace, instance_name), objs in pods.items():
+            if (namespace, instance_name) in seen:
+                continue
+            for obj in objs:
+                orphan = observed(obj)
+                if not orphan.deleting:
+                    configuration_name = str(
+                        ((obj.get("metadata") or {}).get("labels") or {}).get(
+                            brokers.CONFIGURATION_LABEL, ""
+                        )
+                    )
+                    removal = brokers.Removal(orphan.name, orphan.uid, "InstanceGone")
+                    await self._remove_pod(namespace, configuration_name, removal)
+        self.stats.brokers_waiting = dict(waiting)
+
+    async def _create(self, cache: Watched, plural: str, obj: Obj, configuration: str) -> None:
+        meta = obj["metadata"]
+        group, version = ("batch", "v1") if plural == "jobs" else ("", "v1")
+        path = resource_path(group, version, plural, meta["namespace"])
+        try:
+            created = await self.client.create(path, obj)
+        except ApiError as error:
+            if error.status == 409:
+                return  # exists already (Akri: success)
+            self.stats.write_errors += 1
+            log.warning("cannot create %s %s/%s: %s", plural[:-1], meta["namespace"],
+                        meta["name"], error)  # fmt: skip
+            return
+        cache.wrote(created)
+        counter = {"pods": self.stats.pods_created, "jobs": self.stats.jobs_created,
+                   "services": self.stats.services_created}[plural]  # fmt: skip
+        counter[configuration] += 1
+        log.info("configuration %s/%s: broker %s %s created", meta["namespace"], configuration,
+                 obj["kind"], meta["name"])  # fmt: skip
+
+    async def _delete(self, plural: str, namespace: str, name: str, uid: str) -> bool:
+        group = "batch" if plural == "jobs" else ""
+        path = resource_path(group, "v1", plural, namespace, name)
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        if plural == "jobs":
+            body["propagationPolicy"] = "Background"  # its pods go too
+        try:
+            await self.client.delete(path, body)
+        except ApiError as error:
+            if error.status in (404, 409):
+                return False  # gone already, or a newer object of that name
+            self.stats.write_errors += 1
+            log.warning("cannot delete %s %s/%s: %s", plural[:-1], namespace, name, error)
+            return False
+        return True
+
+    async def _remove_pod(
+        self, namespace: str, configuration: str, removal: brokers.Removal
+    ) -> None:
+        if await self._delete("pods", namespace, removal.name, removal.uid):
+            self.stats.pods_removed[(configuration, removal.reason)] += 1
+            log.info("configuration %s/%s: broker Pod %s removed (%s)", namespace, configuration,
+                     removal.name, removal.reason)  # fmt: skip
+
+    # -- services --------------------------------------------------------------------------
+    async def _reconcile_services(
+        self, configurations: Mapping[ObjectKey, Configuration], instances: Iterable[Instance]
+    ) -> None:
+        running_instances: set[tuple[str, str]] = set()
+        running_configurations: set[tuple[str, str]] = set()
+        for cache in (self.pod_cache,):
+            for obj in cache.cache.values():
+                meta = obj.get("metadata") or {}
+                labels = meta.get("labels") or {}
+                if observed(obj).running:
+                    namespace = str(meta.get("namespace") or "")
+                    running_instances.add((namespace, str(labels.get(brokers.INSTANCE_LABEL))))
+                    running_configurations.add(
+                        (namespace, str(labels.get(brokers.CONFIGURATION_LABEL)))
+                    )
+        wanted: list[dict[str, Any]] = []
+        for instance in instances:
+            configuration = configurations.get(instance.configuration_key)
+            if configuration is None:
+                continue
+            if (instance.namespace, instance.name) not in running_instances:
+                continue
+            service = services.instance_service(configuration, instance)
+            if service is not None:
+                wanted.append(service)
+        for key, configuration in configurations.items():
+            if (key.namespace, key.name) not in running_configurations:
+                continue
+            service = services.configuration_service(configuration)
+            if service is not None:
+                wanted.append(service)
+        plan = services.plan_services(wanted, self.service_cache.cache)
+        for obj in plan.create:
+            configuration_name = self._service_configuration(obj)
+            await self._create(self.service_cache, "services", obj, configuration_name)
+        for obj in plan.replace:
+            meta = obj["metadata"]
+            path = resource_path("", "v1", "services", meta["namespace"], meta["name"])
+            try:
+                stored = await self.client.replace(path, obj)
+            except ApiError as error:
+                if error.status not in (404, 409):
+                    self.stats.write_errors += 1
+                    log.warning("cannot update Service %s/%s: %s", meta["namespace"],
+                                meta["name"], error)  # fmt: skip
+                continue  # re-decided on the next pass
+            self.service_cache.wrote(stored)
+        for service_key, uid in plan.delete:
+            namespace, name = service_key.split("/", 1)
+            stored_obj = self.service_cache.cache.get(service_key) or {}
+            if await self._delete("services", namespace, name, uid):
+                self.stats.services_deleted[self._service_configuration(stored_obj)] += 1
+                log.info("Service %s removed: no Running broker left", service_key)
+
+    def _service_configuration(self, obj: Mapping[str, Any]) -> str:
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if brokers.CONFIGURATION_LABEL in labels:
+            return str(labels[brokers.CONFIGURATION_LABEL])
+        namespace = str((obj.get("metadata") or {}).get("namespace") or "")
+        for instance in self.store.instances_named(str(labels.get(brokers.INSTANCE_LABEL))):
+            if instance.namespace == namespace:
+                return instance.configuration_name
+        return ""
+
+    # -- views for metrics -----------------------------------------------------------------
+    def broker_pod_counts(self) -> dict[tuple[str, str], int]:
+        """Non-terminating broker Pods per (configuration, node): ``akri_broker_pod_count``."""
+        counts: collections.Counter[tuple[str, str]] = collections.Counter()
+        for obj in self.pod_cache.cache.values():
+            pod = observed(obj)
+            if pod.deleting:
+                continue
+            labels = (obj.get("metadata") or {}).get("labels") or {}
+            counts[(str(labels.get(brokers.CONFIGURATION_LABEL) or ""), pod.node)] += 1
+        return dict(counts)
+
+    def count_by_configuration(self, cache: Watched) -> dict[str, int]:
+        counts: collections.Counter[str] = collections.Counter()
+        for obj in cache.cache.values():
+            counts[self._service_configuration(obj)] += 1
+        return dict(counts)

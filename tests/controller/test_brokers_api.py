@@ -1,0 +1,258 @@
+"""Broker Pods, Jobs and Services made by a running controller against the API-server double."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.controller.conftest import (
+    add_node,
+    broker_pod_spec,
+    broker_pods,
+    configuration,
+    eventually,
+    instance,
+    running_controller,
+    set_phase,
+)
+from tests.doubles.apiserver import ApiServerDouble
+
+
+async def test_one_pinned_broker_pod_per_node_with_akri_names(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(pod_spec=broker_pod_spec()))
+    created = instance(api, "cams-8120fe", ["node-a", "node-b"])
+    async with running_controller(api, tmp_path):
+        pods = await eventually(
+            lambda: len(broker_pods(api)) == 2 and broker_pods(api), "two broker pods"
+        )
+    assert [p["metadata"]["name"] for p in pods] == [
+        "node-a-cams-8120fe-pod",
+        "node-b-cams-8120fe-pod",
+    ]
+    for pod, target in zip(pods, ("node-a", "node-b"), strict=True):
+        labels = pod["metadata"]["labels"]
+        assert labels["controller"] == "akri.sh"
+        assert labels["akri.sh/configuration"] == "cams"
+        assert labels["akri.sh/instance"] == "cams-8120fe"
+        assert labels["akri.sh/target-node"] == target
+        assert labels["app"] == pod["metadata"]["name"]
+        owner = pod["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+            "Instance",
+            "cams-8120fe",
+            created["metadata"]["uid"],
+            True,
+        )
+        term = pod["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]["nodeSelectorTerms"][0]
+        assert term["matchFields"] == [
+            {"key": "metadata.name", "operator": "In", "values": [target]}
+        ]
+        limits = pod["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"akri.sh/cams-8120fe": "1"}
+
+
+async def test_no_more_broker_pods_than_free_slots(api: ApiServerDouble, tmp_path: Path) -> None:
+    for name in ("node-a", "node-b", "node-c"):
+        add_node(api, name)
+    api.create(configuration(pod_spec=broker_pod_spec()))
+    # capacity 2, one slot already held by an application pod on node-c
+    instance(
+        api,
+        "cams-8120fe",
+        ["node-a", "node-b", "node-c"],
+        usage={"cams-8120fe-0": "node-c"},
+    )
+    async with running_controller(api, tmp_path) as running:
+        await eventually(lambda: len(broker_pods(api)) == 1, "one broker pod")
+        # the pass that created it already saw the budget used up: no second pod, ever
+        passes = running.controller.reconciler.stats.passes
+        await eventually(
+            lambda: (
+                running.controller.reconciler.stats.passes > passes + 1
+                or (running.controller.reconciler.wake.set() and False)
+            ),
+            "two more passes",
+        )
+        assert len(broker_pods(api)) == 1
+        assert running.controller.reconciler.stats.brokers_waiting == {"cams": 2}
+
+
+async def test_failed_broker_pod_is_replaced(api: ApiServerDouble, tmp_path: Path) -> None:
+    add_node(api, "node-a")
+    api.create(configuration(pod_spec=broker_pod_spec()))
+    instance(api, "cams-8120fe", ["node-a"], shared=False)
+    async with running_controller(api, tmp_path):
+        first = await eventually(lambda: broker_pods(api), "a broker pod")
+        assert first[0]["metadata"]["name"] == "cams-8120fe-pod"
+        uid = first[0]["metadata"]["uid"]
+        set_phase(api, "cams-8120fe-pod", "Failed")
+        replaced = await eventually(
+            lambda: [p for p in broker_pods(api) if p["metadata"]["uid"] != uid],
+            "a replacement pod",
+        )
+        assert replaced[0]["metadata"]["name"] == "cams-8120fe-pod"
+
+
+async def test_pod_removed_when_its_node_leaves_the_instance(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(pod_spec=broker_pod_spec()))
+    instance(api, "cams-8120fe", ["node-a", "node-b"])
+    async with running_controller(api, tmp_path):
+        await eventually(lambda: len(broker_pods(api)) == 2, "two broker pods")
+        current = api.get("instances.akri.sh", "cams-8120fe")
+        assert current is not None
+        current["spec"]["nodes"] = ["node-a"]
+        api.apply(current)
+        await eventually(
+            lambda: [p["metadata"]["name"] for p in broker_pods(api)] == ["node-a-cams-8120fe-pod"],
+            "node-b's broker removed",
+        )
+        api.delete("instances.akri.sh", "cams-8120fe")
+        await eventually(lambda: not broker_pods(api), "brokers of a deleted Instance removed")
+
+
+async def test_configuration_edit_rolls_brokers_over_new_before_old(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    add_node(api, "node-a")
+    config = api.create(configuration(pod_spec=broker_pod_spec("example/broker:1")))
+    instance(api, "cams-8120fe", ["node-a"], capacity=2)
+    async with running_controller(api, tmp_path):
+        old = (await eventually(lambda: broker_pods(api), "first broker"))[0]
+        set_phase(api, old["metadata"]["name"], "Running")
+        # the running broker holds one slot of two: a second one fits
+        current = api.get("instances.akri.sh", "cams-8120fe")
+        assert current is not None
+        current["spec"]["deviceUsage"]["cams-8120fe-0"] = "node-a"
+        api.apply(current)
+        config["spec"]["brokerSpec"]["brokerPodSpec"] = broker_pod_spec("example/broker:2")
+        api.apply(config)
+        both = await eventually(lambda: len(broker_pods(api)) == 2 and broker_pods(api), "surge")
+        new = next(p for p in both if p["metadata"]["uid"] != old["metadata"]["uid"])
+        assert new["spec"]["containers"][0]["image"] == "example/broker:2"
+        assert re.fullmatch(r"node-a-cams-8120fe-[0-9a-f]{5}-pod", new["metadata"]["name"])
+        # the old broker stays until the new one runs
+        assert api.get("pods", old["metadata"]["name"]) is not None
+        set_phase(api, new["metadata"]["name"], "Running")
+        await eventually(
+            lambda: [p["metadata"]["uid"] for p in broker_pods(api)] == [new["metadata"]["uid"]],
+            "old broker removed after the new one runs",
+        )
+
+
+async def test_configuration_edit_without_a_free_slot_removes_the_old_broker_first(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    add_node(api, "node-a")
+    config = api.create(configuration(capacity=1, pod_spec=broker_pod_spec("example/broker:1")))
+    instance(api, "cams-8120fe", ["node-a"], capacity=1)
+    async with running_controller(api, tmp_path):
+        old = (await eventually(lambda: broker_pods(api), "first broker"))[0]
+        set_phase(api, old["metadata"]["name"], "Running")
+        current = api.get("instances.akri.sh", "cams-8120fe")
+        assert current is not None
+        current["spec"]["deviceUsage"]["cams-8120fe-0"] = "node-a"
+        api.apply(current)
+        config["spec"]["brokerSpec"]["brokerPodSpec"] = broker_pod_spec("example/broker:2")
+        api.apply(config)
+        await eventually(lambda: not broker_pods(api), "old broker removed to make room")
+        # the agent frees the slot once the old container is gone: then the new one comes
+        current = api.get("instances.akri.sh", "cams-8120fe")
+        assert current is not None
+        current["spec"]["deviceUsage"]["cams-8120fe-0"] = ""
+        api.apply(current)
+        new = (await eventually(lambda: broker_pods(api), "new broker"))[0]
+        assert new["spec"]["containers"][0]["image"] == "example/broker:2"
+
+
+async def test_one_job_per_instance_per_generation(api: ApiServerDouble, tmp_path: Path) -> None:
+    add_node(api, "node-a")
+    job_spec = {
+        "backoffLimit": 2,
+        "template": {
+            "spec": {
+                "restartPolicy": "OnFailure",
+                "containers": [
+                    {
+                        "name": "job",
+                        "image": "example/job:1",
+                        "resources": {"limits": {"{{PLACEHOLDER}}": "1"}},
+                    }
+                ],
+            }
+        },
+    }
+    config = api.create(configuration(job_spec=job_spec))
+    instance(api, "cams-8120fe", ["node-a"])
+    generation = config["metadata"]["generation"]
+    async with running_controller(api, tmp_path):
+        first = f"cams-8120fe-{generation}-job"
+        await eventually(lambda: api.get("jobs.batch", first), "first job")
+        job = api.get("jobs.batch", first)
+        assert job is not None
+        template = job["spec"]["template"]
+        assert template["metadata"]["labels"]["akri.sh/instance"] == "cams-8120fe"
+        limits = template["spec"]["containers"][0]["resources"]["limits"]
+        assert limits == {"akri.sh/cams-8120fe": "1"}
+        assert job["metadata"]["ownerReferences"][0]["name"] == "cams-8120fe"
+        config = api.get("configurations.akri.sh", "cams") or {}
+        config["spec"]["brokerSpec"]["brokerJobSpec"]["backoffLimit"] = 3
+        updated = api.apply(config)
+        assert updated["metadata"]["generation"] == generation + 1
+        second = f"cams-8120fe-{generation + 1}-job"
+        await eventually(lambda: api.get("jobs.batch", second), "second generation's job")
+        assert api.get("jobs.batch", first) is not None  # left to finish
+        assert len(api.list("jobs.batch")) == 2
+
+
+async def test_services_follow_running_brokers(api: ApiServerDouble, tmp_path: Path) -> None:
+    add_node(api, "node-a")
+    ports = {"type": "ClusterIP", "ports": [{"name": "grpc", "port": 80, "targetPort": 8083}]}
+    config = api.create(
+        configuration(
+            pod_spec=broker_pod_spec(), instance_service=ports, configuration_service=ports
+        )
+    )
+    instance(api, "cams-8120fe", ["node-a"], shared=False)
+    async with running_controller(api, tmp_path):
+        pod = (await eventually(lambda: broker_pods(api), "broker"))[0]
+        assert api.list("services") == []  # Pending: no Service yet
+        set_phase(api, pod["metadata"]["name"], "Running")
+        await eventually(lambda: len(api.list("services")) == 2, "two services")
+        instance_svc = api.get("services", "cams-8120fe-svc")
+        config_svc = api.get("services", "cams-svc")
+        assert instance_svc is not None and config_svc is not None
+        assert instance_svc["spec"]["selector"] == {
+            "controller": "akri.sh",
+            "akri.sh/instance": "cams-8120fe",
+        }
+        assert instance_svc["spec"]["ports"] == ports["ports"]
+        assert instance_svc["metadata"]["ownerReferences"][0]["kind"] == "Instance"
+        assert config_svc["spec"]["selector"] == {
+            "controller": "akri.sh",
+            "akri.sh/configuration": "cams",
+        }
+        owner = config_svc["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["uid"]) == ("Configuration", config["metadata"]["uid"])
+        # a spec edit is applied to the stored Services
+        config = api.get("configurations.akri.sh", "cams") or {}
+        config["spec"]["instanceServiceSpec"]["ports"][0]["port"] = 81
+        api.apply(config)
+        await eventually(
+            lambda: (
+                (api.get("services", "cams-8120fe-svc") or {})["spec"]["ports"][0]["port"] == 81
+            ),
+            "instance service updated",
+        )
+        # the broker stops running: both Services go
+        set_phase(api, pod["metadata"]["name"], "Failed")
+        await eventually(lambda: api.list("services") == [], "services removed")

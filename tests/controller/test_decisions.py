@@ -1,0 +1,330 @@
+"""The controller's pure decisions: broker Pods and Jobs, Services, dead nodes, eviction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agent.controller import brokers, services, slices
+from agent.controller.nodes import NodeWatch
+from agent.core.ledger.decisions import decide_evict_node
+from agent.core.model.configuration import parse_configuration
+from agent.core.model.instance import Instance
+from agent.core.model.naming import DRAINING_ANNOTATION, OFFLINE_ANNOTATION
+from tests.controller.conftest import broker_pod_spec, configuration
+
+NOW = 1_800_000_000.0
+
+
+def _instance(
+    nodes: tuple[str, ...] = ("node-a", "node-b"),
+    usage: dict[str, str] | None = None,
+    capacity: int = 2,
+    shared: bool = True,
+    **changes: Any,
+) -> Instance:
+    device_usage = {f"cams-8120fe-{i}": "" for i in range(capacity)}
+    device_usage.update(usage or {})
+    return Instance(
+        name="cams-8120fe",
+        configuration_name="cams",
+        capacity=capacity,
+        nodes=nodes,
+        device_usage=device_usage,
+        shared=shared,
+        uid="uid-1",
+        **changes,
+    )
+
+
+def _config(**changes: Any) -> Any:
+    return parse_configuration(configuration(**changes))
+
+
+def _pod(name: str, node: str, spec: str, phase: str = "Running", age: float = 10.0) -> Any:
+    return brokers.ObservedPod(name, f"uid-{name}", node, spec, phase, NOW - age)
+
+
+# -- decide_evict_node ---------------------------------------------------------------------
+
+
+def test_evict_frees_only_the_dead_nodes_values() -> None:
+    instance = _instance(
+        nodes=("node-a", "node-b"),
+        capacity=5,
+        usage={
+            "cams-8120fe-0": "node-a",
+            "cams-8120fe-1": "C:cams-0:node-a",
+            "cams-8120fe-2": "D:claim-1:node-a",
+            "cams-8120fe-3": "node-b",
+            "cams-8120fe-4": "C:cams-1:node-b",
+        },
+    )
+    eviction = decide_evict_node(instance, "node-a")
+    assert eviction is not None and not eviction.delete
+    assert eviction.freed == ("cams-8120fe-0", "cams-8120fe-1", "cams-8120fe-2")
+    assert eviction.instance.nodes == ("node-b",)
+    assert dict(eviction.instance.device_usage) == {
+        "cams-8120fe-0": "",
+        "cams-8120fe-1": "",
+        "cams-8120fe-2": "",
+        "cams-8120fe-3": "node-b",
+        "cams-8120fe-4": "C:cams-1:node-b",
+    }
+
+
+def test_evict_keeps_unknown_values_and_a_node_named_like_a_prefix() -> None:
+    instance = _instance(
+        nodes=("node-a", "node-a2"),
+        capacity=3,
+        usage={"cams-8120fe-0": "node-a2", "cams-8120fe-1": "C:x", "cams-8120fe-2": "node-a"},
+    )
+    eviction = decide_evict_node(instance, "node-a")
+    assert eviction is not None
+    assert eviction.freed == ("cams-8120fe-2",)
+    assert eviction.instance.device_usage["cams-8120fe-0"] == "node-a2"
+    assert eviction.instance.device_usage["cams-8120fe-1"] == "C:x"
+
+
+def test_evict_drops_the_marks_and_deletes_when_no_node_is_left() -> None:
+    instance = _instance(
+        nodes=("node-a",),
+        usage={"cams-8120fe-1": "node-a"},
+        annotations={DRAINING_ANNOTATION: "node-a", OFFLINE_ANNOTATION: "node-a"},
+    )
+    eviction = decide_evict_node(instance, "node-a")
+    assert eviction is not None and eviction.delete
+    assert eviction.instance.annotations == {}
+    assert eviction.freed == ("cams-8120fe-1",)
+
+
+def test_evict_a_node_neither_listed_nor_holding_is_nothing() -> None:
+    assert decide_evict_node(_instance(nodes=("node-b",)), "node-a") is None
+    # not listed any more but still holding (left a value behind): freed
+    held = _instance(nodes=("node-b",), usage={"cams-8120fe-0": "D:c:node-a"})
+    eviction = decide_evict_node(held, "node-a")
+    assert eviction is not None and eviction.freed == ("cams-8120fe-0",)
+
+
+def test_evict_beyond_capacity_drops_the_key() -> None:
+    instance = _instance(nodes=("node-a", "node-b"), capacity=1,
+                         usage={"cams-8120fe-3": "node-a"})  # fmt: skip
+    eviction = decide_evict_node(instance, "node-a")
+    assert eviction is not None
+    assert "cams-8120fe-3" not in eviction.instance.device_usage
+
+
+# -- dead nodes ------------------------------------------------------------------------------
+
+
+def _node(ready: bool) -> dict[str, Any]:
+    return {"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+
+def test_a_node_is_dead_after_the_whole_grace_not_ready_and_flapping_resets_it() -> None:
+    watch = NodeWatch(grace=300)
+    watch.observe("node-a", _node(True), 0)
+    assert not watch.is_dead("node-a", 1000)
+    watch.observe("node-a", _node(False), 100)
+    assert not watch.is_dead("node-a", 399)
+    assert watch.next_deadline(["node-a"], 200) == 400
+    watch.observe("node-a", _node(True), 390)  # back just before the grace ends
+    watch.observe("node-a", _node(False), 395)
+    assert not watch.is_dead("node-a", 600)
+    assert watch.is_dead("node-a", 695)
+    assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a", "node-b"}  # b: no Node
+
+
+def test_a_deleted_node_is_dead_at_once_and_a_conditionless_one_counts_not_ready() -> None:
+    watch = NodeWatch(grace=300)
+    watch.observe("node-a", _node(True), 0)
+    watch.observe("node-a", None, 5)
+    assert watch.is_dead("node-a", 5)
+    watch.observe("node-b", {"status": {}}, 10)
+    assert not watch.is_ready("node-b") and not watch.is_dead("node-b", 309)
+
+
+# -- broker Pods -----------------------------------------------------------------------------
+
+
+def test_pod_names_labels_placeholder_and_affinity() -> None:
+    config = _config(pod_spec=broker_pod_spec())
+    plan = brokers.plan_pods(config, _instance(shared=False, nodes=("node.a",)), [],
+                             {"node.a"}, NOW)  # fmt: skip
+    (pod,) = plan.create
+    assert pod["metadata"]["name"] == "cams-8120fe-pod"
+    shared = brokers.plan_pods(config, _instance(nodes=("node.a",)), [], {"node.a"}, NOW)
+    assert shared.create[0]["metadata"]["name"] == "node-a-cams-8120fe-pod"
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"akri.sh/cams-8120fe": "1"}
+
+
+def test_user_affinity_terms_each_get_the_node() -> None:
+    spec = broker_pod_spec()
+    term = {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["x"]}]}
+    spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [term, dict(term)]}}}  # fmt: skip
+    pod = brokers.broker_pod(_config(pod_spec=spec), _instance(), "node-a", "p")
+    terms = pod["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert len(terms) == 2
+    for found in terms:
+        assert found["matchFields"] == [
+            {"key": "metadata.name", "operator": "In", "values": ["node-a"]}
+        ]
+        assert found["matchExpressions"][0]["key"] == "zone"
+
+
+def test_slots_per_broker_counts_containers_and_init_containers() -> None:
+    spec = broker_pod_spec(slots=2)
+    spec["containers"].append({"name": "side", "image": "x"})
+    spec["initContainers"] = [
+        {"name": "i", "image": "x", "resources": {"requests": {"{{PLACEHOLDER}}": "3"}}}
+    ]
+    assert brokers.slots_per_broker(spec) == 3
+    assert brokers.slots_per_broker({"containers": [{"name": "n", "image": "x"}]}) == 0
+
+
+def test_never_more_broker_pods_than_free_slots_pending_ones_reserve() -> None:
+    config = _config(pod_spec=broker_pod_spec())
+    nodes = ("node-a", "node-b", "node-c")
+    instance = _instance(nodes=nodes, capacity=2)
+    plan = brokers.plan_pods(config, instance, [], set(nodes), NOW)
+    assert [p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"][0]["matchFields"][0]["values"][0] for p in plan.create] == [
+        "node-a", "node-b"]  # fmt: skip
+    assert plan.waiting == ("node-c",)
+    # one broker Pending (not holding its slot yet): it still counts
+    wanted = brokers.spec_hash(broker_pod_spec())
+    pending = [_pod("node-a-cams-8120fe-pod", "node-a", wanted, "Pending")]
+    plan = brokers.plan_pods(config, instance, pending, set(nodes), NOW)
+    assert len(plan.create) == 1 and plan.waiting == ("node-c",)
+    # a spec that does not ask for the device is not limited
+    free = _config(pod_spec={"containers": [{"name": "b", "image": "x"}]})
+    assert len(brokers.plan_pods(free, instance, [], set(nodes), NOW).create) == 3
+
+
+def test_no_broker_on_a_not_ready_draining_or_offline_node() -> None:
+    config = _config(pod_spec=broker_pod_spec())
+    instance = _instance(
+        nodes=("node-a", "node-b", "node-c"),
+        capacity=3,
+        annotations={DRAINING_ANNOTATION: "node-b", OFFLINE_ANNOTATION: "node-c"},
+    )
+    plan = brokers.plan_pods(config, instance, [], {"node-b", "node-c"}, NOW)
+    assert plan.create == ()
+    plan = brokers.plan_pods(config, instance, [], {"node-a"}, NOW)
+    assert len(plan.create) == 1
+
+
+def test_pod_actions_follow_akri_grace_periods() -> None:
+    config = _config(pod_spec=broker_pod_spec())
+    wanted = brokers.spec_hash(broker_pod_spec())
+    instance = _instance(nodes=("node-a",), capacity=3)
+    cases = {
+        "Running": (),
+        "Failed": ("Failed",),
+        "Succeeded": ("Failed",),
+    }
+    for phase, reasons in cases.items():
+        pods = [_pod("node-a-cams-8120fe-pod", "node-a", wanted, phase)]
+        plan = brokers.plan_pods(config, instance, pods, {"node-a"}, NOW)
+        assert tuple(r.reason for r in plan.remove) == reasons, phase
+        # replaced on a later pass, once the old one is gone (Akri's name)
+        assert plan.create == ()
+    young = [_pod("node-a-cams-8120fe-pod", "node-a", wanted, "Pending", age=299)]
+    plan = brokers.plan_pods(config, instance, young, {"node-a"}, NOW)
+    assert plan.remove == () and plan.next_check == NOW + 1
+    old = [_pod("node-a-cams-8120fe-pod", "node-a", wanted, "Pending", age=300)]
+    plan = brokers.plan_pods(config, instance, old, {"node-a"}, NOW)
+    assert [r.reason for r in plan.remove] == ["PendingTooLong"]
+    gone = [_pod("node-b-cams-8120fe-pod", "node-b", wanted)]
+    plan = brokers.plan_pods(config, instance, gone, {"node-a", "node-b"}, NOW)
+    assert [r.reason for r in plan.remove] == ["NodeLeft"]
+
+
+def test_rollover_surges_when_a_slot_is_free_else_makes_room() -> None:
+    config = _config(pod_spec=broker_pod_spec("example/broker:2"))
+    old_hash = brokers.spec_hash(broker_pod_spec("example/broker:1"))
+    new_hash = brokers.spec_hash(broker_pod_spec("example/broker:2"))
+    old = _pod("node-a-cams-8120fe-pod", "node-a", old_hash)
+    roomy = _instance(nodes=("node-a",), capacity=2, usage={"cams-8120fe-0": "node-a"})
+    plan = brokers.plan_pods(config, roomy, [old], {"node-a"}, NOW)
+    assert plan.remove == ()
+    assert plan.create[0]["metadata"]["name"] == f"node-a-cams-8120fe-{new_hash[:5]}-pod"
+    new = _pod(f"node-a-cams-8120fe-{new_hash[:5]}-pod", "node-a", new_hash, "Pending")
+    assert brokers.plan_pods(config, roomy, [old, new], {"node-a"}, NOW).remove == ()
+    running = _pod(new.name, "node-a", new_hash)
+    plan = brokers.plan_pods(config, roomy, [old, running], {"node-a"}, NOW)
+    assert [(r.name, r.reason) for r in plan.remove] == [(old.name, "RolledOver")]
+    full = _instance(nodes=("node-a",), capacity=1, usage={"cams-8120fe-0": "node-a"})
+    plan = brokers.plan_pods(config, full, [old], {"node-a"}, NOW)
+    assert plan.create == () and [r.reason for r in plan.remove] == ["MakeRoom"]
+
+
+def test_jobs_one_per_generation_and_only_with_a_free_slot() -> None:
+    job_spec = {"template": {"spec": broker_pod_spec()}}
+    raw = configuration(job_spec=job_spec)
+    raw["metadata"]["generation"] = 4
+    config = parse_configuration(raw)
+    plan = brokers.plan_job(config, _instance(), [])
+    assert plan.create is not None
+    assert plan.create["metadata"]["name"] == "cams-8120fe-4-job"
+    assert plan.create["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "akri.sh/cams-8120fe": "1"
+    }
+    existing = [_pod("cams-8120fe-4-job", "", "x")]
+    assert brokers.plan_job(config, _instance(), existing).create is None
+    full = _instance(usage={"cams-8120fe-0": "node-a", "cams-8120fe-1": "node-b"})
+    assert brokers.plan_job(config, full, []) == brokers.JobPlan(waiting=True)
+
+
+# -- Services --------------------------------------------------------------------------------
+
+
+def test_services_are_created_replaced_and_deleted() -> None:
+    ports = {"ports": [{"port": 80}]}
+    config = _config(pod_spec=broker_pod_spec(), instance_service=ports,
+                     configuration_service=ports)  # fmt: skip
+    wanted = services.instance_service(config, _instance())
+    assert wanted is not None and wanted["metadata"]["name"] == "cams-8120fe-svc"
+    plan = services.plan_services([wanted], {})
+    assert plan.create == (wanted,)
+    stored = {**wanted, "spec": {**wanted["spec"], "clusterIP": "10.0.0.9"}}
+    assert services.plan_services([wanted], {"default/cams-8120fe-svc": stored}) == (
+        services.ServicePlan()
+    )
+    edited = services.instance_service(
+        _config(pod_spec=broker_pod_spec(), instance_service={"ports": [{"port": 81}]}),
+        _instance(),
+    )
+    assert edited is not None
+    plan = services.plan_services([edited], {"default/cams-8120fe-svc": stored})
+    assert plan.replace[0]["spec"]["clusterIP"] == "10.0.0.9"
+    assert plan.replace[0]["spec"]["ports"] == [{"port": 81}]
+    stored["metadata"] = {**stored["metadata"], "uid": "u1"}
+    plan = services.plan_services([], {"default/cams-8120fe-svc": stored})
+    assert plan.delete == (("default/cams-8120fe-svc", "u1"),)
+
+
+# -- ResourceSlices --------------------------------------------------------------------------
+
+
+def test_stale_shared_slices_are_those_listing_the_dead_node() -> None:
+    def slice_(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        return {"metadata": {"name": name, "resourceVersion": "7"},
+                "spec": {"driver": "akri.sh", **spec}}  # fmt: skip
+
+    def hostnames(*nodes: str) -> dict[str, Any]:
+        requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}
+        return {"nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]}}
+
+    found = slices.stale_shared_slices(
+        [
+            slice_("shared-1", hostnames("node-a", "node-b")),
+            slice_("shared-2", hostnames("node-b")),
+            slice_("local-a", {"nodeName": "node-a"}),
+            {"metadata": {"name": "other"}, "spec": {"driver": "x", **hostnames("node-a")}},
+        ],
+        "node-a",
+    )
+    assert found == [("shared-1", "7")]
