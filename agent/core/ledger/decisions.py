@@ -159,9 +159,7 @@ def decide_claim(
     reclaimable: Collection[str] = (),
 ) -> Granted | Refused:
     """Claim a specific slot for ``owner``."""
-    # a terminating Instance (its akri.sh/slots finalizer waits for its holders) gives no new
-    # slot, but kubelet re-asking for the one its owner holds is granted below
-    if instance.deletion_timestamp is not None and instance.device_usage.get(slot) != owner.value:
+    if instance.deletion_timestamp is not None:
         return Refused("Deleting", f"instance {instance.name} is being deleted")
     if owner.node not in instance.nodes:
         return _not_on_node(instance, owner)
