@@ -188,6 +188,7 @@ class Agent:
         from agent.core.store.kubernetes import KubernetesInstanceStore
         from agent.node.dra.cdi import CdiWriter
         from agent.node.dra.checkpoint import Checkpoint
+        from agent.node.dra.claim_status import ClaimStatusWriter
         from agent.node.dra.driver import DraDriver
         from agent.node.dra.health import HealthReporter
         from agent.node.dra.publisher import SlicePublisher
@@ -218,7 +219,11 @@ class Agent:
         # a device going offline reaches kubelet's NodeWatchResources stream at once
         self.discovery.add_offline_listener(health.changed)
         self.dra = DraDriver(
-            state, self.settings.plugins_registry_dir, self.settings.dra_plugin_dir, health=health
+            state,
+            self.settings.plugins_registry_dir,
+            self.settings.dra_plugin_dir,
+            health=health,
+            claim_status=ClaimStatusWriter(self.store.api_client, self.served.all),
         )
         dra_reclaimer = DraReclaimer(
             state,

@@ -16,11 +16,19 @@ Bad input never stops the others:
   Configurations it held keep their last good versions, and while any file is unreadable no
   Instance is taken for an orphan (its Configuration may be in that file);
 * a Configuration defined twice (same namespace and name): the definition that was there
-  first keeps running; the other file gets an error naming it. At start, the first file in
-  path order wins.
+  first keeps running; the other file gets an error naming it. Which file that is survives
+  restarts (see below); only a Configuration never seen before goes to the first file in
+  path order.
 
 Each Configuration gets a ``creationTimestamp`` when first seen (unless its file sets one):
 like the API server's, it decides which of two namespaces may use a node-global name.
+
+Both facts live in memory only on the API server's side of the analogy, so here they are
+recorded (``record``: ``STATE_DIR/configurations.json``, written atomically whenever they
+change): after a restart each Configuration keeps its owning file and its creationTimestamp,
+so neither the running definition nor a contested name's owner moves under running pods.
+A record that cannot be written is retried at the next scan (the running agent keeps them in
+memory); one that cannot be read stops the agent at start, like any broken state file.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -41,7 +51,14 @@ from agent.core.model.configuration import (
     parse_configuration,
 )
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import ConfigurationEvent, EventType, InvalidConfiguration
+from agent.core.store.base import (
+    ConfigurationEvent,
+    CorruptStateError,
+    EventType,
+    InvalidConfiguration,
+    StorageError,
+)
+from agent.core.store.files import atomic_write_json, read_json
 from discovery_handlers.details import YamlLimitError, safe_load_all_limited, yaml_problem
 
 log = logging.getLogger(__name__)
@@ -72,6 +89,46 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+RECORD_VERSION = 1
+_TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z")
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """What survives a restart about one Configuration: the file that owns its definition
+    (resolved path) and its creationTimestamp."""
+
+    file: str
+    created: str
+
+
+def _record_key(key: ObjectKey) -> str:
+    return f"{key.namespace}/{key.name}"
+
+
+def parse_record(data: Any) -> dict[ObjectKey, Recorded]:
+    """The Configurations of a record document; raises ValueError naming the problem."""
+    if not isinstance(data, dict) or data.get("version") != RECORD_VERSION:
+        raise ValueError(f"expected an object with version {RECORD_VERSION}")
+    entries = data.get("configurations")
+    if not isinstance(entries, dict):
+        raise ValueError("configurations must be an object")
+    recorded: dict[ObjectKey, Recorded] = {}
+    for name, entry in entries.items():
+        namespace, _, bare = name.partition("/")
+        if not namespace or not bare:
+            raise ValueError(f"configurations: {name!r} is not namespace/name")
+        if not isinstance(entry, dict):
+            raise ValueError(f"configurations[{name!r}] must be an object")
+        file, created = entry.get("file"), entry.get("creationTimestamp")
+        if not isinstance(file, str) or not file:
+            raise ValueError(f"configurations[{name!r}].file must be a path")
+        if not isinstance(created, str) or not _TIMESTAMP.fullmatch(created):
+            raise ValueError(f"configurations[{name!r}].creationTimestamp must be RFC 3339")
+        recorded[ObjectKey(namespace, bare)] = Recorded(file, created)
+    return recorded
+
+
 class ConfigurationFiles:
     """Tracks the Configurations defined by a set of files and reports changes."""
 
@@ -80,8 +137,15 @@ class ConfigurationFiles:
         paths: list[Path],
         emit: Callable[[ConfigurationEvent], None],
         on_catalog_change: Callable[[], None] = lambda: None,
+        *,
+        record: Path | None = None,
+        durable: bool = True,
     ) -> None:
         self._paths = paths
+        self._record_path = record
+        self._durable = durable
+        self._recorded: dict[ObjectKey, Recorded] = {}  # as on disk
+        self._to_record: dict[ObjectKey, Recorded] | None = None  # not written yet
         self._emit = emit
         self._on_catalog_change = on_catalog_change
         self._files: dict[Path, _FileState] = {}
@@ -92,6 +156,41 @@ class ConfigurationFiles:
         self._reported_errors: set[tuple[str, str]] = set()
         self._unreadable_before: list[str] = []
         self._broken: set[ObjectKey] = set()  # reported invalid, not valid again yet
+
+    def load_record(self) -> None:
+        """Read the owners and creation times recorded before a restart (call before the
+        first :meth:`scan`). Raises :class:`CorruptStateError` naming the file."""
+        if self._record_path is None or not self._record_path.exists():
+            return
+        data = read_json(self._record_path)
+        try:
+            self._recorded = parse_record(data)
+        except ValueError as error:
+            raise CorruptStateError(str(self._record_path), str(error)) from error
+
+    def _save_record(self) -> None:
+        wanted = self._to_record
+        if wanted is None or self._record_path is None:
+            return
+        if wanted == self._recorded:
+            self._to_record = None
+            return
+        document = {
+            "version": RECORD_VERSION,
+            "configurations": {
+                _record_key(key): {"file": entry.file, "creationTimestamp": entry.created}
+                for key, entry in sorted(wanted.items())
+            },
+        }
+        try:
+            atomic_write_json(self._record_path, document, durable=self._durable)
+        except StorageError as error:
+            log.warning(
+                "cannot record Configuration owners (retried at the next scan): %s", error
+            )
+            return
+        self._recorded = wanted
+        self._to_record = None
 
     def current(self) -> list[Configuration]:
         """The Configurations in force, sorted by key."""
@@ -203,6 +302,7 @@ class ConfigurationFiles:
 
     def scan(self) -> None:
         """Re-read changed files and emit ADDED/MODIFIED/DELETED for what changed."""
+        self._save_record()  # one that failed before (disk full, read-only)
         files = self._expand()
         changed = False
         for path in files:
@@ -251,6 +351,10 @@ class ConfigurationFiles:
         providers: dict[ObjectKey, Path] = {}
         for key, paths in definers.items():
             provider = self._provider.get(key)
+            recorded = self._recorded.get(key)
+            if provider not in paths and recorded is not None:
+                # after a restart: the file that owned it before keeps it
+                provider = next((p for p in paths if str(p.resolve()) == recorded.file), None)
             if provider not in paths:
                 provider = paths[0]  # new, or its file dropped it: the first one in order
             providers[key] = provider
@@ -262,7 +366,9 @@ class ConfigurationFiles:
                         f"duplicate Configuration {key}: already defined in {provider}; "
                         "this definition is ignored",
                     )
-            first_seen = self._first_seen.setdefault(key, _now())
+            first_seen = self._first_seen.setdefault(
+                key, recorded.created if recorded is not None else _now()
+            )
             state = self._files[provider]
             configuration = state.configurations.get(key)
             if configuration is not None:
@@ -276,6 +382,11 @@ class ConfigurationFiles:
         self._provider = providers
         for key in set(self._first_seen) - set(definers):
             del self._first_seen[key]
+        self._to_record = {
+            key: Recorded(str(path.resolve()), self._first_seen[key])
+            for key, path in providers.items()
+        }
+        self._save_record()
         catalog_before = (set(self._current), set(self._invalid))
         self._invalid = invalid
         for key in sorted(set(self._current) - set(merged)):

@@ -6,6 +6,8 @@ Layout::
                                           (Kubernetes JSON form)
     STATE_DIR/instances/<ns>/<instance>.json  Instances of any other namespace
     STATE_DIR/resource-version            last resourceVersion handed out (an integer)
+    STATE_DIR/configurations.json         each Configuration's owning file and
+                                          creationTimestamp (kept across restarts)
     STATE_DIR/.lock                       flock taken around every write
 
 CAS semantics match the API server: every write happens under an exclusive ``flock`` (so
@@ -60,6 +62,7 @@ log = logging.getLogger(__name__)
 
 INSTANCES_DIR = "instances"
 COUNTER_FILE = "resource-version"
+CONFIGURATIONS_FILE = "configurations.json"  # which file owns each Configuration, since when
 LOCK_FILE = ".lock"
 
 
@@ -209,7 +212,11 @@ class LocalInstanceStore(InstanceStore):
         # writes (done in a worker thread) from other processes' by the counter's value
         self._last_issued: str | None = None
         self._config_files = ConfigurationFiles(
-            list(config_paths), self._on_configuration, self._catalog_changed
+            list(config_paths),
+            self._on_configuration,
+            self._catalog_changed,
+            record=state_dir / CONFIGURATIONS_FILE,
+            durable=durable,
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -227,6 +234,7 @@ class LocalInstanceStore(InstanceStore):
             log.info("removed %s left by an interrupted write", stray)
         self._check_counter()
         self._rescan(publish=False)
+        self._config_files.load_record()
         self._config_files.scan()
         self._catalog_changed()
         self._tasks = [

@@ -5,7 +5,8 @@
   ``["v1.DRAPlugin", "v1beta1.DRAPlugin"]`` (kubelet takes the first it supports);
   ``NotifyRegistrationStatus`` is recorded (a refusal is logged as an error). With a
   :class:`HealthReporter` the three ``DRAResourceHealth`` versions (``health.py``) are listed
-  after them and served on the DRA socket.
+  after them and served on the DRA socket. With a :class:`ClaimStatusWriter` each prepared
+  claim's ``status.devices`` is written in the background (``claim_status.py``).
 * ``k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin`` and the v1beta1 twin on
   ``<plugin dir>/dra.sock``: every claim in a request gets an entry, with ``error`` set when
   preparing it failed (kubelet retries).
@@ -29,6 +30,7 @@ import grpc
 from agent.core import telemetry
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.store.base import StoreError
+from agent.node.dra.claim_status import ClaimStatusWriter
 from agent.node.dra.health import HEALTH_SERVICES, HealthReporter, add_health_services
 from agent.node.dra.state import ClaimRef, DraState, PrepareError
 from agent.protos.dra.v1 import api_pb2 as v1
@@ -69,15 +71,19 @@ class _Registration(reg_grpc.RegistrationServicer):
         return reg.RegistrationStatusResponse()
 
 
-async def _prepare_all(state: DraState, claims: Any, pb: Any) -> Any:
+async def _prepare_all(
+    state: DraState, claims: Any, pb: Any, status: ClaimStatusWriter | None = None
+) -> Any:
     started = time.perf_counter()
     try:
-        return await _prepare_claims(state, claims, pb)
+        return await _prepare_claims(state, claims, pb, status)
     finally:
         telemetry.NODE_PREPARE.observe(time.perf_counter() - started)
 
 
-async def _prepare_claims(state: DraState, claims: Any, pb: Any) -> Any:
+async def _prepare_claims(
+    state: DraState, claims: Any, pb: Any, status: ClaimStatusWriter | None
+) -> Any:
     responses = {}
     for claim in claims:
         ref = ClaimRef(claim.namespace, claim.uid, claim.name)
@@ -105,6 +111,8 @@ async def _prepare_claims(state: DraState, claims: Any, pb: Any) -> Any:
                 fields["share_id"] = item.share_id
             devices.append(pb.Device(**fields))
         responses[claim.uid] = pb.NodePrepareResourceResponse(devices=devices)
+        if status is not None:
+            status.prepared(prepared)  # status.devices, in the background
     return pb.NodePrepareResourcesResponse(claims=responses)
 
 
@@ -127,22 +135,24 @@ async def _unprepare_all(state: DraState, claims: Any, pb: Any) -> Any:
 
 
 class _DraV1(v1_grpc.DRAPluginServicer):
-    def __init__(self, state: DraState) -> None:
+    def __init__(self, state: DraState, status: ClaimStatusWriter | None = None) -> None:
         self.state = state
+        self.status = status
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        return await _prepare_all(self.state, request.claims, v1)
+        return await _prepare_all(self.state, request.claims, v1, self.status)
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         return await _unprepare_all(self.state, request.claims, v1)
 
 
 class _DraV1beta1(v1beta1_grpc.DRAPluginServicer):
-    def __init__(self, state: DraState) -> None:
+    def __init__(self, state: DraState, status: ClaimStatusWriter | None = None) -> None:
         self.state = state
+        self.status = status
 
     async def NodePrepareResources(self, request: Any, context: Any) -> Any:
-        return await _prepare_all(self.state, request.claims, v1beta1)
+        return await _prepare_all(self.state, request.claims, v1beta1, self.status)
 
     async def NodeUnprepareResources(self, request: Any, context: Any) -> Any:
         return await _unprepare_all(self.state, request.claims, v1beta1)
@@ -159,6 +169,7 @@ class DraDriver:
         *,
         poll: float = 0.5,
         health: HealthReporter | None = None,
+        claim_status: ClaimStatusWriter | None = None,
     ) -> None:
         self.state = state
         self.registry_dir = registry_dir
@@ -166,6 +177,7 @@ class DraDriver:
         self.dra_socket = plugin_dir / "dra.sock"
         self.registration_socket = registry_dir / f"{DRIVER_NAME}-reg.sock"
         self.health = health
+        self.claim_status = claim_status
         # the health services after the DRAPlugin ones: kubelet takes the first DRAPlugin
         # version it knows and ignores entries it does not (validateSupportedServices)
         versions = SUPPORTED_VERSIONS + (list(HEALTH_SERVICES) if health is not None else [])
@@ -187,8 +199,10 @@ class DraDriver:
         with contextlib.suppress(FileNotFoundError):
             self.dra_socket.unlink()
         server = grpc.aio.server()
-        v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self.state), server)
-        v1beta1_grpc.add_DRAPluginServicer_to_server(_DraV1beta1(self.state), server)
+        v1_grpc.add_DRAPluginServicer_to_server(_DraV1(self.state, self.claim_status), server)
+        v1beta1_grpc.add_DRAPluginServicer_to_server(
+            _DraV1beta1(self.state, self.claim_status), server
+        )
         if self.health is not None:
             add_health_services(self.health, server)
         server.add_insecure_port(f"unix://{self.dra_socket}")
@@ -245,3 +259,5 @@ class DraDriver:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self._stop_servers()
+        if self.claim_status is not None:
+            await self.claim_status.stop()

@@ -16,6 +16,7 @@ conditions, network data, feature-gate field dropping. Messages have the upstrea
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -953,7 +954,87 @@ def claim_status(new: JSON, old: JSON) -> list[Cause]:
         if key not in allocated:
             shown = "/".join(str(k) for k in key[:3])
             causes.append(invalid(where, shown, "must be an allocated device in the claim"))
+        causes += device_status_details(device, where)
     return causes
+
+
+DEVICE_STATUS_DATA_MAX_LENGTH = 10 * 1024  # AllocatedDeviceStatusDataMaxLength
+DEVICE_STATUS_MAX_CONDITIONS = 8  # AllocatedDeviceStatusMaxConditions
+NETWORK_INTERFACE_NAME_MAX_LENGTH = 256  # NetworkDeviceDataInterfaceNameMaxLength
+NETWORK_HARDWARE_ADDRESS_MAX_LENGTH = 128  # NetworkDeviceDataHardwareAddressMaxLength
+NETWORK_MAX_IPS = 16  # NetworkDeviceDataMaxIPs
+
+
+def device_status_details(device: JSON, where: str) -> list[Cause]:
+    """The rest of ``validateDeviceStatus``: ``conditions`` (≤ 8), ``data`` (a JSON object of
+    ≤ 10 KiB, ``validateRawExtension``) and ``validateNetworkDeviceData`` (``interfaceName``
+    ≤ 256, ``hardwareAddress`` ≤ 128, ``ips`` ≤ 16, unique, each an interface address in
+    canonical CIDR form, ``IsValidInterfaceAddress``)."""
+    causes: list[Cause] = []
+    conditions = device.get("conditions") or []
+    if len(conditions) > DEVICE_STATUS_MAX_CONDITIONS:
+        causes.append(
+            too_many(f"{where}.conditions", len(conditions), DEVICE_STATUS_MAX_CONDITIONS)
+        )
+    if "data" in device and device["data"] is not None:
+        raw = json.dumps(device["data"], separators=(",", ":"))
+        if len(raw) > DEVICE_STATUS_DATA_MAX_LENGTH:
+            causes.append(too_long(f"{where}.data", DEVICE_STATUS_DATA_MAX_LENGTH))
+        elif not isinstance(device["data"], dict):
+            causes.append(
+                invalid(f"{where}.data", "<value omitted>", "must be a valid JSON object")
+            )
+    network = device.get("networkData")
+    if isinstance(network, dict):
+        path = f"{where}.networkData"
+        if len(str(network.get("interfaceName") or "")) > NETWORK_INTERFACE_NAME_MAX_LENGTH:
+            causes.append(too_long(f"{path}.interfaceName", NETWORK_INTERFACE_NAME_MAX_LENGTH))
+        if len(str(network.get("hardwareAddress") or "")) > NETWORK_HARDWARE_ADDRESS_MAX_LENGTH:
+            causes.append(too_long(f"{path}.hardwareAddress", NETWORK_HARDWARE_ADDRESS_MAX_LENGTH))
+        ips = network.get("ips") or []
+        if len(ips) > NETWORK_MAX_IPS:
+            causes.append(too_many(f"{path}.ips", len(ips), NETWORK_MAX_IPS))
+        else:
+            seen: set[str] = set()
+            for index, address in enumerate(ips):
+                causes += interface_address(address, f"{path}.ips[{index}]")
+                if address in seen:
+                    causes.append(duplicate(f"{path}.ips[{index}]", address))
+                seen.add(address)
+    return causes
+
+
+def interface_address(value: Any, path: str) -> list[Cause]:
+    """``IsValidInterfaceAddress``: ``<ip>/<prefix>`` with a complete address, canonical."""
+    text = str(value)
+    try:
+        interface = ipaddress.ip_interface(text) if "/" in text else None
+    except ValueError:
+        # ParseCIDRSloppy also takes IPv4 octets with leading zeros ("10.0.0.007/32"), which
+        # then fail the canonical-form check below
+        address, _, prefix = text.partition("/")
+        octets = address.split(".")
+        sloppy = ".".join(o.lstrip("0") or "0" for o in octets) if len(octets) == 4 else None
+        try:
+            interface = ipaddress.ip_interface(f"{sloppy}/{prefix}") if sloppy else None
+        except ValueError:
+            interface = None
+    if interface is None:
+        return [
+            invalid(
+                path,
+                text,
+                "must be a valid address in CIDR form, (e.g. 10.9.8.7/24 or 2001:db8::1/64)",
+            )
+        ]
+    address = interface.ip
+    prefix = interface.network.prefixlen
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address, prefix = address.ipv4_mapped, max(prefix - 96, 0)
+    canonical = f"{address}/{prefix}"
+    if text != canonical:
+        return [invalid(path, text, f'must be in canonical form ("{canonical}")')]
+    return []
 
 
 def consumer_reference(reference: Any, path: str) -> list[Cause]:

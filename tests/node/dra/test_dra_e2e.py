@@ -304,6 +304,13 @@ async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_pa
     try:
         await eventually(lambda: len(published(api).get("cam-8120fe", [])) == 2)
         await claim_and_prepare(api, kubelet, "node-a", "r1")
+
+        def status_written() -> bool:
+            claim = api.get("resourceclaims.resource.k8s.io", "r1", "default") or {}
+            return bool((claim.get("status") or {}).get("devices"))
+
+        # written in the background after the prepare
+        await eventually(status_written, what="status.devices written")
         await kubelet.remove_pod("pod-r1")
         api.delete("configurations.akri.sh", "cam", "default")
         await eventually(lambda: "cam-8120fe" not in published(api), what="orphan pool removed")
@@ -313,10 +320,18 @@ async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_pa
     # the test, the scheduler emulator and the DRA kubelet double use the double's Python
     # API, so every recorded HTTP request is the agent's
     used = {
-        (r.info.group or "", r.info.resource, r.info.verb) for r in api.requests if r.info.resource
+        (
+            r.info.group or "",
+            r.info.resource + (f"/{r.info.subresource}" if r.info.subresource else ""),
+            r.info.verb,
+        )
+        for r in api.requests
+        if r.info.resource
     }
     assert ("resource.k8s.io", "resourceslices", "create") in used
     assert ("resource.k8s.io", "resourceclaims", "get") in used
+    # status.devices after the prepare: the status subresource, PUT only
+    assert ("resource.k8s.io", "resourceclaims/status", "update") in used
     assert used <= allowed, sorted(used - allowed)
 
 
