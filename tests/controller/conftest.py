@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from agent.controller.app import Controller
+from agent.controller.reconcile import Reconciler, ReconcileSettings
 from agent.controller.settings import ControllerSettings
 from agent.core.kube import make_kube_client
+from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from tests.doubles.apiserver import ApiServerDouble
 from tests.paths import REPO
 
@@ -240,3 +242,38 @@ async def running_controller(
     finally:
         stop.set()
         await asyncio.wait_for(task, WITHIN)
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (grace periods without sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@contextlib.asynccontextmanager
+async def reconciler_for(
+    api: ApiServerDouble, tmp_path: Path, clock: FakeClock, **settings: Any
+) -> AsyncIterator[Reconciler]:
+    """A Reconciler with its store and caches, passes run by the test
+    (``await reconciler.reconcile_once()``), grace periods on ``clock``."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig-reconciler")
+    client = make_kube_client(str(kubeconfig))
+    store = KubernetesInstanceStore(client, KubernetesSettings("akri-controller"))
+    await store.start()
+    hooks = settings.pop("release_hooks", ())
+    reconciler = Reconciler(
+        client, store, ReconcileSettings(**settings), release_hooks=hooks, monotonic=clock
+    )
+    await reconciler.start()
+    try:
+        yield reconciler
+    finally:
+        await reconciler.stop()
+        await store.close()

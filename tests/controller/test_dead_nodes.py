@@ -1,0 +1,176 @@
+"""Dead nodes: a Node NotReady past the grace, or deleted, loses exactly its own slots and its
+place in every Instance — never a live node's, whatever its Ready condition did before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.controller.reconcile import Reconciler
+from agent.core.model.instance import Instance
+from tests.controller.conftest import (
+    FakeClock,
+    add_node,
+    configuration,
+    eventually,
+    instance,
+    reconciler_for,
+    running_controller,
+    set_ready,
+)
+from tests.doubles.apiserver import ApiServerDouble
+
+USAGE = {
+    "cams-8120fe-0": "node-a",
+    "cams-8120fe-1": "C:cams-0:node-b",
+    "cams-8120fe-2": "D:claim-1:node-a",
+    "cams-8120fe-3": "node-b",
+}
+
+
+def _stored(api: ApiServerDouble, name: str = "cams-8120fe") -> dict[str, Any] | None:
+    return api.get("instances.akri.sh", name)
+
+
+async def _sees(reconciler: Reconciler, node: str, ready: bool | None) -> None:
+    """Wait until the controller's Node cache shows ``node`` so (None: gone)."""
+    if ready is None:
+        await eventually(lambda: node not in reconciler.nodes.ready, f"{node} gone")
+    else:
+        await eventually(
+            lambda: reconciler.nodes.ready.get(node) is ready, f"{node} seen Ready={ready}"
+        )
+
+
+async def test_flapping_node_keeps_everything_until_not_ready_for_the_whole_grace(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    before = _stored(api)
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=300) as reconciler:
+        await _sees(reconciler, "node-a", True)
+        for _ in range(3):  # NotReady for most of the grace, then back
+            set_ready(api, "node-a", False)
+            await _sees(reconciler, "node-a", False)
+            clock.advance(299)
+            await reconciler.reconcile_once()
+            set_ready(api, "node-a", True)
+            await _sees(reconciler, "node-a", True)
+            clock.advance(100)
+            await reconciler.reconcile_once()
+            assert _stored(api) == before
+        # the same for node-b while node-a is NotReady: b's values are never touched
+        set_ready(api, "node-a", False)
+        set_ready(api, "node-b", False)
+        await _sees(reconciler, "node-a", False)
+        await _sees(reconciler, "node-b", False)
+        clock.advance(150)
+        set_ready(api, "node-b", True)
+        await _sees(reconciler, "node-b", True)
+        clock.advance(150)  # node-a: 300 s NotReady in one stretch
+        await reconciler.reconcile_once()
+        stored = _stored(api)
+        assert stored is not None
+        assert stored["spec"]["nodes"] == ["node-b"]
+        assert stored["spec"]["deviceUsage"] == {
+            "cams-8120fe-0": "",
+            "cams-8120fe-1": "C:cams-0:node-b",
+            "cams-8120fe-2": "",
+            "cams-8120fe-3": "node-b",
+        }
+        assert reconciler.stats.nodes_cleaned == 1
+        assert reconciler.stats.slots_freed == 2
+        # node-a comes back: the controller writes nothing (its agent re-joins by itself)
+        version = stored["metadata"]["resourceVersion"]
+        set_ready(api, "node-a", True)
+        await _sees(reconciler, "node-a", True)
+        await reconciler.reconcile_once()
+        assert (_stored(api) or {})["metadata"]["resourceVersion"] == version
+    events = [e for e in api.list("events") if e.get("reason") == "DeadNodeRemoved"]
+    assert events and "node-a" in events[0]["message"]
+
+
+async def test_a_deleted_node_is_removed_at_once_and_an_instance_left_without_nodes_goes(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    instance(api, "cams-a19705", ["node-a"], capacity=1, usage={"cams-a19705-0": "node-a"})
+    released: list[tuple[str, str]] = []
+
+    async def hook(instance: Instance, node: str) -> None:
+        released.append((instance.name, node))
+
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, release_hooks=(hook,)) as reconciler:
+        api.delete("nodes", "node-a")
+        await _sees(reconciler, "node-a", None)
+        await reconciler.reconcile_once()
+    assert _stored(api, "cams-a19705") is None
+    stored = _stored(api)
+    assert stored is not None and stored["spec"]["nodes"] == ["node-b"]
+    assert sorted(released) == [("cams-8120fe", "node-a"), ("cams-a19705", "node-a")]
+
+
+async def test_stale_shared_slices_of_the_dead_node_are_deleted(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+
+    def shared_slice(name: str, nodes: list[str]) -> dict[str, Any]:
+        requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {
+                "driver": "akri.sh",
+                "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]},
+                "devices": [{"name": "slot-0"}],
+            },
+        }
+
+    api.create(shared_slice("cams-8120fe", ["node-a", "node-b"]))
+    api.create(shared_slice("cams-other", ["node-b"]))
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=10) as reconciler:
+        await eventually(lambda: len(reconciler.slice_cache.cache) == 2, "slices cached")
+        set_ready(api, "node-a", False)
+        await _sees(reconciler, "node-a", False)
+        clock.advance(10)
+        await reconciler.reconcile_once()
+    names = sorted(s["metadata"]["name"] for s in api.list("resourceslices"))
+    assert names == ["cams-other"]
+
+
+async def test_running_controller_frees_a_dead_nodes_slots_after_the_grace(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    async with running_controller(api, tmp_path, node_grace=0.5):
+        set_ready(api, "node-b", False)
+        await eventually(
+            lambda: (_stored(api) or {}).get("spec", {}).get("nodes") == ["node-a"],
+            "node-b removed after its grace",
+        )
+    stored = _stored(api)
+    assert stored is not None
+    assert stored["spec"]["deviceUsage"] == {
+        "cams-8120fe-0": "node-a",
+        "cams-8120fe-1": "",
+        "cams-8120fe-2": "D:claim-1:node-a",
+        "cams-8120fe-3": "",
+    }

@@ -1,0 +1,172 @@
+"""Leader election: two real ``akri controller`` processes against the API-server double —
+one leads, the other takes over when the leader is killed, a clean stop hands the Lease over
+at once — and the elector's Lease writes themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from agent.controller.leader import LeaderElector, LeaseSettings
+from agent.core.kube import make_kube_client
+from tests.controller.conftest import (
+    CRDS,
+    FakeClock,
+    add_node,
+    broker_pod_spec,
+    broker_pods,
+    configuration,
+    instance,
+)
+from tests.doubles.apiserver import ApiServerDouble, ThreadedApiServer
+from tests.harness.agent_process import AgentProcess, describe_all, poll_until
+
+WITHIN = 30.0
+LEASE = ["--lease-duration", "3", "--renew-deadline", "2", "--retry-period", "0.2"]
+
+
+def _holder(api: ApiServerDouble) -> str:
+    lease = api.get("leases.coordination.k8s.io", "akri-controller", "default") or {}
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def _start(api_url_kubeconfig: Path, identity: str) -> AgentProcess:
+    return AgentProcess(
+        [
+            "--kubeconfig",
+            str(api_url_kubeconfig),
+            "--identity",
+            identity,
+            "--lease-namespace",
+            "default",
+            "--health-port",
+            "0",
+            *LEASE,
+        ],
+        command="controller",
+        label=identity,
+    )
+
+
+def test_two_processes_one_leads_and_the_other_takes_over(tmp_path: Path) -> None:
+    with ThreadedApiServer(crds=CRDS) as api:
+        add_node(api, "node-a")
+        api.create(configuration(pod_spec=broker_pod_spec()))
+        instance(api, "cams-8120fe", ["node-a"], shared=False)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        first = _start(kubeconfig, "ctl-1")
+        second = _start(kubeconfig, "ctl-2")
+        processes = [first, second]
+        try:
+            leader_id = poll_until(
+                lambda: _holder(api), timeout=WITHIN, message=lambda: describe_all(processes)
+            )
+            leader, standby = (first, second) if leader_id == "ctl-1" else (second, first)
+            leader.wait_for_log("now leads", timeout=WITHIN)
+            poll_until(lambda: broker_pods(api), timeout=WITHIN, message=leader.describe)
+            standby.wait_for_log("ready; campaigning", timeout=WITHIN)
+            assert not standby.matching("now leads"), describe_all(processes)
+            # kill -9: no release; the standby waits out the lease duration, then leads
+            leader.kill()
+            api.delete("pods", "cams-8120fe-pod")
+            poll_until(
+                lambda: _holder(api) == standby.label,
+                timeout=WITHIN,
+                message=lambda: describe_all(processes),
+            )
+            standby.wait_for_log("now leads", timeout=WITHIN)
+            # the new leader does the work: the deleted broker comes back
+            poll_until(lambda: broker_pods(api), timeout=WITHIN, message=standby.describe)
+            lease = api.get("leases.coordination.k8s.io", "akri-controller", "default") or {}
+            assert lease["spec"]["leaseTransitions"] >= 1
+            # a clean stop releases the Lease at once (holder cleared) and exits 0
+            assert standby.stop(timeout=WITHIN) == 0
+            assert _holder(api) == ""
+            assert standby.matching("released the Lease"), standby.describe()
+        finally:
+            for process in processes:
+                process.cleanup()
+
+
+def test_a_released_lease_is_taken_by_the_next_process_at_once(tmp_path: Path) -> None:
+    with ThreadedApiServer(crds=CRDS) as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        first = _start(kubeconfig, "ctl-1")
+        try:
+            poll_until(lambda: _holder(api) == "ctl-1", timeout=WITHIN, message=first.describe)
+            second = _start(kubeconfig, "ctl-2")
+            try:
+                second.wait_for_log("ready; campaigning", timeout=WITHIN)
+                assert first.stop(timeout=WITHIN) == 0
+                # released: taken at the next attempt, not after a lease duration
+                poll_until(
+                    lambda: _holder(api) == "ctl-2",
+                    timeout=WITHIN,
+                    message=lambda: describe_all([first, second]),
+                )
+            finally:
+                second.cleanup()
+        finally:
+            first.cleanup()
+
+
+async def test_elector_waits_a_whole_lease_duration_on_its_own_clock(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """A candidate never judges expiry by comparing renewTime with its wall clock: a Lease
+    whose renewTime is long past is still respected for a lease duration after it was first
+    seen unchanged."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    api.create(
+        {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "akri-controller", "namespace": "default"},
+            "spec": {
+                "holderIdentity": "other",
+                "leaseDurationSeconds": 15,
+                "renewTime": "2001-01-01T00:00:00.000000Z",
+                "leaseTransitions": 4,
+            },
+        }
+    )
+    clock = FakeClock()
+    client = make_kube_client(str(kubeconfig))
+    elector = LeaderElector(
+        client, LeaseSettings("default", "akri-controller", "me"), monotonic=clock
+    )
+    try:
+        assert not await elector.try_acquire_or_renew()
+        clock.advance(14.9)
+        assert not await elector.try_acquire_or_renew()
+        clock.advance(0.2)
+        assert await elector.try_acquire_or_renew()
+        lease: dict[str, Any] = api.get("leases.coordination.k8s.io", "akri-controller",
+                                        "default") or {}  # fmt: skip
+        assert lease["spec"]["holderIdentity"] == "me"
+        assert lease["spec"]["leaseTransitions"] == 5
+        # the other replica renewed meanwhile (a stale write of ours is refused: 409)
+        lease["spec"]["holderIdentity"] = "other"
+        api.apply(lease)
+        assert not await elector.try_acquire_or_renew()
+    finally:
+        await client.close()
+
+
+def test_lease_settings_are_checked() -> None:
+    import argparse
+
+    import pytest
+
+    from agent.controller.settings import ControllerSettings, ControllerSettingsError, add_flags
+
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    args = parser.parse_args(["--lease-duration", "5", "--renew-deadline", "6"])
+    with pytest.raises(ControllerSettingsError, match="renew-deadline"):
+        ControllerSettings.resolve(args, {})
+    args = parser.parse_args([])
+    settings = ControllerSettings.resolve(args, {"AKRI_NODE_GRACE": "120", "POD_NAME": "p-1"})
+    assert (settings.node_grace, settings.identity) == (120.0, "p-1")
+    with pytest.raises(ControllerSettingsError, match="AKRI_NODE_GRACE"):
+        ControllerSettings.resolve(args, {"AKRI_NODE_GRACE": "soon"})
