@@ -79,6 +79,11 @@ class ControllerStats:
     last_pass_seconds: float = 0.0
 
 
+def _configuration_label(obj: Mapping[str, Any]) -> str:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return str(labels.get(brokers.CONFIGURATION_LABEL) or "")
+
+
 def parse_time(text: Any) -> float:
     """An RFC 3339 timestamp (``creationTimestamp``) as epoch seconds (0 when absent/odd)."""
     if not isinstance(text, str) or not text:
@@ -399,20 +404,25 @@ class Reconciler:
                 await self._create(self.job_cache, "jobs", job_plan.create, configuration.name)
             elif job_plan.waiting:
                 waiting[configuration.name] += 1
-        # broker Pods of Instances that are gone (owner GC does it too, when it runs)
+        # brokers of Instances that are gone (Akri deletes them; owner GC would too, later)
         for (namespace, instance_name), objs in pods.items():
             if (namespace, instance_name) in seen:
                 continue
             for obj in objs:
                 orphan = observed(obj)
                 if not orphan.deleting:
-                    configuration_name = str(
-                        ((obj.get("metadata") or {}).get("labels") or {}).get(
-                            brokers.CONFIGURATION_LABEL, ""
-                        )
-                    )
                     removal = brokers.Removal(orphan.name, orphan.uid, "InstanceGone")
-                    await self._remove_pod(namespace, configuration_name, removal)
+                    await self._remove_pod(namespace, _configuration_label(obj), removal)
+        for (namespace, instance_name), objs in jobs.items():
+            if (namespace, instance_name) in seen:
+                continue
+            for obj in objs:
+                orphan = observed(obj)
+                if not orphan.deleting and await self._delete(
+                    "jobs", namespace, orphan.name, orphan.uid
+                ):
+                    log.info("configuration %s/%s: broker Job %s removed (InstanceGone)",
+                             namespace, _configuration_label(obj), orphan.name)  # fmt: skip
         self.stats.brokers_waiting = dict(waiting)
 
     async def _create(self, cache: Watched, plural: str, obj: Obj, configuration: str) -> None:

@@ -192,11 +192,13 @@ def test_the_agent_s_service_account_is_bound_to_the_rbac() -> None:
     daemonset = agent_daemonset(objects)
     account = daemonset["spec"]["template"]["spec"]["serviceAccountName"]
     namespace = daemonset["metadata"]["namespace"]
-    for binding in [*of_kind(objects, "ClusterRoleBinding"), *of_kind(objects, "RoleBinding")]:
-        assert {"kind": "ServiceAccount", "name": account, "namespace": namespace} in binding[
-            "subjects"
-        ]
-    assert of_kind(objects, "ServiceAccount")[0]["metadata"]["name"] == account
+    bindings = [*of_kind(objects, "ClusterRoleBinding"), *of_kind(objects, "RoleBinding")]
+    for binding in bindings:
+        if binding["roleRef"]["name"].startswith("akri-agent"):
+            assert {"kind": "ServiceAccount", "name": account, "namespace": namespace} in binding[
+                "subjects"
+            ]
+    assert account in {a["metadata"]["name"] for a in of_kind(objects, "ServiceAccount")}
 
 
 @needs_kubectl
@@ -348,9 +350,79 @@ def test_the_entrypoint_runs_what_the_manifests_ask(wheel_akri: Path) -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert 'ENTRYPOINT ["akri"]' in dockerfile and 'CMD ["agent"]' in dockerfile
     for tree in TREES:
-        for daemonset in of_kind(render(tree), "DaemonSet"):
+        objects = render(tree)
+        for daemonset in [*of_kind(objects, "DaemonSet"), *of_kind(objects, "Deployment")]:
             args = container(daemonset)["args"]
             done = _akri(wheel_akri, *args, "--help")
             assert done.returncode == 0, done.stderr
             for flag in [a for a in args if a.startswith("--")]:
                 assert flag in done.stdout, f"{tree}: {flag} unknown to akri {args[0]}"
+
+
+# -- the controller (issue 25) ---------------------------------------------------------------
+def controller_deployment(objects: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    (found,) = [
+        o for o in of_kind(objects, "Deployment") if o["metadata"]["name"] == "akri-controller"
+    ]
+    return found
+
+
+@needs_kubectl
+def test_the_controller_runs_as_the_issue_asks() -> None:
+    from agent.controller.settings import CONTROLLER_FLAGS, HEALTH_PORT
+
+    for tree in TREES:
+        deployment = controller_deployment(render(tree))
+        assert deployment["spec"]["replicas"] == 2
+        template = deployment["spec"]["template"]
+        labels = template["metadata"]["labels"]
+        # the PodMonitor of deploy/components/monitoring selects these, port "health"
+        assert labels["app.kubernetes.io/name"] == "akri-controller"
+        spec = template["spec"]
+        assert spec["serviceAccountName"] == "akri-controller"
+        (only,) = spec["containers"]
+        assert only["args"] == ["controller"]
+        assert {"name": "health", "containerPort": HEALTH_PORT} in only["ports"]
+        for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+            assert only[probe]["httpGet"] == {"path": path, "port": "health"}
+        assert only["resources"]["requests"] and only["resources"]["limits"]
+        assert only["securityContext"]["readOnlyRootFilesystem"] is True
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        known = {f.env for f in CONTROLLER_FLAGS} | {
+            n for f in CONTROLLER_FLAGS for n in f.fallbacks
+        }
+        for variable in only["env"]:
+            assert variable["name"] in known, f"{tree}: {variable['name']} is not read"
+
+
+@needs_kubectl
+def test_the_controller_s_rbac_is_its_own_and_least_privilege() -> None:
+    objects = render("deploy")
+    roles = {
+        o["metadata"]["name"]: o
+        for o in [*of_kind(objects, "ClusterRole"), *of_kind(objects, "Role")]
+    }
+    bindings = [*of_kind(objects, "ClusterRoleBinding"), *of_kind(objects, "RoleBinding")]
+    mine = [b for b in bindings if b["roleRef"]["name"].startswith("akri-controller")]
+    assert {b["roleRef"]["name"] for b in mine} == {"akri-controller", "akri-controller-lease"}
+    for binding in mine:
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": "akri-controller", "namespace": "akri"}
+        ]
+    for binding in bindings:
+        if binding not in mine:
+            assert all(s["name"] != "akri-controller" for s in binding["subjects"])
+    for name in ("akri-controller", "akri-controller-lease"):
+        for rule in roles[name]["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+    lease = roles["akri-controller-lease"]
+    assert lease["metadata"]["namespace"] == "akri"
+    named = [r for r in lease["rules"] if r.get("resourceNames")]
+    assert named == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["akri-controller"],
+            "verbs": ["get", "update"],
+        }
+    ]
