@@ -12,7 +12,7 @@ from typing import Any, Literal
 from agent.core.kube.kubeconfig import SERVICE_ACCOUNT_DIR
 from agent.core.ledger.decisions import node_slots
 from agent.core.model.instance import Instance
-from agent.core.model.keys import DEFAULT_NAMESPACE
+from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
 
 
 class StatusUsageError(ValueError):
@@ -186,8 +186,22 @@ def configurations_table(
     configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]
 ) -> str:
     """Configurations (raw API objects, valid or not) with their handler, capacity and
-    Instance count."""
-    rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED")]
+    Instance count; NOTE says why one is refused (its kubelet names are another's: the rules
+    every agent applies, :func:`agent.node.discovery.ownership.decide_names`)."""
+    from agent.node.discovery.ownership import NameUser, decide_names
+
+    users: dict[ObjectKey, NameUser] = {}
+    for obj in configurations:
+        metadata = obj.get("metadata") or {}
+        key = ObjectKey(metadata.get("namespace", DEFAULT_NAMESPACE), str(metadata.get("name")))
+        users[key] = NameUser(key, metadata.get("creationTimestamp"))
+    for instance in instances:
+        known = users.get(instance.configuration_key)
+        users[instance.configuration_key] = NameUser(
+            instance.configuration_key, known.created if known else None, has_instances=True
+        )
+    refused = decide_names(users.values()).refused
+    rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED", "NOTE")]
     for obj in configurations:
         metadata = obj.get("metadata") or {}
         spec = obj.get("spec") or {}
@@ -195,6 +209,7 @@ def configurations_table(
         mine = [i for i in instances if i.namespace == namespace and i.configuration_name == name]
         used = sum(1 for i in mine for v in i.device_usage.values() if v)
         slots = sum(i.capacity for i in mine)
+        why = refused.get(ObjectKey(namespace, str(name)))
         rows.append(
             (
                 name if namespace == DEFAULT_NAMESPACE else f"{namespace}/{name}",
@@ -202,6 +217,7 @@ def configurations_table(
                 str(spec.get("capacity", "?")),
                 str(len(mine)),
                 f"{used}/{slots}",
+                f"refused: {why}" if why else "",
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

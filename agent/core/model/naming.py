@@ -110,6 +110,22 @@ def instance_name(configuration_name: str, digest: str) -> str:
     return f"{prefix}-{digest}"
 
 
+def instance_prefix(configuration_name: str) -> str:
+    """What every Instance name of ``configuration_name`` starts with, before ``-<digest>``."""
+    return instance_name(configuration_name, "0" * DIGEST_HEX_LENGTH)[: -DIGEST_HEX_LENGTH - 1]
+
+
+_DIGEST_TAIL_RE = re.compile(r"^(.+)-[0-9a-f]{6}$")
+
+
+def instance_shaped_prefix(name: str) -> str | None:
+    """If ``name`` looks like an Instance name ``<prefix>-<6 hex>``, the prefix, else None:
+    the Configuration whose Instances would be named like it is the one whose
+    :func:`instance_prefix` that is."""
+    match = _DIGEST_TAIL_RE.match(name)
+    return match.group(1) if match else None
+
+
 def candidate_names(configuration_name: str, key: str) -> Iterator[tuple[str, str]]:
     """Yield ``(instance_name, digest)``: Akri's name first, then salted alternatives."""
     yield instance_name(configuration_name, akri_digest(key)), akri_digest(key)

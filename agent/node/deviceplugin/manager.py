@@ -41,11 +41,17 @@ from pathlib import Path
 from agent.core.aio.events import Subscription
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.ledger.ledger import SlotLedger
+from agent.core.model.naming import configuration_resource_name
 from agent.core.store.base import InstanceEvent
 from agent.node.deviceplugin.endpoint import PluginEndpoint
 from agent.node.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
 from agent.node.deviceplugin.registration import KUBELET_SOCKET, KubeletRegistrar
 from agent.node.deviceplugin.service import DevicePluginService
+from agent.node.deviceplugin.views import (
+    RESOURCE_PREFIX,
+    configuration_resource,
+    instance_resource,
+)
 from agent.node.discovery.ownership import ServedInstances
 
 log = logging.getLogger(__name__)
@@ -106,6 +112,11 @@ class DevicePluginManager:
         # queued for a restart (waiting for a start slot): their socket is missing on purpose
         self._restart_queued: set[PluginEndpoint] = set()
         self.socket_watch: DirectoryWatch | None = None
+        # configuration-level resource names not served (an Instance has the name) -> the
+        # Configuration name; tests and status
+        self.refused_names: dict[str, str] = {}
+        # Instances whose plugin waits for the old meaning of its name to end
+        self.held_back: set[str] = set()
 
     def endpoints(self) -> list[PluginEndpoint]:
         """Every running plugin endpoint."""
@@ -229,12 +240,45 @@ class DevicePluginManager:
                 self._stop_later(
                     endpoint, f"stopped configuration device plugin for {configuration}"
                 )
-        new_il = sorted(n for n in dirty if n in self._on_node and n not in self.instance_plugins)
-        new_cl = sorted(
-            c
-            for c in touched
-            if c in self._per_configuration and c not in self.configuration_plugins
-        )
+        dirty |= self.held_back  # their old meaning's slots may be free now
+        new_il = []
+        for name in sorted(
+            n for n in dirty if n in self._on_node and n not in self.instance_plugins
+        ):
+            if self._held_under_old_meaning(name):
+                self.held_back.add(name)
+                continue
+            self.held_back.discard(name)
+            new_il.append(name)
+        self.held_back &= set(self._on_node)
+        # one resource name, one meaning: a configuration-level plugin whose resource name an
+        # Instance of this node has is not run (instance names win; the ownership rules
+        # refuse such a Configuration — this is the last guard, e.g. an Instance written by
+        # another agent before they saw it)
+        il_resources = {instance_resource(n) for n in self._on_node}
+        touched |= set(self.refused_names.values())  # their Instance may be gone now
+        self.refused_names = {
+            r: c
+            for r, c in self.refused_names.items()
+            if r in il_resources and c in self._per_configuration
+        }
+        for configuration in sorted(self.configuration_plugins):
+            endpoint = self.configuration_plugins[configuration]
+            if endpoint.resource_name in il_resources:
+                self._refuse_name(endpoint.resource_name, configuration)
+                del self.configuration_plugins[configuration]
+                self._stop_later(endpoint, f"stopped device plugin {endpoint.resource_name}")
+        new_cl = []
+        for configuration in sorted(touched):
+            if (
+                configuration not in self._per_configuration
+                or configuration in self.configuration_plugins
+            ):
+                continue
+            if configuration_resource(configuration) in il_resources:
+                self._refuse_name(configuration_resource(configuration), configuration)
+                continue
+            new_cl.append(configuration)
         starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
         for name in new_il:
             logic = InstancePlugin(name, self.served.get, self.ledger, self.source)
@@ -257,6 +301,52 @@ class DevicePluginManager:
                 cl.service.changed()
         if failed:
             raise RuntimeError(f"{failed} device plugin(s) did not start")
+
+    def _held_under_old_meaning(self, instance: str) -> bool:
+        """Whether this node still holds configuration-level slots of a Configuration whose
+        resource name is ``akri.sh/<instance>`` (one refused since, see
+        :mod:`agent.node.discovery.ownership`, rule 4): kubelet still has its containers
+        under that name, with vdev ids shaped like this Instance's slot ids. The Instance's
+        plugin waits until they are released, so that the name never has two meanings on
+        this node at once (logged once)."""
+        store = self.served.store
+        own = self.served.get(instance)
+        mark = f":{self.node}"
+        for key in store.instance_configurations():
+            if configuration_resource_name(key.name) != instance:
+                continue
+            if own is not None and key == own.configuration_key:
+                continue
+            for other in store.list_cached(key):
+                if any(
+                    v.startswith("C:") and v.endswith(mark) for v in other.device_usage.values()
+                ):
+                    if instance not in self.held_back:
+                        log.warning(
+                            "not yet serving device plugin %s: configuration-level slots of "
+                            "%s/%s, whose resource name it was, are still held on this node "
+                            "(it starts once they are released)",
+                            instance_resource(instance),
+                            key.namespace,
+                            key.name,
+                        )
+                    return True
+        return False
+
+    def _refuse_name(self, resource: str, configuration: str) -> None:
+        """Log (once per name) a configuration-level plugin not run: an Instance has its
+        resource name."""
+        if self.refused_names.get(resource) == configuration:
+            return
+        self.refused_names[resource] = configuration
+        log.error(
+            "not serving the configuration-level device plugin of %s: %s is the resource "
+            "name of the instance-level plugin of Instance %s on this node (instance names "
+            "win; one resource name never has two meanings)",
+            configuration,
+            resource,
+            resource.removeprefix(RESOURCE_PREFIX),
+        )
 
     def _endpoint(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
         interval = self.cl_update_interval if isinstance(logic, ConfigurationPlugin) else 0.0

@@ -421,26 +421,26 @@ class DiscoveryManager:
         then and this node leaves it after). It runs again, taking them over, once the name
         is its own."""
         key = configuration.key
-        owner = self.ownership.owner(configuration.name)
+        reason = self.ownership.refusal(key) or (
+            f"the name {configuration.name!r} is in use by the Configuration in namespace "
+            f"{self.ownership.owner(configuration.name)!r}"
+        )
         runner = self.runners.pop(key, None)
         if runner is not None:
             log.warning(
-                "configuration %s: stopping discovery: %s/%s now owns the name %r; %s leaves "
-                "its instances as soon as it holds none of their slots",
+                "configuration %s: stopping discovery: %s; %s leaves its instances as soon as "
+                "it holds none of their slots",
                 key,
-                owner,
-                configuration.name,
-                configuration.name,
+                reason,
                 self.node,
             )
             await runner.stop()
-        self._retire(key, f"the name {configuration.name!r} belongs to namespace {owner!r}")
+        self._retire(key, reason)
         message = (
-            f"the name {configuration.name!r} is in use by the Configuration in namespace "
-            f"{owner!r}: kubelet resource names (akri.sh/<name>) and DRA device names are "
+            f"{reason}: kubelet resource names (akri.sh/<name>) and DRA device names are "
             f"node-global, so {key} is not run and {self.node} leaves its instances once "
-            f"none of their slots is in use; it starts by itself once {owner}/"
-            f"{configuration.name} and its instances are gone"
+            f"none of their slots is in use; it starts by itself once the other "
+            f"Configuration and its instances are gone"
         )
         self.refused[key] = configuration
         if self._noticed.get(key) == message:

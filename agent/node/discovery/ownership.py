@@ -11,6 +11,21 @@ Configuration of the same name would produce the same names (Instance names are
 2. otherwise the namespace of the oldest Configuration (``creationTimestamp``, then
    namespace name) among those with Instances (or, if none has any, among all) owns it.
 
+Two *different* Configuration names can also give one kubelet name (docs/slot-model.md, "One
+resource name, one meaning"), and are decided here too, so that no two plugins ever register
+one resource name on a node:
+
+3. names whose configuration-level resource (``akri.sh/<configuration>``) or Instance-name
+   prefix are equal — only possible through the shortening of names longer than 52
+   characters — are one name for rules 1 and 2 (the ``(namespace, name)`` pairs compete,
+   ties broken by namespace, then name);
+4. *Instance names win*: a Configuration whose resource name has the shape of an Instance
+   name of another Configuration name in use (``<other>-<6 hex>``, e.g. ``cam-17ff2a`` beside
+   ``cam``, whose device may get the Instance ``cam-17ff2a``) is refused while that other
+   name is in use in any namespace. Akri reserves ``<configuration>-<digest>`` for Instances;
+   refusing by shape does not depend on which devices happen to be discovered, so the
+   resource name never changes meaning under running containers.
+
 The other namespace's Configuration is refused (log line + Event naming the owner) and waits:
 it starts by itself once the owner's Configuration is deleted and its Instances are gone.
 Its Instances that list this node are retired like a deleted Configuration's (this node
@@ -26,29 +41,116 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
+from agent.core.model.naming import (
+    configuration_resource_name,
+    instance_prefix,
+    instance_shaped_prefix,
+)
 from agent.core.store.base import InstanceStore
 
 log = logging.getLogger(__name__)
 
 
-def owner_namespace(
-    configured: Mapping[str, str | None], with_instances: Collection[str]
-) -> str | None:
-    """The namespace that owns one Configuration name. ``configured``: namespace -> the
-    creationTimestamp of its Configuration of that name (None if unknown);
-    ``with_instances``: namespaces that have Instances of it."""
+@dataclass(frozen=True)
+class NameUser:
+    """One ``(namespace, Configuration name)`` in use: configured (``created``: its
+    creationTimestamp, None if unknown or not configured) and/or with Instances."""
+
+    key: ObjectKey
+    created: str | None = None
+    has_instances: bool = False
+
+
+@dataclass(frozen=True)
+class NameDecision:
+    """:func:`decide_names`: the namespace serving each Configuration name, and why every
+    other user is refused (``refused``: key -> reason, naming the winner)."""
+
+    owners: Mapping[str, str]
+    refused: Mapping[ObjectKey, str]
+
+
+def _winner(users: list[NameUser]) -> NameUser:
+    """Rules 1-3: the only user with Instances; else the oldest among those with Instances
+    (or among all), then by namespace and name."""
+    with_instances = [u for u in users if u.has_instances]
     if len(with_instances) == 1:
-        return next(iter(with_instances))
-    candidates = set(with_instances) or set(configured)
-    if not candidates:
-        return None
+        return with_instances[0]
+    pool = with_instances or users
     return min(
-        candidates, key=lambda ns: (configured.get(ns) is None, configured.get(ns) or "", ns)
+        pool,
+        key=lambda u: (u.created is None, u.created or "", u.key.namespace, u.key.name),
     )
+
+
+def decide_names(users: Iterable[NameUser]) -> NameDecision:
+    """Which ``(namespace, name)`` serves each node-global name (pure; module docstring,
+    rules 1-4). Every agent decides the same from the same objects."""
+    by_key: dict[ObjectKey, NameUser] = {}
+    for user in users:
+        by_key[user.key] = user
+    # rule 3: names sharing a resource name or an Instance prefix form one group (union-find)
+    parent: dict[str, str] = {}
+
+    def find(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            parent[name] = parent[parent[name]]
+            name = parent[name]
+        return name
+
+    names = sorted({key.name for key in by_key})
+    first_with: dict[tuple[str, str], str] = {}
+    for name in names:
+        for tag in (("r", configuration_resource_name(name)), ("p", instance_prefix(name))):
+            other = first_with.setdefault(tag, name)
+            parent[find(name)] = find(other)
+    groups: defaultdict[str, list[NameUser]] = defaultdict(list)
+    for key in sorted(by_key):
+        groups[find(key.name)].append(by_key[key])
+    owners: dict[str, str] = {}
+    refused: dict[ObjectKey, str] = {}
+    for members in groups.values():
+        winner = _winner(members)
+        owners[winner.key.name] = winner.key.namespace
+        for user in members:
+            if user.key == winner.key:
+                continue
+            if user.key.name == winner.key.name:
+                refused[user.key] = (
+                    f"the name {user.key.name!r} is in use by the Configuration in namespace "
+                    f"{winner.key.namespace!r}"
+                )
+            else:
+                refused[user.key] = (
+                    f"its kubelet resource names (akri.sh/"
+                    f"{configuration_resource_name(user.key.name)}, akri.sh/"
+                    f"{instance_prefix(user.key.name)}-<digest>) are those of Configuration "
+                    f"{winner.key.namespace}/{winner.key.name} (long names are shortened)"
+                )
+    # rule 4: instance names win
+    by_prefix: dict[str, str] = {}
+    for name in names:
+        by_prefix.setdefault(instance_prefix(name), name)
+    for name, namespace in sorted(owners.items()):
+        resource = configuration_resource_name(name)
+        shaped = instance_shaped_prefix(resource)
+        if shaped is None:
+            continue
+        rival = by_prefix.get(shaped)
+        if rival is None or rival == name:
+            continue
+        del owners[name]
+        refused[ObjectKey(namespace, name)] = (
+            f"akri.sh/{resource} has the shape of an Instance name of Configuration {rival!r} "
+            f"(<configuration>-<6 hex digest>), in use in this cluster: Instance names win, so "
+            f"this Configuration would give that resource name a second meaning on a node"
+        )
+    return NameDecision(owners, refused)
 
 
 class Ownership:
@@ -58,6 +160,7 @@ class Ownership:
     def __init__(self, store: InstanceStore) -> None:
         self._store = store
         self._owners: dict[str, str] = {}
+        self._refused: dict[ObjectKey, str] = {}
         self._contested: dict[str, tuple[str, ...]] = {}  # name -> every namespace using it
         self._listeners: list[Callable[[set[str]], None]] = []
         store.on_catalog_change(self.refresh)
@@ -70,31 +173,31 @@ class Ownership:
     def refresh(self) -> None:
         """Recompute every owner (cheap: one pass over Configurations and the Configuration
         keys that have Instances)."""
-        configured: defaultdict[str, dict[str, str | None]] = defaultdict(dict)
+        users: dict[ObjectKey, NameUser] = {}
         for configuration in self._store.configurations():
-            configured[configuration.name][configuration.namespace] = (
-                configuration.creation_timestamp
-            )
+            users[configuration.key] = NameUser(configuration.key, configuration.creation_timestamp)
         for invalid in self._store.invalid_configurations():
-            configured[invalid.key.name][invalid.key.namespace] = invalid.creation_timestamp
-        with_instances: defaultdict[str, set[str]] = defaultdict(set)
+            users[invalid.key] = NameUser(invalid.key, invalid.creation_timestamp)
         for key in self._store.instance_configurations():
-            with_instances[key.name].add(key.namespace)
-        owners: dict[str, str] = {}
-        contested: dict[str, tuple[str, ...]] = {}
-        for name in set(configured) | set(with_instances):
-            owner = owner_namespace(configured.get(name, {}), with_instances.get(name, set()))
-            if owner is not None:
-                owners[name] = owner
-            users = set(configured.get(name, {})) | with_instances.get(name, set())
-            if len(users) > 1:
-                contested[name] = tuple(sorted(users))
+            known = users.get(key)
+            users[key] = NameUser(key, known.created if known else None, has_instances=True)
+        decision = decide_names(users.values())
+        by_name: defaultdict[str, set[str]] = defaultdict(set)
+        for key in users:
+            by_name[key.name].add(key.namespace)
+        contested = {name: tuple(sorted(ns)) for name, ns in by_name.items() if len(ns) > 1}
         changed = {
             name
-            for name in set(owners) | set(self._owners)
-            if owners.get(name) != self._owners.get(name)
+            for name in set(decision.owners) | set(self._owners)
+            if decision.owners.get(name) != self._owners.get(name)
         }
-        self._owners = owners
+        changed |= {
+            key.name
+            for key in set(decision.refused) | set(self._refused)
+            if decision.refused.get(key) != self._refused.get(key)
+        }
+        self._owners = dict(decision.owners)
+        self._refused = dict(decision.refused)
         self._contested = contested
         if changed:
             for listener in list(self._listeners):
@@ -105,10 +208,21 @@ class Ownership:
         return self._owners.get(name)
 
     def owns(self, configuration: ObjectKey) -> bool:
-        """Whether ``configuration``'s namespace owns its name."""
+        """Whether ``configuration``'s namespace owns its name (and the name is not refused
+        for colliding with another name's kubelet names)."""
+        if configuration in self._refused:
+            return False
         return (
             self._owners.get(configuration.name, configuration.namespace) == configuration.namespace
         )
+
+    def refusal(self, configuration: ObjectKey) -> str | None:
+        """Why ``configuration`` may not run here (None if it may)."""
+        return self._refused.get(configuration)
+
+    def refusals(self) -> dict[ObjectKey, str]:
+        """Every refused Configuration key (some may only have Instances), with why."""
+        return dict(self._refused)
 
     def contested(self, name: str) -> tuple[str, ...]:
         """Every namespace using ``name`` when more than one does (else empty)."""

@@ -1,0 +1,204 @@
+"""Issue 23 item 2: one kubelet resource name, one meaning.
+
+Configuration ``cam`` discovers device ``d0``: its Instance is ``cam-17ff2a`` and its
+instance-level resource ``akri.sh/cam-17ff2a``. A Configuration *named* ``cam-17ff2a`` would
+register the same name for its configuration-level plugin (and its vdev ids ``cam-17ff2a-0``
+look like the slot ids of Instance ``cam-17ff2a``): kubelet keeps the last registration and a
+pod asking for "this camera" got the other Configuration's device. Instance names win: that
+Configuration is refused (log line, Event ``NameConflict``, ``akri status``), in the same or
+another namespace. End to end: API-server double, kubelet double, the agent as ``akri agent``
+wires it (docs/slot-model.md, "One resource name, one meaning").
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.node.discovery.ownership import NameUser, decide_names
+from agent.node.status import configurations_table
+from tests.doubles.apiserver import ApiServerDouble
+from tests.harness.dp_nodes import DpNode, start_dp_node
+from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
+
+INSTANCES = "instances.akri.sh"
+CONFIGURATIONS = "configurations.akri.sh"
+CAM_D0 = "cam-17ff2a"  # Instance of Configuration "cam" for the shared debugEcho device "d0"
+NAME = "akri.sh/" + CAM_D0
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+def configuration(name: str, device: str, namespace: str = "default") -> dict[str, Any]:
+    obj = copy.deepcopy(debug_echo_configuration(name, (device,), 2))
+    obj["metadata"]["namespace"] = namespace
+    return obj
+
+
+def instances(api: ApiServerDouble) -> dict[tuple[str, str], Instance]:
+    result = {}
+    for obj in api.list(INSTANCES):
+        instance = Instance.from_dict(obj)
+        result[(instance.namespace, instance.name)] = instance
+    return result
+
+
+def name_conflicts(api: ApiServerDouble, configuration_name: str) -> list[dict[str, Any]]:
+    return [
+        e
+        for e in api.list("events")
+        if e.get("reason") == "NameConflict"
+        and e.get("involvedObject", {}).get("name") == configuration_name
+    ]
+
+
+async def serving_cam_only(api: ApiServerDouble, node: DpNode, namespace: str) -> None:
+    """``cam`` runs, ``cam-17ff2a`` is refused, and ``akri.sh/cam-17ff2a`` is ``cam``'s
+    Instance: checked through kubelet, the API objects and a pod."""
+    await node.kubelet.wait_registered(NAME, timeout=10)
+    await node.kubelet.wait_registered("akri.sh/cam", timeout=10)
+    await eventually(lambda: bool(name_conflicts(api, "cam-17ff2a")), what="NameConflict Event")
+    (event,) = name_conflicts(api, "cam-17ff2a")
+    assert event["involvedObject"]["namespace"] == namespace
+    assert "Instance names win" in event["message"] and "'cam'" in event["message"]
+    # only cam's Instance exists: the refused Configuration created none
+    assert set(instances(api)) == {("default", CAM_D0)}
+    # every registration of the name was the instance-level plugin: its two slots, and
+    # kubelet never had a second endpoint for it
+    registered = [r for r in node.kubelet.all_registrations if r.resource_name == NAME]
+    assert len(registered) == 1
+    slots = {f"{CAM_D0}-0": "Healthy", f"{CAM_D0}-1": "Healthy"}
+    await eventually(lambda: node.kubelet.devices(NAME) == slots, what="cam-17ff2a's slots")
+    assert node.plugins.configuration_plugins.keys() == {"cam"}
+    # a pod asking for this camera gets d0 of Configuration cam, through its Instance
+    pod = await node.kubelet.admit_pod("default", "user", [("c", {NAME: 1})])
+    assert pod.admitted, pod.message
+    assert pod.containers[0].envs["DEBUG_ECHO_DESCRIPTION"] == "d0"
+    held = instances(api)[("default", CAM_D0)]
+    assert sorted(held.device_usage.values()) == ["", node.name]
+
+
+@pytest.mark.parametrize("namespace", ["default", "other"])
+async def test_a_configuration_named_like_an_instance_is_refused(
+    api: ApiServerDouble, tmp_path: Path, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's case, in the same namespace and in another one."""
+    api.create(configuration("cam", "d0"))
+    api.create(configuration("cam-17ff2a", "d1", namespace))
+    caplog.set_level(logging.ERROR, logger="agent.discovery")
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await serving_cam_only(api, node, namespace)
+        assert any(
+            "cam-17ff2a" in r.getMessage() and "Instance names win" in r.getMessage()
+            for r in caplog.records
+        )
+        # akri status shows the refusal, decided from the same objects
+        table = configurations_table(api.list(CONFIGURATIONS), list(instances(api).values()))
+        (row,) = [line for line in table.splitlines() if "cam-17ff2a " in line + " "]
+        assert "refused" in row and "Instance names win" in row
+    finally:
+        await node.stop()
+
+
+async def test_a_running_configuration_gives_way_and_the_name_waits_for_its_slots(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """``cam-17ff2a`` runs first, a pod holds one of its configuration-level vdevs. Then
+    ``cam`` appears: ``cam-17ff2a`` is refused and drains, and ``cam``'s Instance
+    ``cam-17ff2a`` is not offered under ``akri.sh/cam-17ff2a`` while kubelet still has that
+    pod's vdev under the name — only once the pod is gone and its slot freed."""
+    api.create(configuration("cam-17ff2a", "d1", "other"))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    try:
+        await node.kubelet.wait_registered(NAME, timeout=10)
+        await eventually(lambda: node.kubelet.allocatable(NAME) == 1, what="one vdev")
+        pod = await node.kubelet.admit_pod("other", "old", [("c", {NAME: 1})])
+        assert pod.admitted, pod.message
+        assert pod.containers[0].envs["DEBUG_ECHO_DESCRIPTION"] == "d1"
+        first = [r for r in node.kubelet.all_registrations if r.resource_name == NAME]
+        api.create(configuration("cam", "d0"))
+        await eventually(lambda: bool(name_conflicts(api, "cam-17ff2a")), what="refused")
+        await eventually(
+            lambda: ("default", CAM_D0) in instances(api), what="cam's Instance cam-17ff2a"
+        )
+        await eventually(lambda: CAM_D0 in node.plugins.held_back, what="held back")
+        assert [r for r in node.kubelet.all_registrations if r.resource_name == NAME] == first
+        assert "cam-17ff2a" not in node.plugins.configuration_plugins
+        await node.kubelet.delete_pod("other", "old")
+        await node.kubelet.wait_registered(NAME, timeout=30, after=first[-1].time)
+        assert node.plugins.held_back == set()
+        await eventually(
+            lambda: not any(i.namespace == "other" for i in instances(api).values()),
+            within=30,
+            what="the refused Configuration's Instance drained and deleted",
+        )
+        await eventually(lambda: node.kubelet.allocatable(NAME) == 2, what="cam-17ff2a's slots")
+        new = await node.kubelet.admit_pod("default", "new", [("c", {NAME: 1})])
+        assert new.admitted, new.message
+        assert new.containers[0].envs["DEBUG_ECHO_DESCRIPTION"] == "d0"
+    finally:
+        await node.stop()
+
+
+# -- the decision itself (pure) ---------------------------------------------------------------
+def key(name: str, namespace: str = "default") -> ObjectKey:
+    return ObjectKey(namespace, name)
+
+
+def test_instance_names_win_whatever_the_order_and_namespace() -> None:
+    for created in (("1", "2"), ("2", "1")):
+        for namespace in ("default", "other"):
+            decision = decide_names(
+                [
+                    NameUser(key("cam"), created[0]),
+                    NameUser(key("cam-17ff2a", namespace), created[1], has_instances=True),
+                ]
+            )
+            assert decision.owners == {"cam": "default"}
+            assert "Instance names win" in decision.refused[key("cam-17ff2a", namespace)]
+    # only the Instance shape counts: cam-1 (not 6 hex) and cam-17ff2g are fine
+    decision = decide_names([NameUser(key(n)) for n in ("cam", "cam-1", "cam-17ff2g")])
+    assert decision.owners == {"cam": "default", "cam-1": "default", "cam-17ff2g": "default"}
+    # a name in use only through Instances (its Configuration deleted, draining) counts too
+    decision = decide_names([NameUser(key("cam"), has_instances=True), NameUser(key("cam-abcdef"))])
+    assert set(decision.refused) == {key("cam-abcdef")}
+
+
+def test_shortened_names_that_collide_are_one_name() -> None:
+    """A name over 59 characters is cut to 50 + '-' + 8 hex for its resource name; a
+    Configuration literally named like the result would share akri.sh/<name>."""
+    long = "a" * 70
+    from agent.core.model.naming import configuration_resource_name, instance_prefix
+
+    literal = configuration_resource_name(long)
+    assert literal != long and len(literal) == 59
+    decision = decide_names([NameUser(key(long), "2"), NameUser(key(literal, "other"), "1")])
+    assert decision.owners == {literal: "other"}
+    assert "long names are shortened" in decision.refused[key(long)]
+    # the same through the Instance prefix (52 characters)
+    prefix = instance_prefix("b" * 55)
+    decision = decide_names([NameUser(key("b" * 55), "1"), NameUser(key(prefix), "2")])
+    assert decision.owners == {"b" * 55: "default"}
+    assert set(decision.refused) == {key(prefix)}
+
+
+def test_same_name_in_two_namespaces_keeps_the_namespace_rules() -> None:
+    both = [NameUser(key("cam", "b"), "1"), NameUser(key("cam", "a"), "2")]
+    assert decide_names(both).owners == {"cam": "b"}  # the oldest
+    with_instances = [NameUser(key("cam", "b"), "1"), NameUser(key("cam", "a"), "2", True)]
+    assert decide_names(with_instances).owners == {"cam": "a"}  # the one with Instances
+    assert decide_names([NameUser(key("cam", "b")), NameUser(key("cam", "a"))]).owners == {
+        "cam": "a"
+    }
