@@ -14,6 +14,7 @@ from agent.core.store.base import InstanceEvent
 from agent.node.activity_log import log_instance_changes
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import Ownership, ServedInstances
+from agent.node.finalizers import settle_finalizers
 from agent.node.kubelet.evidence import NodeEvidence
 from agent.node.kubelet.state import CHECKPOINT_FILE, KubeletState
 from agent.ops.gc_tuning import freeze_long_lived, freeze_when_settled
@@ -141,6 +142,7 @@ class Agent:
             ownership=self.ownership,
         )
         self._activity: asyncio.Task[None] | None = None
+        self._finalizers: asyncio.Task[None] | None = None
         self.plugins: DevicePluginManager | None = None
         self.reclaimer: SlotReclaimer | None = None
         self._reclaim_task: asyncio.Task[None] | None = None
@@ -259,6 +261,9 @@ class Agent:
             self._build_dra()
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
+        )
+        self._finalizers = asyncio.create_task(
+            settle_finalizers(self.store.subscribe_instances(), self.ledger), name="finalizers"
         )
         await self.discovery.start()
         if self.plugins is not None and self.reclaimer is not None:
@@ -434,10 +439,11 @@ class Agent:
         if self.plugins is not None:
             await self.plugins.close()
         await self.discovery.close()
-        if self._activity is not None:
-            self._activity.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._activity
+        for task in (self._activity, self._finalizers):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.store.close()
         if self._loop_monitor_task is not None:
             self._loop_monitor_task.cancel()

@@ -159,7 +159,9 @@ def decide_claim(
     reclaimable: Collection[str] = (),
 ) -> Granted | Refused:
     """Claim a specific slot for ``owner``."""
-    if instance.deletion_timestamp is not None:
+    # a terminating Instance (its akri.sh/slots finalizer waits for its holders) gives no new
+    # slot, but kubelet re-asking for the one its owner holds is granted below
+    if instance.deletion_timestamp is not None and instance.device_usage.get(slot) != owner.value:
         return Refused("Deleting", f"instance {instance.name} is being deleted")
     if owner.node not in instance.nodes:
         return _not_on_node(instance, owner)

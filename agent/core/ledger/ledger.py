@@ -51,6 +51,7 @@ from agent.core.ledger.decisions import (
     regranted,
     with_draining,
 )
+from agent.core.ledger.finalizer import finalizer_done, settle_finalizer
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import ConflictError, InstanceStore, NotFoundError
@@ -198,7 +199,9 @@ class SlotLedger:
         async with self.lock_for(instance.key):
             in_use = await self._evidence_for(instance)
             usage = initial_usage(instance, in_use)
-            created = await self.store.create(instance.evolve(device_usage=usage))
+            created = await self.store.create(
+                settle_finalizer(instance.evolve(device_usage=usage, deletion_timestamp=None))
+            )
         held = {slot: value for slot, value in usage.items() if value}
         if held:
             now = self._now()
@@ -278,6 +281,9 @@ class SlotLedger:
             adoption = decide_adopt(target, in_use) if in_use else None
             if adoption is not None and adoption.adopted:
                 target = target.evolve(device_usage=dict(adoption.device_usage))
+            # Instances written before the finalizer existed (or by Akri) get it here: every
+            # node joins each Instance once after it starts
+            target = settle_finalizer(target)
             outcome.append(
                 JoinResult(
                     current,
@@ -330,8 +336,11 @@ class SlotLedger:
                 if not adoption.adopted:
                     return None
                 before_write()
-                return with_draining(instance, self.node, True).evolve(
-                    nodes=(*instance.nodes, self.node), device_usage=dict(adoption.device_usage)
+                return settle_finalizer(
+                    with_draining(instance, self.node, True).evolve(
+                        nodes=(*instance.nodes, self.node),
+                        device_usage=dict(adoption.device_usage),
+                    )
                 )
 
             stored = await cas_update(self.store, key, mutate, policy=self._policy)
@@ -375,7 +384,8 @@ class SlotLedger:
             changed = change(current)
             if changed is None:
                 return None
-            return decide_update(current, changed)
+            decided = decide_update(current, changed)
+            return None if decided is None else settle_finalizer(decided)
 
         async with self.lock_for(key):
             stored = await cas_update(self.store, key, mutate, policy=self._policy)
@@ -399,22 +409,48 @@ class SlotLedger:
                         return LeaveResult(left=True)
                     if isinstance(decision, Drain):
                         if decision.instance is not None:
-                            await self.store.update(decision.instance)
+                            await self.store.update(settle_finalizer(decision.instance))
                         return LeaveResult(left=False, slots=decision.slots)
                     assert isinstance(decision, Leave)
                     if decision.delete:
                         await self.store.delete(key, resource_version=current.resource_version)
                     else:
-                        await self.store.update(decision.instance)
+                        await self.store.update(settle_finalizer(decision.instance))
                     self._granted.pop(key, None)
-                    return LeaveResult(left=True, deleted=decision.delete)
                 except NotFoundError:
                     return LeaveResult(left=True)
                 except ConflictError:
                     await asyncio.sleep(self._policy.delay(attempt))
                     with contextlib.suppress(NotFoundError):
                         await self.store.get(key)
+                    continue
+                if decision.delete:
+                    # nothing is held: the finalizer, which kept it terminating, goes too
+                    await self._settle_finalizer(key)
+                return LeaveResult(left=True, deleted=decision.delete)
         raise RetriesExhaustedError(f"could not take {self.node} out of instance {key}")
+
+    async def settle_finalizer(self, key: ObjectKey) -> bool:
+        """Remove the ``akri.sh/slots`` finalizer of Instance ``key`` if it is terminating and
+        no slot is held (any agent may: the compare-and-swap decides on the version it
+        replaces). Returns whether it was removed by this call."""
+        async with self.lock_for(key):
+            return await self._settle_finalizer(key)
+
+    async def _settle_finalizer(self, key: ObjectKey) -> bool:
+        removed: list[bool] = []
+
+        def mutate(current: Instance) -> Instance | None:
+            removed[:] = [finalizer_done(current)]
+            return settle_finalizer(current) if removed[0] else None
+
+        try:
+            await cas_update(self.store, key, mutate, policy=self._policy)
+        except NotFoundError:
+            return False
+        if removed == [True]:
+            log.info("instance %s: no slot is held any more; its finalizer is removed", key)
+        return removed == [True]
 
     # -- claims and releases -------------------------------------------------------------------
     async def _apply(
@@ -433,7 +469,9 @@ class SlotLedger:
             outcome.append(decision)
             if not decision.changed:
                 return None
-            return instance.evolve(device_usage=dict(decision.device_usage))
+            # a claim adds the finalizer if missing; the release of the last held slot of a
+            # terminating Instance removes it in the same write (then the Instance goes)
+            return settle_finalizer(instance.evolve(device_usage=dict(decision.device_usage)))
 
         async with self.lock_for(key):
             try:

@@ -43,6 +43,7 @@ class Instance:
     annotations: Mapping[str, str] = field(default_factory=dict)
     owner_references: tuple[Mapping[str, Any], ...] = ()
     deletion_timestamp: str | None = None
+    finalizers: tuple[str, ...] = ()
     extra_metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def evolve(self, **changes: Any) -> Instance:
@@ -115,6 +116,8 @@ class Instance:
             metadata["ownerReferences"] = [dict(ref) for ref in self.owner_references]
         if self.deletion_timestamp is not None:
             metadata["deletionTimestamp"] = self.deletion_timestamp
+        if self.finalizers:
+            metadata["finalizers"] = list(self.finalizers)
         return {
             "apiVersion": API_VERSION,
             "kind": KIND,
@@ -159,7 +162,10 @@ class Instance:
             ):
                 raise InstanceFormatError(f"{name}: spec.{label} must map strings to strings")
         known = {"name", "namespace", "resourceVersion", "uid", "labels", "annotations"}
-        known |= {"ownerReferences", "deletionTimestamp"}
+        known |= {"ownerReferences", "deletionTimestamp", "finalizers"}
+        finalizers = metadata.get("finalizers") or []
+        if not isinstance(finalizers, list) or not all(isinstance(f, str) for f in finalizers):
+            raise InstanceFormatError(f"{name}: metadata.finalizers must be a list of strings")
         return cls(
             name=name,
             namespace=str(metadata.get("namespace") or DEFAULT_NAMESPACE),
@@ -176,6 +182,7 @@ class Instance:
             annotations=dict(metadata.get("annotations") or {}),
             owner_references=tuple(dict(ref) for ref in metadata.get("ownerReferences") or []),
             deletion_timestamp=_opt_str(metadata.get("deletionTimestamp")),
+            finalizers=tuple(dict.fromkeys(finalizers)),
             extra_metadata={k: v for k, v in metadata.items() if k not in known},
         )
 

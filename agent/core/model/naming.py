@@ -34,6 +34,9 @@ DIGEST_HEX_LENGTH = 6
 DEVICE_DIGEST_ANNOTATION = "akri.sh/device-digest"
 DRAINING_ANNOTATION = "akri.sh/draining"
 OFFLINE_ANNOTATION = "akri.sh/offline"
+# on every Instance while it exists; removed once no slot is held, so a deleted Instance
+# (or the garbage collector, after its Configuration was deleted) waits for its pods
+SLOTS_FINALIZER = "akri.sh/slots"
 CONFIGURATION_LABEL = "akri.sh/configuration"
 # pure functions asked again for every device on every list: remember a few thousand devices
 NAMING_CACHE_SIZE = 16384

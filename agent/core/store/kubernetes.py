@@ -347,13 +347,18 @@ class KubernetesInstanceStore(InstanceStore):
                 with contextlib.suppress(StoreError):
                     await self.get(instance.key)  # refresh the cache for the next decision
             raise translated from error
-        self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+            # the write removed the last finalizer of a terminating Instance: it is gone
+            self._instance_informer.apply_local(RawEvent("DELETED", obj))
+        else:
+            self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
         return Instance.from_dict(obj)
 
     async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
         self.request_count += 1
         try:
-            await self._client.delete(
+            answer = await self._client.delete(
                 self._instances_path(key.namespace, key.name),
                 delete_options(resource_version),
                 request_timeout=self.settings.request_timeout,
@@ -366,6 +371,11 @@ class KubernetesInstanceStore(InstanceStore):
             if isinstance(translated, NotFoundError):
                 self._forget(key)
             raise translated from error
+        if (answer.get("metadata") or {}).get("deletionTimestamp") and answer.get("spec"):
+            # finalizers keep it (akri.sh/slots: slots still held): it is terminating, not
+            # gone; forgetting it would hide it until the watch caught up with our "delete"
+            self._instance_informer.apply_local(RawEvent("MODIFIED", answer))
+            return
         self._forget(key)
 
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------

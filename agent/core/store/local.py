@@ -27,6 +27,7 @@ import os
 import re
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,23 @@ def instance_path(instances_dir: Path, key: ObjectKey) -> Path:
 
 # ASCII digits only: str.isdigit() accepts "²" and "٣", which int() then rejects or reads
 _VERSION = re.compile(r"[0-9]{1,19}")
+
+
+def rfc3339_now() -> str:
+    """A ``deletionTimestamp`` as the API server writes it (UTC, whole seconds)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_finalizers(current: Instance, desired: Instance) -> None:
+    """The API server's rule for a terminating object: no new finalizer may be added."""
+    if current.deletion_timestamp is None:
+        return
+    added = sorted(set(desired.finalizers) - set(current.finalizers))
+    if added:
+        raise StoreError(
+            f"instance {current.key} is being deleted: no new finalizers can be added "
+            f"(found {added})"
+        )
 
 
 def is_version(text: str) -> bool:
@@ -328,7 +346,9 @@ class LocalInstanceStore(InstanceStore):
                 raise AlreadyExistsError(str(instance.key))
             path.parent.mkdir(exist_ok=True)
             stored = instance.evolve(
-                resource_version=self._next_version(), uid=instance.uid or str(uuid.uuid4())
+                resource_version=self._next_version(),
+                uid=instance.uid or str(uuid.uuid4()),
+                deletion_timestamp=None,  # set by the server only, as on the API server
             )
             atomic_write_json(path, stored.to_dict(), durable=self._durable)
         return stored
@@ -347,7 +367,9 @@ class LocalInstanceStore(InstanceStore):
                 f"{key}: resourceVersion {instance.resource_version} is stale "
                 f"(stored {current.resource_version})"
             )
-        self._apply_to_cache(key, stored)
+        # a terminating Instance whose last finalizer went is gone (the file was removed)
+        gone = stored.deletion_timestamp is not None and not stored.finalizers
+        self._apply_to_cache(key, None if gone else stored)
         return stored
 
     def _update_file(self, instance: Instance) -> tuple[Instance | None, Instance | None]:
@@ -360,8 +382,16 @@ class LocalInstanceStore(InstanceStore):
             current = load_instance_file(path, key.namespace)
             if current.resource_version != instance.resource_version:
                 return None, current
-            stored = instance.evolve(resource_version=self._next_version(), uid=current.uid)
-            atomic_write_json(path, stored.to_dict(), durable=self._durable)
+            check_finalizers(current, instance)
+            stored = instance.evolve(
+                resource_version=self._next_version(),
+                uid=current.uid,
+                deletion_timestamp=current.deletion_timestamp,  # the server's field
+            )
+            if stored.deletion_timestamp is not None and not stored.finalizers:
+                remove_file(path, durable=self._durable)  # as the API server: now it goes
+            else:
+                atomic_write_json(path, stored.to_dict(), durable=self._durable)
         return stored, None
 
     async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
@@ -374,7 +404,8 @@ class LocalInstanceStore(InstanceStore):
         if outcome == "stale":
             self._apply_to_cache(key, current)
             raise ConflictError(f"{key}: resourceVersion {resource_version} is stale")
-        self._apply_to_cache(key, None)
+        # "terminating": finalizers keep it, marked with a deletionTimestamp
+        self._apply_to_cache(key, current if outcome == "terminating" else None)
 
     def _delete_file(
         self, key: ObjectKey, resource_version: str | None
@@ -383,10 +414,18 @@ class LocalInstanceStore(InstanceStore):
             path = self._path(key)
             if not path.exists():
                 return "missing", None
-            if resource_version is not None:
-                current = load_instance_file(path, key.namespace)
-                if current.resource_version != resource_version:
-                    return "stale", current
+            current = load_instance_file(path, key.namespace)
+            if resource_version is not None and current.resource_version != resource_version:
+                return "stale", current
+            if current.finalizers:
+                # like the API server: an object with finalizers is only marked for deletion
+                # and stays until an update removes the last one
+                if current.deletion_timestamp is None:
+                    current = current.evolve(
+                        deletion_timestamp=rfc3339_now(), resource_version=self._next_version()
+                    )
+                    atomic_write_json(path, current.to_dict(), durable=self._durable)
+                return "terminating", current
             self._next_version()  # a delete is a change other processes must notice
             remove_file(path, durable=self._durable)
         return "deleted", None
