@@ -404,7 +404,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     import asyncio
     import os
 
-    from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, resolve
+    from agent.node.settings import (
+        AGENT_OPTIONS,
+        SYSTEM_PATHS,
+        AgentSettings,
+        SettingsError,
+        resolve,
+    )
 
     args = _parser().parse_args(arguments)
     if args.command == "version":
@@ -418,6 +424,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             values = resolve(args, AGENT_OPTIONS, os.environ)
             values.update(local=True, debug_echo=True)  # no cluster; every handler offered
+            if values["discovery_handlers_dir"] is None:
+                # a handler process joins the node's agent: the system directory, not a
+                # local agent's (give --discovery-handlers-dir for that)
+                values["discovery_handlers_dir"] = SYSTEM_PATHS["discovery_handlers_dir"]
             settings = AgentSettings.from_values(values)
         except SettingsError as error:
             print(f"akri handler: {error}", file=sys.stderr)

@@ -31,6 +31,31 @@ MIN_INTERVAL = 0.05  # seconds: a shorter poll or pass interval only burns CPU
 # 10248-10259 (kubelet, kube-proxy, control plane) nor 10000 (``akri handler --port``).
 CLUSTER_HEALTH_PORT = 10280
 
+# Sockets and directories shared with kubelet and external handlers: the system's in cluster
+# mode; in local mode under the state directory unless given, so a local agent needs no root,
+# reaches into no system path and never collides with another local agent (issue 23, item 10).
+SYSTEM_PATHS = {
+    "pod_resources_socket": Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+    "plugins_registry_dir": Path("/var/lib/kubelet/plugins_registry"),
+    "dra_plugin_dir": Path("/var/lib/kubelet/plugins/akri.sh"),
+    "cdi_dir": Path("/var/run/cdi"),
+    "discovery_handlers_dir": Path("/var/lib/akri"),
+}
+LOCAL_PATHS = {  # relative to --state-dir
+    "pod_resources_socket": Path("kubelet/pod-resources/kubelet.sock"),
+    "plugins_registry_dir": Path("kubelet/plugins_registry"),
+    "dra_plugin_dir": Path("kubelet/plugins/akri.sh"),
+    "cdi_dir": Path("cdi"),
+    # the state dir itself: unix socket paths are limited to 107 bytes, and handlers put
+    # their own sockets beside the registration socket
+    "discovery_handlers_dir": Path(),
+}
+
+
+def _where(name: str) -> str:
+    local = "STATE_DIR" if LOCAL_PATHS[name] == Path() else f"STATE_DIR/{LOCAL_PATHS[name]}"
+    return f"{SYSTEM_PATHS[name]} in cluster mode, {local} in local mode"
+
 
 class ValueProblem(argparse.ArgumentTypeError, ValueError):
     """A flag or variable value that is not allowed; the message says what is."""
@@ -207,8 +232,9 @@ AGENT_OPTIONS = (
         "--pod-resources-socket",
         "AKRI_POD_RESOURCES_SOCKET",
         Path,
-        Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
-        "kubelet pod-resources socket, used to free slots of containers that are gone",
+        None,
+        "kubelet pod-resources socket, used to free slots of containers that are gone "
+        f"(default: {_where('pod_resources_socket')})",
     ),
     Option(
         "--reclaim-interval",
@@ -235,22 +261,23 @@ AGENT_OPTIONS = (
         "--plugins-registry-dir",
         "AKRI_PLUGINS_REGISTRY_DIR",
         Path,
-        Path("/var/lib/kubelet/plugins_registry"),
-        "kubelet plugin watcher directory (DRA registration socket)",
+        None,
+        "kubelet plugin watcher directory (DRA registration socket; default: "
+        f"{_where('plugins_registry_dir')})",
     ),
     Option(
         "--dra-plugin-dir",
         "AKRI_DRA_PLUGIN_DIR",
         Path,
-        Path("/var/lib/kubelet/plugins/akri.sh"),
-        "DRA service socket and checkpoint directory",
+        None,
+        f"DRA service socket and checkpoint directory (default: {_where('dra_plugin_dir')})",
     ),
     Option(
         "--cdi-dir",
         "AKRI_CDI_DIR",
         Path,
-        Path("/var/run/cdi"),
-        "where CDI spec files for prepared claims are written",
+        None,
+        f"where CDI spec files for prepared claims are written (default: {_where('cdi_dir')})",
     ),
     Option(
         "--udev-monitor-source",
@@ -264,9 +291,11 @@ AGENT_OPTIONS = (
         "--discovery-handlers-dir",
         "AKRI_DISCOVERY_HANDLERS_DIR",
         Path,
-        Path("/var/lib/akri"),
+        None,
         "directory of the external handlers' registration socket (agent-registration.sock) "
-        "and their sockets (Akri's $DISCOVERY_HANDLERS_DIRECTORY)",
+        "and their sockets (Akri's $DISCOVERY_HANDLERS_DIRECTORY; default: "
+        f"{_where('discovery_handlers_dir')}; akri handler: "
+        f"{SYSTEM_PATHS['discovery_handlers_dir']})",
         fallbacks=("DISCOVERY_HANDLERS_DIRECTORY",),
     ),
     Option(
@@ -429,6 +458,9 @@ class AgentSettings:
             raise SettingsError("--dra needs the Kubernetes API (ResourceClaims): not in --local")
         if data["device_plugin_dir"] is None and not data["local"]:
             data["device_plugin_dir"] = Path("/var/lib/kubelet/device-plugins/")
+        for name, system in SYSTEM_PATHS.items():
+            if data.get(name) is None:
+                data[name] = data["state_dir"] / LOCAL_PATHS[name] if data["local"] else system
         if data["health_port"] is None:
             data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
         if data["log_format"] not in ("text", "json"):
