@@ -201,12 +201,14 @@ class Agent:
             return
         checkpoint = Checkpoint(self.settings.dra_plugin_dir / "checkpoint.json")
         checkpoint.load()
+        cdi = CdiWriter(self.settings.cdi_dir)
+        cdi.remove_strays()  # before any prepare: what is there is a killed run's
         state = DraState(
             self.ledger,
             self.served.all,
             self.discovery.device_for,
             self.store.read_resource_claim,
-            CdiWriter(self.settings.cdi_dir),
+            cdi,
             checkpoint,
         )
         self.dra_state = state

@@ -47,6 +47,7 @@ from agent.node.deviceplugin.endpoint import PluginEndpoint
 from agent.node.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
 from agent.node.deviceplugin.registration import KUBELET_SOCKET, KubeletRegistrar
 from agent.node.deviceplugin.service import DevicePluginService
+from agent.node.deviceplugin.strays import remove_stale_sockets
 from agent.node.deviceplugin.views import (
     RESOURCE_PREFIX,
     configuration_resource,
@@ -124,6 +125,8 @@ class DevicePluginManager:
 
     async def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        # before any plugin of ours serves: what is left of ours is a killed run's
+        await asyncio.to_thread(remove_stale_sockets, self.directory)
         self._kubelet_id = self._kubelet_socket_id()
         self._directory_id = self._directory_state()
         events = self.served.store.subscribe_instances()

@@ -13,14 +13,16 @@ device names starting with a digit (claim uids do).
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.core.store.base import StorageError
-from agent.core.store.files import atomic_write_json, remove_file
+from agent.core.store.files import TMP_PREFIX, atomic_write_json, remove_file
 from agent.node.deviceplugin.container_env import ContainerEdits
 
 CDI_VERSION = "0.5.0"
@@ -28,6 +30,10 @@ VENDOR = "k8s.akri.sh"
 CLASS = "device"
 KIND = f"{VENDOR}/{CLASS}"
 _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+# the temp files of our atomic writes: ``.tmp-k8s.akri.sh-device_<uid>.json.<pid>.<n>``
+_OWN_TEMP = f"{TMP_PREFIX}{VENDOR}-{CLASS}_"
+
+log = logging.getLogger(__name__)
 
 
 def safe_token(text: str) -> str:
@@ -110,6 +116,35 @@ class CdiWriter:
         path = self.path_for(claim_uid)
         atomic_write_json(path, spec_for(devices))
         return path
+
+    def remove_strays(self, started: float | None = None) -> list[str]:
+        """Remove the temp files a killed write of ours left (``.tmp-k8s.akri.sh-device_*``)
+        and that are older than ``started`` (wall clock, default: now): the CDI directory is
+        shared with other vendors' files, never touched, and a write still in flight (another
+        agent process) is younger. Returns the names removed; an unreadable directory is left
+        for the writes to report."""
+        cutoff = time.time() if started is None else started
+        removed: list[str] = []
+        try:
+            candidates = sorted(self.directory.glob(f"{_OWN_TEMP}*"))
+        except OSError:
+            return removed
+        for path in candidates:
+            try:
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+                path.unlink()
+            except OSError:
+                continue
+            removed.append(path.name)
+        if removed:
+            log.info(
+                "removed %d temp file(s) a killed write left in %s: %s",
+                len(removed),
+                self.directory,
+                ", ".join(removed),
+            )
+        return removed
 
     def remove(self, claim_uid: str) -> None:
         """Remove the claim's spec (none is fine); raises :class:`StorageError` when it
