@@ -43,7 +43,7 @@ from agent.core.aio.events import Subscription
 from agent.core.model.device_usage import ClaimUsage, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import InstanceEvent, StorageError, StoreError
+from agent.core.store.base import InstanceEvent, NotFoundError, StorageError, StoreError
 from agent.node.deviceplugin.held_slots import HeldIndex, HeldSlot, follow_until_held, held_in
 from agent.node.dra.checkpoint import Checkpoint
 from agent.node.dra.slices import DRIVER, device_name
@@ -205,6 +205,9 @@ class DraReclaimer:
         self.passes += 1
         freed: list[HeldSlot] = []
         async with self.state.lock():
+            # again under the lock: an unprepare that held it meanwhile freed slots whose
+            # events are only queued now (a stale index took them for unknown claims)
+            await self._refresh_index()
             checkpoint = self.state.checkpoint
             claims: dict[str, Mapping[str, Any] | None] = {}
             now = self._clock()
@@ -226,7 +229,8 @@ class DraReclaimer:
                         continue
                 state = classify(slot, checkpoint, claims.get(uid), self._pool_of)
                 if state is ClaimSlotState.UNTRACEABLE:
-                    self._report_untraceable(slot)
+                    if await self._still_held(slot):
+                        self._report_untraceable(slot)
                     continue
                 if state is not ClaimSlotState.STALE:
                     continue
@@ -276,6 +280,21 @@ class DraReclaimer:
         except StorageError as error:
             # harmless: a "preparing" entry whose claim is gone frees nothing more later
             log.warning("could not drop finished claims from the DRA checkpoint: %s", error)
+
+    async def _still_held(self, slot: HeldSlot) -> bool:
+        """Whether ``slot`` still holds its value on the freshest version there is — the
+        cache (this node's own writes are in it at once), then the store itself — before an
+        error says nobody knows its claim: a slot already free is no news."""
+        cached = self._lookup(slot.instance)
+        if cached is None or cached.device_usage.get(slot.slot) != slot.value:
+            return False
+        try:
+            fresh = await self.ledger.store.get(slot.instance)
+        except NotFoundError:
+            return False
+        except StoreError:
+            return True  # cannot tell: the cache says held
+        return fresh.device_usage.get(slot.slot) == slot.value
 
     def _report_untraceable(self, slot: HeldSlot) -> None:
         key = (slot.instance, slot.slot, slot.value)

@@ -281,3 +281,47 @@ async def test_no_pass_and_no_timer_while_this_node_holds_no_claim_slot(tmp_path
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await store.close()
+
+
+async def test_a_slot_unprepared_while_a_pass_waited_is_no_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30 (6): a pass that built its slot index, then waited for the DRA state's lock
+    while an unprepare freed the slot and forgot the claim, took the freed slot for one of a
+    claim the checkpoint does not know, and logged an ERROR telling the operator to hand-edit
+    ``deviceUsage``. The index is brought up to date under the lock and the slot re-checked."""
+    store = LocalInstanceStore(tmp_path / "state")
+    await store.start()
+    await store.create(
+        Instance("cam-8120fe", "cam", 2, nodes=("node-a",), device_usage={"cam-8120fe-0": ""})
+    )
+    ledger = SlotLedger(store, "node-a")
+    owner = Owner.claim("u1", "node-a")
+    await ledger.claim(KEY, "cam-8120fe-0", owner)
+    book = checkpoint(tmp_path)
+    device = PreparedDevice(("r",), "cam-8120fe", "cam-8120fe-0", "cam-8120fe", "cam-8120fe-0", ())
+    book.record_prepared(PreparedClaim("u1", "default", "c", (device,)))
+    lock = asyncio.Lock()
+    state = SimpleNamespace(ledger=ledger, node="node-a", checkpoint=book, lock=lambda: lock)
+
+    async def no_claims(_namespace: str, _name: str) -> None:
+        return None
+
+    reclaimer = DraReclaimer(
+        state,  # type: ignore[arg-type]
+        store.subscribe_instances,
+        no_claims,
+        store.get_cached,
+        grace=0.0,
+    )
+    assert await reclaimer.reclaim_once() == []  # prepared: kept; the index has the slot
+    with caplog.at_level(logging.ERROR):
+        async with lock:  # an unprepare in progress
+            waiting = asyncio.create_task(reclaimer.reclaim_once())
+            await asyncio.sleep(0.05)  # the pass refreshed its index and waits for the lock
+            assert not waiting.done()
+            await ledger.release(KEY, "cam-8120fe-0", owner)
+            book.forget(["u1"])
+        assert await waiting == []
+    assert [r for r in caplog.records if "does not know" in r.getMessage()] == []
+    await store.close()
