@@ -81,7 +81,26 @@ class NodeCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         yield from self._instances()
         yield self._handler_states()
+        yield from self._budget()
         yield from self._node_counters()
+
+    def _budget(self) -> Iterator[Metric]:
+        budget = self.agent.discovery.budget
+        limit = GaugeMetricFamily(
+            "akri_instance_budget",
+            "The most devices that become Instances on this node (--max-instances; 0: no limit)",
+        )
+        limit.add_metric([], budget.limit or 0)
+        over = GaugeMetricFamily(
+            "akri_instances_over_budget",
+            "Devices discovered on this node but left out because the Instance budget is full, "
+            "by Configuration",
+            labels=["configuration"],
+        )
+        for key, left_out in sorted(budget.left_out.items()):
+            over.add_metric([str(key)], left_out)
+        yield limit
+        yield over
 
     def _instances(self) -> Iterator[Metric]:
         agent = self.agent

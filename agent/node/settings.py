@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.node.discovery.budget import DEFAULT_MAX_INSTANCES
+
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
 
@@ -134,6 +136,16 @@ def _port(text: str) -> int:
 
 def _paths(text: str) -> list[Path]:
     return [Path(part) for part in text.split(os.pathsep) if part]
+
+
+def _instance_limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueProblem(f"must be a whole number of instances, got {text[:40]!r}") from None
+    if value < 0:
+        raise ValueProblem(f"must be ≥ 0 (0: no limit), got {value}")
+    return value
 
 
 AGENT_OPTIONS = (
@@ -356,6 +368,16 @@ AGENT_OPTIONS = (
         1.0,
         "local mode: how often Configuration files and the state dir are re-checked",
     ),
+    Option(
+        "--max-instances",
+        "AKRI_MAX_INSTANCES",
+        _instance_limit,
+        DEFAULT_MAX_INSTANCES,
+        "the most devices that become Instances on this node, over all Configurations "
+        "(Configurations by namespace and name, devices by id; the rest are left out with an "
+        f"Event OverBudget); 0: no limit. Default {DEFAULT_MAX_INSTANCES}: fits the "
+        "DaemonSet's 384Mi memory limit with a third to spare (docs/performance.md)",
+    ),
 )
 
 
@@ -441,6 +463,7 @@ class AgentSettings:
     discovery_handler_first_list_timeout: float = 30.0
     health_port: int | None = 0
     health_address: str = "0.0.0.0"
+    max_instances: int | None = DEFAULT_MAX_INSTANCES
     log_format: str = "text"
 
     @classmethod
@@ -463,6 +486,8 @@ class AgentSettings:
                 data[name] = data["state_dir"] / LOCAL_PATHS[name] if data["local"] else system
         if data["health_port"] is None:
             data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
+        if not data.get("max_instances"):
+            data["max_instances"] = None  # 0: no limit
         if data["log_format"] not in ("text", "json"):
             raise SettingsError(f"--log-format: expected text or json, got {data['log_format']!r}")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

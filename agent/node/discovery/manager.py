@@ -33,6 +33,7 @@ from agent.core.ledger.ledger import SlotLedger
 from agent.core.model.configuration import Configuration
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent, InstanceStore
+from agent.node.discovery.budget import InstanceBudget
 from agent.node.discovery.ownership import Ownership
 from agent.node.discovery.plan import grace_for
 from agent.node.discovery.retirement import Retirement
@@ -64,8 +65,11 @@ class DiscoveryManager:
         *,
         ledger: SlotLedger | None = None,
         ownership: Ownership | None = None,
+        max_instances: int | None = None,
     ) -> None:
         self.store = store
+        # at most this many devices become Instances on this node (None: no limit)
+        self.budget = InstanceBudget(max_instances, self._over_budget)
         self.handlers = handlers
         self.node = node
         self.grace = grace
@@ -409,9 +413,31 @@ class DiscoveryManager:
             self._grace_for,
             on_offline_change=self._offline_changed,
             ledger=self.ledger,
+            budget=self.budget,
         )
         self.runners[key] = runner
         runner.start()
+
+    def _over_budget(self, key: ObjectKey, left_out: int, reported: int, limit: int) -> None:
+        """Record on the Configuration that devices of it are left out (or none any more)."""
+        runner = self.runners.get(key)
+        if runner is None:
+            return
+        configuration = runner.configuration
+        if left_out:
+            message = (
+                f"{left_out} of its {reported} devices are not served on {self.node}: the node "
+                f"serves at most {limit} instances (--max-instances / AKRI_MAX_INSTANCES); "
+                "Configurations are served in order of namespace and name, devices in order "
+                "of id"
+            )
+            work = self.store.record_configuration_event(configuration, "OverBudget", message)
+        else:
+            message = f"all {reported} devices are served on {self.node} again"
+            work = self.store.record_configuration_event(
+                configuration, "WithinBudget", message, warning=False
+            )
+        self._spawn(work)
 
     async def _refuse(self, configuration: Configuration) -> None:
         """Refuse a Configuration whose name another namespace owns; stop its runner if it

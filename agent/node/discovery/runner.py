@@ -31,6 +31,7 @@ from agent.core.store.base import (
     NotFoundError,
     StoreError,
 )
+from agent.node.discovery.budget import InstanceBudget
 from agent.node.discovery.handler_feed import HandlerFeed
 from agent.node.discovery.plan import (
     DesiredInstance,
@@ -81,8 +82,14 @@ class ConfigurationRunner:
         clock: Callable[[], float] = time.monotonic,
         on_offline_change: Callable[[], None] = lambda: None,
         ledger: SlotLedger | None = None,
+        budget: InstanceBudget | None = None,
     ) -> None:
         self._on_offline_change = on_offline_change
+        # the node's Instance budget (agent/node/discovery/budget.py): devices beyond it are
+        # planned as if not reported
+        self._budget = budget
+        if budget is not None:
+            budget.register(configuration.key, self.wake)
         self.configuration = configuration
         self.store = store
         self.node = node
@@ -139,6 +146,8 @@ class ConfigurationRunner:
         """Stop discovery. The Instances stay as they are (a retirement or a new runner takes
         them over)."""
         self._feed.stop_watching()
+        if self._budget is not None:
+            self._budget.forget(self.key)
         tasks = (self._feed.task, self._reconcile_task)
         for task in tasks:
             if task is not None:
@@ -210,6 +219,14 @@ class ConfigurationRunner:
                 backoff = min(backoff * 2, MAX_RECONCILE_BACKOFF)
                 self.wake()
 
+    def _admitted_devices(self) -> list[Device]:
+        """The latest device list within the node's Instance budget (the budget records it:
+        a list that moves the cut wakes the other Configurations' runners)."""
+        devices = self._feed.devices or []
+        if self._budget is None:
+            return devices
+        return self._budget.filter(self.key, devices)
+
     def current_plan(self) -> DiscoveryPlan:
         """The plan for the latest device list against the cache (pure)."""
         shared = self.handler.shared
@@ -217,7 +234,7 @@ class ConfigurationRunner:
             self.configuration,
             self.node,
             shared,
-            self._feed.devices or [],
+            self._admitted_devices(),
             NamespaceInstances(self.store, self.configuration.namespace),
             self._missing_since,
             self._clock(),
