@@ -30,6 +30,12 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` and ``test
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.contention import ContentionPlan, run_contention
+from benchmarks.controller import (
+    ControllerPlan,
+    broker_pod_created,
+    controller_scale,
+    dead_node_slots_freed,
+)
 from benchmarks.external_handler import measure_external_handler
 from benchmarks.harness import (
     LOOP_LAGS,
@@ -68,6 +74,7 @@ PLANS: dict[str, dict[str, Any]] = {
             measure_shutdown=False,
         ),
         "contention": ContentionPlan(),
+        "controller": ControllerPlan(samples=30, dead_node_samples=2, instances=100, nodes=10),
         "local": LocalPlan(
             startups=5,
             idle_seconds=20,
@@ -88,13 +95,14 @@ PLANS: dict[str, dict[str, Any]] = {
         ),
         "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
         "contention": ContentionPlan(),
+        "controller": ControllerPlan(),
         "local": LocalPlan(startups=10, idle_seconds=60),
     },
 }
 # the side-by-side section (benchmarks/peer.py): only with --peer-bin
 PEER_PLANS = {"quick": PeerPlan(rounds=3, idle_seconds=10), "full": PeerPlan(rounds=5)}
 UDEV_SAMPLES = {"quick": 5, "full": 20}
-SECTIONS = ("latency", "scale", "contention", "udev", "local", "peer")
+SECTIONS = ("latency", "scale", "contention", "controller", "udev", "local", "peer")
 LATENCY_KEYS = (
     "discovery_to_kubelet_ms",
     "discovery_online_flip_ms",
@@ -261,6 +269,28 @@ async def contention_section(
         api.stop()
 
 
+async def controller_section(results: dict[str, Any], plan: ControllerPlan) -> None:
+    """``akri controller`` (benchmarks/controller.py), each figure on a fresh API double."""
+    import tempfile
+
+    section = results.setdefault("controller", {})
+    for key, run, within in (
+        ("broker_pod_created_ms", broker_pod_created, 120 + plan.samples * 2),
+        ("dead_node_slots_freed_s", dead_node_slots_freed,
+         60 + plan.dead_node_samples * (plan.node_grace + 30)),
+        ("controller_scale", controller_scale, 1900),
+    ):  # fmt: skip
+        api = ApiServer()
+        api.start()
+        try:
+            with tempfile.TemporaryDirectory(prefix="akri-bench-controller-") as base:
+                await measure(
+                    section, key, lambda r=run, a=api, b=base: r(a, plan, Path(b)), within
+                )
+        finally:
+            api.stop()
+
+
 async def udev_section(results: dict[str, Any], samples: int) -> None:
     """``benchmarks/udev_hotplug.py`` as a subprocess (it needs root and re-executes itself
     under ``umockdev-wrapper``); its figures are merged in, or ``{"skipped": reason}``."""
@@ -386,6 +416,13 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
         "idle_cpu_below_1_percent": below(get("scale", "idle_cpu_percent"), 1),
         "idle_api_requests_zero": below(get("scale", "api_requests_idle"), 1),
         "zero_double_allocations": below(get("contention", "double_allocations"), 1),
+        # issue 25: the controller
+        "broker_pod_created_p99_below_500ms": below(
+            get("controller", "broker_pod_created_ms", "p99"), 500
+        ),
+        "dead_node_slots_freed_within_grace_plus_5s": below(
+            get("controller", "dead_node_slots_freed_s", "over_grace_max_s"), 5
+        ),
         "zero_leaked_slots": below(get("contention", "final_leaked_slots"), 1),
         "startup_first_list_below_150ms": below(get("startup_first_list_ms", "p50"), 150),
         "idle_cpu_small_below_0_1_percent": below(get("idle_cpu_percent_small"), 0.1),
@@ -450,6 +487,8 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         mark = len(LOOP_LAGS)
         await contention_section(results, plans["contention"], options, rng)
         record_lag("contention", mark)
+    if "controller" in args.only:
+        await controller_section(results, plans["controller"])
     if "udev" in args.only:
         await udev_section(results, UDEV_SAMPLES[mode])
     if "local" in args.only:

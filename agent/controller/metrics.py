@@ -91,6 +91,8 @@ class ControllerCollector(Collector):
              "Broker/Service writes the API server refused (other than 404/409)"),
             ("akri_controller_leader_changes_total", self.elector.transitions,
              "Times this replica started or stopped leading"),
+            ("akri_controller_reconcile_passes_total", stats.passes,
+             "Reconcile passes run while leading"),
         ):  # fmt: skip
             family = CounterMetricFamily(name, what)
             family.add_metric([], counter)

@@ -10,9 +10,24 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from agent.core.kube import KubeClient
-from agent.core.store.informer import Informer, Obj, RawEvent, watch_events
+from agent.core.store.informer import Informer, Obj, RawEvent, watch_events, whole
 
 WATCH_TIMEOUT_SECONDS = 290
+_BROKER_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels",
+                    "creationTimestamp", "deletionTimestamp")  # fmt: skip
+_BROKER_STATUS = ("phase", "active", "succeeded")
+
+
+def broker_summary(obj: Obj) -> Obj:
+    """What the decisions read of a broker Pod or Job (``reconcile.observed``): the cache of
+    10,000 broker Pods holds this, not their specs."""
+    meta = obj.get("metadata") or {}
+    status = obj.get("status") or {}
+    return {
+        "kind": obj.get("kind"),
+        "metadata": {key: meta[key] for key in _BROKER_METADATA if key in meta},
+        "status": {key: status[key] for key in _BROKER_STATUS if key in status},
+    }
 
 
 class Watched:
@@ -27,13 +42,14 @@ class Watched:
         *,
         label_selector: str | None = None,
         request_timeout: float = 30.0,
+        keep: Callable[[Obj], Obj] = whole,
     ) -> None:
         self.client = client
         self.path = path
         self.label_selector = label_selector
         self.request_timeout = request_timeout
         self._on_event = on_event
-        self.informer = Informer(name, self._list, self._watch, on_event)
+        self.informer = Informer(name, self._list, self._watch, on_event, keep=keep)
         self._task: asyncio.Task[None] | None = None
 
     @property

@@ -396,6 +396,19 @@ def test_the_controller_runs_as_the_issue_asks() -> None:
 
 
 @needs_kubectl
+def test_the_controller_s_memory_comes_from_its_benchmark() -> None:
+    import json
+
+    results = json.loads((ROOT / "benchmarks" / "results-controller.json").read_text())
+    scale = results["controller"]["controller_scale"]
+    assert (scale["instances"], scale["nodes"]) == (1000, 10)
+    (only,) = controller_deployment(render("deploy"))["spec"]["template"]["spec"]["containers"]
+    request = mebibytes(only["resources"]["requests"]["memory"])
+    limit = mebibytes(only["resources"]["limits"]["memory"])
+    assert scale["rss_peak_mb"] <= request and limit >= 2 * scale["rss_peak_mb"]
+
+
+@needs_kubectl
 def test_the_controller_s_rbac_is_its_own_and_least_privilege() -> None:
     objects = render("deploy")
     roles = {
