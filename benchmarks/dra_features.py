@@ -11,6 +11,8 @@ from one monotonic clock. Prints one JSON object and writes it to ``--out``.
   reported a list without it; the discovery manager's offline listener fires) → the kubelet
   double has received the ``UNHEALTHY`` ``NodeWatchResources`` message for it. The device is
   brought back between samples (and its ``HEALTHY`` message awaited).
+* ``dra_slices_capacity_1000``: slices, devices, bytes and first-publish time of one Instance
+  with 1,000 slots, one device per slot vs one consumable-capacity device.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from tests.harness.k8s_nodes import CRDS, debug_echo_configuration
 
 DRIVER = "akri.sh"
 NODE = "bench-a"
+SLICES = "resourceslices.resource.k8s.io"
 
 
 async def _wait(predicate: Callable[[], bool], within: float, what: str) -> None:
@@ -99,7 +102,72 @@ async def measure_health(samples: int) -> dict[str, Any]:
     }
 
 
-MEASUREMENTS = {"dra_health_update_ms": measure_health}
+async def measure_slices(samples: int) -> dict[str, Any]:
+    """``dra_slices_capacity_1000``: one local Instance with 1,000 slots published by the
+    real SlicePublisher over HTTP to the API-server double, one device per slot vs one
+    consumable-capacity device: slices, devices, JSON bytes stored, and the time of the first
+    sync (every slice created)."""
+    from agent.core.kube import make_kube_client
+    from agent.core.model.instance import Instance
+    from agent.node.dra.publisher import SlicePublisher
+    from agent.node.dra.slices import DeviceOptions
+
+    figures: dict[str, Any] = {}
+    async with ApiServerDouble(crds=CRDS) as api:
+        with tempfile.TemporaryDirectory() as tmp:
+            client = make_kube_client(str(api.write_kubeconfig(Path(tmp) / "kubeconfig")))
+            try:
+                for mode, options in (
+                    ("per_slot", DeviceOptions()),
+                    ("consumable", DeviceOptions(consumable=True)),
+                ):
+                    times: list[float] = []
+                    shape: dict[str, Any] = {}
+                    for i in range(samples):
+                        node = f"bench-{mode.replace('_', '-')}-{i}"
+                        instance = Instance(
+                            name="cam-123456",
+                            configuration_name="cam",
+                            capacity=1000,
+                            shared=False,
+                            nodes=(node,),
+                            device_usage={f"cam-123456-{j}": "" for j in range(1000)},
+                            broker_properties={"MODEL": "X-100", "FPS": "30"},
+                            resource_version="1",
+                        )
+                        publisher = SlicePublisher(
+                            client,
+                            node,
+                            lambda instance=instance: [instance],  # type: ignore[misc]
+                            lambda: (),
+                            options_of=lambda _i, options=options: options,  # type: ignore[misc]
+                        )
+                        start = time.monotonic()
+                        await publisher.sync()
+                        times.append((time.monotonic() - start) * 1000)
+                        stored = [s for s in api.list(SLICES) if s["spec"]["pool"]["name"] == node]
+                        shape = {
+                            "slices": len(stored),
+                            "devices": sum(len(s["spec"].get("devices") or []) for s in stored),
+                            "json_bytes": sum(
+                                len(json.dumps(s["spec"], separators=(",", ":"))) for s in stored
+                            ),
+                        }
+                    figures[mode] = {**shape, "publish_ms": summarize(times, 1)}
+            finally:
+                await client.close()
+    figures["method"] = (
+        "one local Instance, capacity 1,000, two properties; SlicePublisher.sync() from an "
+        "empty pool through the Kubernetes client over HTTP to the API-server double "
+        "(validation on); json_bytes = the stored specs, compact JSON"
+    )
+    return figures
+
+
+MEASUREMENTS = {
+    "dra_health_update_ms": measure_health,
+    "dra_slices_capacity_1000": measure_slices,
+}
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:

@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from agent.core.aio.events import Subscription
 from agent.core.ledger.ledger import SlotLedger
-from agent.core.store.base import InstanceEvent
+from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent
 from agent.node.activity_log import log_instance_changes
-from agent.node.discovery.budget import ensure_fd_limit
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
@@ -26,6 +25,7 @@ if TYPE_CHECKING:
     from agent.node.deviceplugin.reclaimer import SlotReclaimer
     from agent.node.dra.driver import DraDriver
     from agent.node.dra.health import HealthReporter
+    from agent.node.dra.options import DraOptions
     from agent.node.dra.publisher import SlicePublisher
     from agent.node.dra.reclaim import DraReclaimer
     from agent.node.dra.state import DraState
@@ -141,7 +141,6 @@ class Agent:
             GraceSettings(settings.local_offline_grace, settings.shared_offline_grace),
             ledger=self.ledger,
             ownership=self.ownership,
-            max_instances=settings.max_instances,
         )
         self._activity: asyncio.Task[None] | None = None
         self._finalizers: asyncio.Task[None] | None = None
@@ -151,10 +150,12 @@ class Agent:
         self.dra: DraDriver | None = None
         self.dra_state: DraState | None = None
         self.dra_health: HealthReporter | None = None
+        self.dra_options: DraOptions | None = None
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
         self._slice_events: asyncio.Task[None] | None = None
+        self._dra_options_task: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
         self.loop_monitor = LoopMonitor()
         self._loop_monitor_task: asyncio.Task[None] | None = None
@@ -195,6 +196,7 @@ class Agent:
         from agent.node.dra.claim_status import ClaimStatusWriter
         from agent.node.dra.driver import DraDriver
         from agent.node.dra.health import HealthReporter
+        from agent.node.dra.options import DraOptions
         from agent.node.dra.publisher import SlicePublisher
         from agent.node.dra.reclaim import DraReclaimer
         from agent.node.dra.state import DraState
@@ -242,19 +244,24 @@ class Agent:
         )
         self.dra_reclaimer = dra_reclaimer
         self.ownership.add_listener(lambda _names: dra_reclaimer.resync())
+        # each Configuration's DRA opt-ins (consumable capacity, eviction), known before the
+        # first publish so that slices do not change shape right after the start
+        options = DraOptions()
+        for configuration in self.store.configurations():
+            options.apply(ConfigurationEvent(EventType.ADDED, configuration.key, configuration))
+        self.dra_options = options
         self.publisher = SlicePublisher(
             self.store.api_client,
             self.settings.node_name,
             self.served.all,
             self.discovery.offline_instances,
+            options_of=options.of,
         )
         self.discovery.add_offline_listener(self.publisher.trigger)
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
         self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
-        # before the first plugin: every served Instance holds two descriptors
-        ensure_fd_limit(self.settings.max_instances)
         if self.settings.health_port:
             # first: /healthz must answer while the store waits for the API and the CRDs (up
             # to 300 s), or the liveness probe restarts a starting agent; /readyz says
@@ -287,6 +294,13 @@ class Agent:
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
+            if self.dra_options is not None:
+                self._dra_options_task = asyncio.create_task(
+                    self.dra_options.follow(
+                        self.store.subscribe_configurations(), self._wake_publisher
+                    ),
+                    name="dra-options",
+                )
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
@@ -422,10 +436,11 @@ class Agent:
             self._gc_freeze.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_freeze
-        if self._slice_events is not None:
-            self._slice_events.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._slice_events
+        for events in (self._slice_events, self._dra_options_task):
+            if events is not None:
+                events.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await events
         if self.publisher is not None:
             await self.publisher.close()
         if self._dra_reclaim_task is not None:

@@ -23,10 +23,19 @@ An already allocated claim is only reserved for the additional pod (shared claim
 :func:`release_claim` is the resource-claim controller's counterpart: it removes a pod from
 ``reservedFor`` and deallocates the claim when nobody is left.
 
+**Taints and tolerations** (KEP-5055): a device with a ``NoSchedule``/``NoExecute`` taint is
+skipped unless the request's ``exactly.tolerations`` (or ``tolerations=``) tolerate it
+(:func:`tolerates`); the tolerations are copied into the result. **Consumable capacity**
+(KEP-5075): a device with ``allowMultipleAllocations`` may be allocated again while its
+capacity lasts: each allocation consumes the request's ``exactly.capacity.requests`` (else the
+``requestPolicy`` default, rounded up to ``validRange.step``; all of it without a policy),
+recorded as ``results[].consumedCapacity`` with a fresh ``shareID``; the sum over all claims
+stays within ``capacity.<name>.value``.
+
 Not emulated: CEL (DeviceClass and request selectors are Python callables here, see
 :func:`cel_like`), ``allocationMode: All``, ``firstAvailable``, constraints, opaque config,
-tolerations, admin access, consumed capacity and shared counters (``consumesCounters`` is
-ignored), and binding conditions.
+admin access, shared counters (``consumesCounters`` is ignored), ``distinctAttribute``, and
+binding conditions.
 """
 
 from __future__ import annotations
@@ -277,8 +286,86 @@ def allocated_devices(
     return taken
 
 
-def _tainted(device: Mapping[str, Any]) -> bool:
-    return any(t.get("effect") in ("NoSchedule", "NoExecute") for t in device.get("taints") or [])
+def tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """``DeviceToleration.ToleratesTaint`` (k8s.io/dynamic-resource-allocation): an empty key
+    with ``Exists`` tolerates every taint; ``Equal`` (the default) needs the same value; an
+    empty effect matches every effect."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != taint.get("effect"):
+        return False
+    key = toleration.get("key") or ""
+    if key and key != taint.get("key"):
+        return False
+    operator = toleration.get("operator") or "Equal"
+    if operator == "Exists":
+        return True
+    return bool(key) and (toleration.get("value") or "") == (taint.get("value") or "")
+
+
+def _tainted(device: Mapping[str, Any], tolerations: Iterable[Mapping[str, Any]] = ()) -> bool:
+    """Whether a ``NoSchedule``/``NoExecute`` taint of the device is not tolerated (``None``
+    taints never block)."""
+    tolerations = list(tolerations)
+    return any(
+        t.get("effect") in ("NoSchedule", "NoExecute")
+        and not any(tolerates(tol, t) for tol in tolerations)
+        for t in device.get("taints") or []
+    )
+
+
+def _quantity(value: Any) -> int:
+    """A whole-number Quantity (``"3"``); what the consumable-capacity tests use."""
+    return int(str(value))
+
+
+def consumed_capacity(api: ApiServerDouble, driver: str, pool: str, device: str) -> dict[str, int]:
+    """Capacity of a multi-allocatable device consumed by all claims' allocations
+    (``results[].consumedCapacity``)."""
+    used: dict[str, int] = {}
+    for claim in api.list(RESOURCE_CLAIMS):
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            if (result.get("driver"), result.get("pool"), result.get("device")) != (
+                driver,
+                pool,
+                device,
+            ):
+                continue
+            for name, value in (result.get("consumedCapacity") or {}).items():
+                used[name] = used.get(name, 0) + _quantity(value)
+    return used
+
+
+def request_consumption(device: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, int]:
+    """What one allocation of a multi-allocatable device consumes (KEP-5075): per capacity,
+    the request's ``capacity.requests`` entry, else the policy's ``default``, else all of it
+    (no ``requestPolicy``); raises :class:`AllocationError` for a value outside the policy."""
+    asked = ((request.get("capacity") or {}).get("requests")) or {}
+    consumption: dict[str, int] = {}
+    for name, capacity in (device.get("capacity") or {}).items():
+        policy = capacity.get("requestPolicy")
+        total = _quantity(capacity.get("value"))
+        if policy is None:
+            consumption[name] = total
+            continue
+        value = _quantity(asked[name]) if name in asked else _quantity(policy.get("default"))
+        valid = policy.get("validRange")
+        if valid is not None:
+            low, step = _quantity(valid.get("min")), _quantity(valid.get("step") or 1)
+            high = _quantity(valid["max"]) if valid.get("max") is not None else total
+            if value < low:
+                value = low
+            if (value - low) % step:
+                value += step - (value - low) % step  # rounded up to the next step
+            if value > high:
+                raise AllocationError(f"capacity {name}: {value} is above the policy's {high}")
+        elif policy.get("validValues"):
+            fits = sorted(_quantity(v) for v in policy["validValues"] if _quantity(v) >= value)
+            if not fits:
+                raise AllocationError(f"capacity {name}: no valid value holds {value}")
+            value = fits[0]
+        consumption[name] = value
+    return consumption
 
 
 def _node_labels(
@@ -334,6 +421,7 @@ def allocate_claim(
     node_labels: Mapping[str, str] | None = None,
     pod_name: str | None = None,
     pod_uid: str | None = None,
+    tolerations: Iterable[Mapping[str, Any]] | None = None,
 ) -> JSON:
     """Allocate ``count`` devices (default: the request's ``exactly.count``, else 1) of
     ``driver`` on ``node_name`` to the claim and reserve it for the pod; returns the claim.
@@ -366,6 +454,12 @@ def allocate_claim(
         count = int(((spec_request or {}).get("exactly") or {}).get("count") or 1)
     if count < 1:
         raise AllocationError(f"count must be at least 1, got {count}")
+    exactly = (spec_request or {}).get("exactly") or {}
+    if tolerations is None:
+        tolerations = exactly.get("tolerations") or []
+    tolerations = list(tolerations)
+    consumption: dict[tuple[str, str], dict[str, int]] = {}
+    over_capacity = 0
 
     taken = allocated_devices(api)
     picked: list[tuple[PoolView, JSON, JSON, str]] = []  # (pool, slice, device, placement)
@@ -409,9 +503,21 @@ def allocate_claim(
                 continue
             if any(p[0].name == pool.name and p[2].get("name") == key[2] for p in picked):
                 continue
-            if _tainted(device):
+            if _tainted(device, tolerations):
                 tainted += 1
                 continue
+            if device.get("allowMultipleAllocations") and device.get("capacity"):
+                try:
+                    wanted = request_consumption(device, exactly)
+                except AllocationError:
+                    over_capacity += 1
+                    continue
+                used = consumed_capacity(api, driver, pool.name, key[2])
+                totals = {n: _quantity(c.get("value")) for n, c in device["capacity"].items()}
+                if any(used.get(n, 0) + v > totals[n] for n, v in wanted.items()):
+                    over_capacity += 1
+                    continue
+                consumption[(pool.name, key[2])] = wanted
             if selector is not None and not selector(device, item):
                 rejected += 1
                 continue
@@ -424,7 +530,8 @@ def allocate_claim(
             f"{namespace}/{claim_name} request {request!r} on node {node_name}: "
             f"{len(picked)} fit; {candidates} candidate(s) in complete pools available on the "
             f"node, {already} already allocated, {rejected} rejected by the selector, "
-            f"{tainted} tainted, {elsewhere} not available on the node; incomplete pools: "
+            f"{tainted} tainted, {over_capacity} without enough capacity left, {elsewhere} not "
+            f"available on the node; incomplete pools: "
             f"{incomplete or 'none'}"
         )
 
@@ -438,6 +545,11 @@ def allocate_claim(
         }
         if device.get("allowMultipleAllocations"):
             result["shareID"] = str(uuid.uuid4())
+            used = consumption.get((pool.name, device["name"]))
+            if used:
+                result["consumedCapacity"] = {n: str(v) for n, v in used.items()}
+        if tolerations and device.get("taints"):
+            result["tolerations"] = tolerations  # copied from the request, like the allocator
         results.append(result)
     allocation: JSON = {"devices": {"results": results}}
     node_selector = _allocation_node_selector(picked, node_name)

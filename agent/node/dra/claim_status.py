@@ -114,7 +114,11 @@ def device_statuses(
     """Our ``status.devices`` entries for a prepared claim (devices whose Instance is gone
     get no ``data``)."""
     entries = []
+    seen: set[tuple[str, str, str | None]] = set()
     for device in claim.devices:
+        if (device.pool, device.device, device.share_id) in seen:
+            continue  # the slots of one consumable-capacity allocation: one entry
+        seen.add((device.pool, device.device, device.share_id))
         entry: dict[str, Any] = {"driver": DRIVER, "pool": device.pool, "device": device.device}
         if device.share_id is not None:
             entry["shareID"] = device.share_id

@@ -100,7 +100,11 @@ async def _prepare_claims(
             )
             continue
         devices = []
+        seen: set[tuple[str, str, str | None]] = set()
         for item in prepared.devices:
+            if (item.pool, item.device, item.share_id) in seen:
+                continue  # the slots of one consumable-capacity allocation: one device
+            seen.add((item.pool, item.device, item.share_id))
             fields: dict[str, Any] = {
                 "request_names": list(item.request_names),
                 "pool_name": item.pool,

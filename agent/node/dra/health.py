@@ -71,8 +71,12 @@ class DeviceHealthEntry:
 
 @functools.lru_cache(maxsize=16384)
 def _slot_devices(name: str, capacity: int) -> tuple[str, ...]:
-    # every Instance event recomputes the list: 1000 Instances' device names cost ~2 ms
-    return tuple(device_name(slot_id(name, index)) for index in range(capacity))
+    # every Instance event recomputes the list: 1000 Instances' device names cost ~2 ms.
+    # The Instance's own name is its device with consumable capacity (slices.py).
+    return (
+        *(device_name(slot_id(name, index)) for index in range(capacity)),
+        device_name(name),
+    )
 
 
 def _truncate(message: str) -> str:

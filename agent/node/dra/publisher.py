@@ -27,13 +27,19 @@ from agent.core.kube import ApiError, KubeClient, resource_path
 from agent.core.model.instance import Instance
 from agent.core.store.informer import Informer, Obj, RawEvent, watch_events
 from agent.node.dra.slices import (
+    DRAINING,
     DRIVER,
     HOSTNAME_LABEL,
+    USABLE,
+    DeviceOptions,
+    OptionsOf,
     Pool,
+    SlotState,
     desired_pools,
     instance_devices,
     same_slice_content,
     selected_nodes,
+    without_taint_times,
 )
 
 log = logging.getLogger(__name__)
@@ -100,8 +106,14 @@ class SlicePublisher:
         offline: Callable[[], Collection[str]],
         *,
         debounce: float = 0.02,
+        options_of: OptionsOf | None = None,
     ) -> None:
         self._client = api_client
+        self._options_of = options_of
+        # cleared when the API server drops the fields (its feature gate is off): consumable
+        # capacity falls back to one device per slot, taints to withdrawing offline slots
+        self.consumable_supported = True
+        self.taints_supported = True
         self.node = node
         self._list_instances = list_instances
         self._offline = offline
@@ -113,9 +125,9 @@ class SlicePublisher:
         self._reported_drops: set[str] = set()
         self._reported_refusals: set[tuple[str, int, str]] = set()
         self.refused_writes = 0  # pool writes the API server refused (403/400/422), skipped
-        # per Instance: (resourceVersion, offline) -> its slice devices; a sync with 1000
+        # per Instance: (resourceVersion, state) -> its slice devices; a sync with 1000
         # Instances otherwise rebuilds 4000 attribute maps for every Instance event
-        self._devices: dict[str, tuple[tuple[str, bool], Sequence[dict[str, Any]]]] = {}
+        self._devices: dict[str, tuple[tuple[str, SlotState], Sequence[dict[str, Any]]]] = {}
         self.writes = 0
         self.syncs = 0
         self.synced = asyncio.Event()
@@ -294,19 +306,32 @@ class SlicePublisher:
     def _desired(
         self, instances: list[Instance], offline: Collection[str]
     ) -> list[tuple[Pool, list[dict[str, Any]]]]:
-        pools = desired_pools(instances, self.node, offline, self._devices_of)
+        pools = desired_pools(
+            instances, self.node, offline, self._devices_of, self._effective_options
+        )
         return [(pool, pool.slice_specs()) for pool in pools]
 
-    def _devices_of(self, instance: Instance, offline: bool) -> Sequence[dict[str, Any]]:
+    def _effective_options(self, instance: Instance) -> DeviceOptions:
+        if self._options_of is None:
+            return DeviceOptions()
+        options = self._options_of(instance)
+        if options.consumable and not self.consumable_supported:
+            return DeviceOptions(consumable=False, evict=options.evict)
+        return options
+
+    def _devices_of(self, instance: Instance, state: SlotState) -> Sequence[dict[str, Any]]:
         """:func:`instance_devices`, memoized per Instance version (an Instance object with a
         given resourceVersion never changes; without one it is computed every time)."""
+        if not self.taints_supported and state.availability != USABLE:
+            # untainted offline slots would be allocated: withdraw them, as before taints
+            state = SlotState(DRAINING, DeviceOptions(state.options.consumable), state.node)
         if instance.resource_version is None:
-            return instance_devices(instance, offline)
-        key = (instance.resource_version, offline)
+            return instance_devices(instance, state)
+        key = (instance.resource_version, state)
         cached = self._devices.get(instance.name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        devices = instance_devices(instance, offline)
+        devices = instance_devices(instance, state)
         self._devices[instance.name] = (key, devices)
         return devices
 
@@ -440,11 +465,13 @@ class SlicePublisher:
         self._informer.apply_local(RawEvent("DELETED", obj))
 
     def _check_dropped(self, sent: dict[str, Any], stored: Obj) -> None:
-        got = stored.get("spec") or {}
+        got = without_taint_times(stored.get("spec") or {})
         # a real API server stores an empty list as absent (omitempty): both mean "none"
         if json.dumps(got.get("devices") or [], sort_keys=True) == json.dumps(
             sent.get("devices") or [], sort_keys=True
         ):
+            return
+        if self._fall_back(sent.get("devices") or [], got.get("devices") or []):
             return
         key = str(sent.get("pool", {}).get("name"))
         if key in self._reported_drops:
@@ -457,3 +484,42 @@ class SlicePublisher:
             json.dumps(sent.get("devices"))[:500],
             json.dumps(got.get("devices"))[:500],
         )
+
+    def _fall_back(self, sent: list[dict[str, Any]], stored: list[dict[str, Any]]) -> bool:
+        """Whether the difference is a feature the API server does not keep (its gate is
+        off): consumable capacity (``allowMultipleAllocations``, ``capacity.*.requestPolicy``,
+        KEP-5075) or taints (KEP-5055). Then say so once and publish without it from the next
+        sync on: one device per slot, offline slots withdrawn."""
+        kept = {d.get("name"): d for d in stored if isinstance(d, dict)}
+        fell_back = False
+        for device in sent:
+            back = kept.get(device.get("name")) or {}
+            if device.get("allowMultipleAllocations") and (
+                not back.get("allowMultipleAllocations")
+                or not all(
+                    (c or {}).get("requestPolicy") for c in (back.get("capacity") or {}).values()
+                )
+            ):
+                if self.consumable_supported:
+                    log.warning(
+                        "the API server dropped consumable capacity (allowMultipleAllocations, "
+                        "requestPolicy) from ResourceSlice device %s: the DRAConsumableCapacity "
+                        "feature gate is off; publishing one device per slot instead",
+                        device.get("name"),
+                    )
+                self.consumable_supported = False
+                fell_back = True
+            if device.get("taints") and not back.get("taints"):
+                if self.taints_supported:
+                    log.warning(
+                        "the API server dropped the taints of ResourceSlice device %s: the "
+                        "DRADeviceTaints feature gate is off; offline devices are withdrawn "
+                        "from the slices instead of tainted",
+                        device.get("name"),
+                    )
+                self.taints_supported = False
+                fell_back = True
+        if fell_back:
+            self._devices.clear()
+            self.trigger()
+        return fell_back

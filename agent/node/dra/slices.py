@@ -21,6 +21,21 @@ without feature gates.
   a device plugin claims at the same moment) is arbitrated by the Instance CAS: prepare fails
   with an error naming the holder.
 
+**Offline devices are tainted, not hidden** (KEP-5055, ``DRADeviceTaints``): while this node
+keeps an Instance in its offline grace period its published slots stay, each with the taint
+``akri.sh/offline=<node>:NoSchedule`` — the scheduler skips them, a claim that tolerates the
+taint can still get them. Once the grace is over and the node only drains, the slots leave the
+slice, or, with the Configuration annotation ``akri.sh/dra-offline-evict: "true"``, the slots
+DRA claims hold stay tainted ``NoExecute`` so the pods using the vanished device are evicted.
+A slice with a tainted device holds at most 64 devices (128 otherwise).
+
+**Consumable capacity** (KEP-5075, ``DRAConsumableCapacity``), opt-in with the Configuration
+annotation ``akri.sh/dra-consumable-capacity: "true"``: one device per Instance, named after
+it, with ``allowMultipleAllocations: true`` and a ``slots`` capacity equal to the Instance's
+capacity (each allocation consumes 1 by default, any whole number up to the capacity), while
+at least one slot is free or DRA-held; slots held through a device plugin lower the capacity.
+The publisher falls back to one device per slot where the API server drops those fields.
+
 Device names are DNS labels: the slot id when it is one, else a sanitised prefix + hash.
 Attributes (≤ 32 per device, names are C identifiers ≤ 32 chars, string values ≤ 64 chars):
 ``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), then device properties,
@@ -45,6 +60,12 @@ from agent.core.model.naming import is_dns_label
 DRIVER = "akri.sh"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 MAX_DEVICES_PER_SLICE = 128
+MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
+OFFLINE_TAINT = "akri.sh/offline"
+CONSUMABLE_ANNOTATION = "akri.sh/dra-consumable-capacity"
+EVICT_ANNOTATION = "akri.sh/dra-offline-evict"
+SLOTS_CAPACITY = "slots"
+USABLE, OFFLINE, DRAINING = "usable", "offline", "draining"
 MAX_ATTRIBUTES = 32
 MAX_ATTRIBUTE_NAME = 32
 MAX_STRING_VALUE = 64
@@ -124,18 +145,73 @@ def _with_slot(common: dict[str, dict[str, Any]], index: int) -> dict[str, dict[
     return {name: {"int": index} if name == "slot" else value for name, value in common.items()}
 
 
-def published_slots(instance: Instance, offline: bool) -> list[tuple[int, str]]:
-    """(index, slot id) of the slots that belong in a slice."""
-    if offline or instance.deletion_timestamp is not None:
+@dataclass(frozen=True)
+class DeviceOptions:
+    """A Configuration's DRA opt-ins (its annotations)."""
+
+    consumable: bool = False  # one device per Instance with a "slots" capacity
+    evict: bool = False  # NoExecute taint on DRA-held slots while draining
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """How this node publishes one Instance: its availability here and its options."""
+
+    availability: str = USABLE  # USABLE, OFFLINE (grace period) or DRAINING
+    options: DeviceOptions = DeviceOptions()
+    node: str = ""  # the taint's value
+
+
+def device_options(annotations: Mapping[str, str]) -> DeviceOptions:
+    """The opt-ins a Configuration's annotations ask for (``"true"``, any case)."""
+    return DeviceOptions(
+        consumable=annotations.get(CONSUMABLE_ANNOTATION, "").strip().lower() == "true",
+        evict=annotations.get(EVICT_ANNOTATION, "").strip().lower() == "true",
+    )
+
+
+def _is_dra_held(value: str) -> bool:
+    # only "D:" values need parsing (this runs on every change)
+    return value.startswith("D:") and isinstance(parse_usage(value), ClaimUsage)
+
+
+def published_slots(instance: Instance, state: SlotState | bool) -> list[tuple[int, str]]:
+    """(index, slot id) of the slots that belong in a slice: free or DRA-held slots, while
+    the Instance is usable or offline (grace; tainted); only the DRA-held ones while draining
+    with eviction on (tainted NoExecute); none otherwise. ``True``/``False``: draining /
+    usable (the form before taints)."""
+    if isinstance(state, bool):
+        state = SlotState(DRAINING if state else USABLE)
+    if instance.deletion_timestamp is not None:
+        return []
+    evicting = state.availability == DRAINING and state.options.evict
+    if state.availability == DRAINING and not evicting:
         return []
     result = []
     device_usage = instance.device_usage
     for index, slot in enumerate(instance.slot_ids()):
         value = device_usage.get(slot, "")
-        # free, or a DRA claim's; only "D:" values need parsing (this runs on every change)
-        if value == "" or (value.startswith("D:") and isinstance(parse_usage(value), ClaimUsage)):
+        if (value == "" and not evicting) or _is_dra_held(value):
             result.append((index, slot))
     return result
+
+
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def taints(state: SlotState) -> list[dict[str, Any]]:
+    """The taints of a device in ``state`` (none while usable). The value names the node
+    that lost the device when the name is a valid label value (≤ 63 characters)."""
+    if state.availability == OFFLINE:
+        effect = "NoSchedule"
+    elif state.availability == DRAINING and state.options.evict:
+        effect = "NoExecute"
+    else:
+        return []
+    taint = {"key": OFFLINE_TAINT, "effect": effect}
+    if state.node and len(state.node) <= 63 and _LABEL_VALUE.match(state.node):
+        taint["value"] = state.node
+    return [taint]
 
 
 @dataclass(frozen=True)
@@ -150,10 +226,14 @@ class Pool:
     def slice_specs(self) -> list[dict[str, Any]]:
         """Slice ``spec``s (without pool generation/count) of ≤ 128 devices each; an empty
         pool still gets one empty slice ("empty pool" ≠ "no pool")."""
-        chunks = [
-            list(self.devices[i : i + MAX_DEVICES_PER_SLICE])
-            for i in range(0, len(self.devices), MAX_DEVICES_PER_SLICE)
-        ] or [[]]
+        size = (
+            MAX_DEVICES_PER_SLICE_WITH_TAINTS
+            if any(d.get("taints") for d in self.devices)
+            else MAX_DEVICES_PER_SLICE
+        )
+        chunks = [list(self.devices[i : i + size]) for i in range(0, len(self.devices), size)] or [
+            []
+        ]
         specs = []
         for chunk in chunks:
             spec: dict[str, Any] = {"driver": DRIVER, "devices": chunk}
@@ -203,33 +283,90 @@ def selected_nodes(spec: Mapping[str, Any]) -> set[str]:
     return names
 
 
-DevicesOf = Callable[[Instance, bool], Sequence[dict[str, Any]]]
+DevicesOf = Callable[[Instance, SlotState], Sequence[dict[str, Any]]]
+OptionsOf = Callable[[Instance], DeviceOptions]
 
 
-def instance_devices(instance: Instance, offline: bool) -> tuple[dict[str, Any], ...]:
-    """The slice devices of one Instance (its published slots with their attributes)."""
-    slots = published_slots(instance, offline)
+def _no_options(instance: Instance) -> DeviceOptions:
+    return DeviceOptions()
+
+
+def slots_capacity(count: int) -> dict[str, Any]:
+    """The ``slots`` capacity of a consumable device with ``count`` slots to give: each
+    allocation takes 1 unless its request asks for more (whole numbers up to ``count``)."""
+    return {
+        SLOTS_CAPACITY: {
+            "value": str(count),
+            "requestPolicy": {
+                "default": "1",
+                "validRange": {"min": "1", "max": str(count), "step": "1"},
+            },
+        }
+    }
+
+
+def instance_devices(instance: Instance, state: SlotState | bool) -> tuple[dict[str, Any], ...]:
+    """The slice devices of one Instance: its published slots with their attributes, or (with
+    consumable capacity) one device for all of them; tainted while offline or evicting."""
+    if isinstance(state, bool):
+        state = SlotState(DRAINING if state else USABLE)
+    slots = published_slots(instance, state)
     if not slots:
         return ()
     common = _instance_attributes(instance)
+    extra: dict[str, Any] = {}
+    tainted = taints(state)
+    if tainted:
+        extra["taints"] = tainted
+    if state.options.consumable:
+        attributes = {name: value for name, value in common.items() if name != "slot"}
+        return (
+            {
+                "name": device_name(instance.name),
+                "attributes": attributes,
+                "allowMultipleAllocations": True,
+                "capacity": slots_capacity(len(slots)),
+                **extra,
+            },
+        )
     return tuple(
-        {"name": device_name(slot), "attributes": _with_slot(common, index)}
+        {"name": device_name(slot), "attributes": _with_slot(common, index), **extra}
         for index, slot in slots
     )
 
 
+def availability(instance: Instance, node: str, offline: Collection[str]) -> str:
+    """``node``'s view of ``instance``: DRAINING (the stored mark: e.g. adopted draining after
+    another node re-created it), OFFLINE (in its grace period here, or draining before the
+    mark is written) or USABLE."""
+    if node in instance.draining_nodes:
+        return DRAINING
+    if instance.name in offline:
+        return OFFLINE
+    return USABLE
+
+
 def unusable_here(instance: Instance, node: str, offline: Collection[str]) -> bool:
-    """Whether ``node`` must publish none of ``instance``'s slots: offline here (grace), or
-    draining here (the stored mark: e.g. adopted draining after another node re-created it)."""
-    return instance.name in offline or node in instance.draining_nodes
+    """Whether ``node`` must not offer ``instance``'s slots untainted."""
+    return availability(instance, node, offline) != USABLE
+
+
+def _state(
+    instance: Instance, node: str, offline: Collection[str], options_of: OptionsOf
+) -> SlotState:
+    return SlotState(availability(instance, node, offline), options_of(instance), node)
 
 
 def _devices(
-    instances: Iterable[Instance], node: str, offline: Collection[str], devices_of: DevicesOf
+    instances: Iterable[Instance],
+    node: str,
+    offline: Collection[str],
+    devices_of: DevicesOf,
+    options_of: OptionsOf,
 ) -> list[dict[str, Any]]:
     devices: list[dict[str, Any]] = []
     for instance in sorted(instances, key=lambda i: i.name):
-        devices.extend(devices_of(instance, unusable_here(instance, node, offline)))
+        devices.extend(devices_of(instance, _state(instance, node, offline, options_of)))
     return devices
 
 
@@ -238,13 +375,19 @@ def desired_pools(
     node: str,
     offline: Collection[str],
     devices_of: DevicesOf = instance_devices,
+    options_of: OptionsOf = _no_options,
 ) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
     every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
-    :func:`instance_devices` (the publisher caches it per Instance version)."""
+    :func:`instance_devices` (the publisher caches it per Instance version); ``options_of``
+    gives each Instance's Configuration opt-ins."""
     local = [i for i in instances if not i.shared and node in i.nodes]
     pools = [
-        Pool(name=node, node_name=node, devices=tuple(_devices(local, node, offline, devices_of)))
+        Pool(
+            name=node,
+            node_name=node,
+            devices=tuple(_devices(local, node, offline, devices_of, options_of)),
+        )
     ]
     for instance in sorted(instances, key=lambda i: i.name):
         if not instance.shared or not instance.nodes or min(instance.nodes) != node:
@@ -254,7 +397,7 @@ def desired_pools(
                 name=instance.name,
                 node_name=None,
                 nodes=tuple(sorted(instance.nodes)),
-                devices=tuple(devices_of(instance, unusable_here(instance, node, offline))),
+                devices=tuple(devices_of(instance, _state(instance, node, offline, options_of))),
             )
         )
     return pools
@@ -268,7 +411,26 @@ def same_slice_content(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> 
     def present(spec: Mapping[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in spec.items() if k != "pool" and v != []}
 
-    return present(stored) == present(wanted)
+    return present(without_taint_times(stored)) == present(wanted)
+
+
+def without_taint_times(spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``spec`` without the ``timeAdded`` the API server stamps on taints we send without one
+    (so a stored tainted slice still compares equal to what we would send)."""
+    devices = spec.get("devices")
+    if not devices or not any(isinstance(d, dict) and d.get("taints") for d in devices):
+        return spec
+    cleaned = []
+    for device in devices:
+        if isinstance(device, dict) and device.get("taints"):
+            device = {
+                **device,
+                "taints": [
+                    {k: v for k, v in t.items() if k != "timeAdded"} for t in device["taints"]
+                ],
+            }
+        cleaned.append(device)
+    return {**spec, "devices": cleaned}
 
 
 def slot_for_device(
@@ -286,3 +448,28 @@ def slot_for_device(
             if device_name(slot) == device:
                 return instance, slot
     return None
+
+
+def consumable_instance(
+    pool: str, device: str, instances: Mapping[str, Instance], node: str
+) -> Instance | None:
+    """Resolve an allocated consumable-capacity device (one per Instance) to its Instance."""
+    candidates: Iterable[Instance]
+    if pool == node:
+        candidates = [i for i in instances.values() if not i.shared and node in i.nodes]
+    else:
+        found = instances.get(pool)
+        candidates = [found] if found is not None else []
+    return next((i for i in candidates if device_name(i.name) == device), None)
+
+
+def consumed_slots(result: Mapping[str, Any]) -> int:
+    """How many slots an allocation result of a consumable device takes: its
+    ``consumedCapacity.slots`` (a whole-number Quantity), 1 when absent."""
+    value = (result.get("consumedCapacity") or {}).get(SLOTS_CAPACITY)
+    if value is None:
+        return 1
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"consumedCapacity.{SLOTS_CAPACITY} {value!r} is not a whole number")
+    return int(text)

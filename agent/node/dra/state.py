@@ -36,7 +36,7 @@ from agent.core.store.base import StorageError, StoreError
 from agent.node.deviceplugin.container_env import container_edits
 from agent.node.dra.cdi import CdiDevice, CdiWriter, cdi_device_name, qualified
 from agent.node.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
-from agent.node.dra.slices import DRIVER, slot_for_device
+from agent.node.dra.slices import DRIVER, consumable_instance, consumed_slots, slot_for_device
 from discovery_handlers.base import Device
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,10 @@ class DraState:
             pool, device = str(result.get("pool")), str(result.get("device"))
             resolved = slot_for_device(pool, device, instances, self.node)
             if resolved is None:
+                consumable = consumable_instance(pool, device, instances, self.node)
+                if consumable is not None:
+                    await self._claim_consumed(ref, result, consumable, prepared)
+                    continue
                 raise PrepareError(f"device {pool}/{device} is not an akri.sh device of this node")
             instance, slot = resolved
             if self.node not in instance.nodes:
@@ -168,17 +172,82 @@ class DraState:
                 )
             )
 
+    async def _claim_consumed(
+        self,
+        ref: ClaimRef,
+        result: Mapping[str, Any],
+        instance: Instance,
+        prepared: list[PreparedDevice],
+    ) -> None:
+        """A consumable-capacity device (one per Instance): claim as many free slots as the
+        allocation consumed (``consumedCapacity.slots``), each a ``D:<uid>:<node>`` value;
+        one PreparedDevice per slot, sharing the allocation's CDI id."""
+        pool, device = str(result.get("pool")), str(result.get("device"))
+        if self.node not in instance.nodes:
+            raise PrepareError(f"device {pool}/{device} is not available on {self.node}")
+        try:
+            wanted = consumed_slots(result)
+        except ValueError as error:
+            raise PrepareError(f"device {pool}/{device}: {error}") from error
+        share = str(result["shareID"]) if result.get("shareID") else None
+        name = cdi_device_name(ref.uid, f"{device}-{share}" if share else device)
+        owner = Owner.claim(ref.uid, self.node)
+        taken = {p.slot for p in prepared if p.instance == instance.name}
+        got = 0
+        for _ in range(2 * instance.capacity + 2):  # bounded: each round frees nothing
+            if got == wanted:
+                break
+            current = {i.name: i for i in self._instances()}.get(instance.name, instance)
+            free = [
+                s for s in current.slot_ids() if not current.device_usage.get(s) and s not in taken
+            ]
+            if not free:
+                break
+            slot = free[0]
+            try:
+                await self.ledger.claim(current.key, slot, owner)
+            except SlotRefusedError:
+                taken.add(slot)  # someone took it meanwhile: try the next free one
+                continue
+            except StoreError as error:
+                raise PrepareError(f"cannot prepare {pool}/{device} ({slot}): {error}") from error
+            taken.add(slot)
+            got += 1
+            prepared.append(
+                PreparedDevice(
+                    request_names=(str(result.get("request", "")).split("/")[0],),
+                    pool=pool,
+                    device=device,
+                    instance=instance.name,
+                    slot=slot,
+                    cdi_device_ids=(qualified(name),),
+                    share_id=share,
+                    namespace=instance.namespace,
+                )
+            )
+        if got < wanted:
+            raise PrepareError(
+                f"cannot prepare {pool}/{device}: the allocation consumes {wanted} slot(s) of "
+                f"{instance.name}, only {got} were free"
+            )
+
     def _write_cdi(self, ref: ClaimRef, prepared: list[PreparedDevice]) -> None:
         if not prepared:
             return
         instances = {i.name: i for i in self._instances()}
         devices = []
+        written: set[str] = set()
         for item in prepared:
+            # the slots of one consumable-capacity allocation share one CDI device
+            name = item.cdi_device_ids[0].split("=", 1)[1]
+            if name in written:
+                continue
+            written.add(name)
             instance = instances.get(item.instance)
             edits = container_edits(
                 [instance] if instance else [], {item.instance: self._device_for(item.instance)}
             )
-            devices.append(CdiDevice(cdi_device_name(ref.uid, item.device), edits))
+            devices.append(CdiDevice(name, edits))
         self.cdi.write(ref.uid, devices)
 
     def _remove_cdi(self, claim_uid: str) -> None:

@@ -52,12 +52,16 @@ def test_device_health_pools_offline_and_gone_instances() -> None:
         prepared=[("node-a", "usb-gone00-0", "usb-gone00"), ("node-a", "usb-aaaaaa-0", "x")],
     )
     by_key = {(e.pool, e.device): e for e in entries}
+    # every slot device, and each Instance's own name (its device with consumable capacity)
     assert sorted(by_key) == [
+        ("cam-bbbbbb", "cam-bbbbbb"),
         ("cam-bbbbbb", "cam-bbbbbb-0"),
+        ("node-a", "usb-aaaaaa"),
         ("node-a", "usb-aaaaaa-0"),
         ("node-a", "usb-aaaaaa-1"),
         ("node-a", "usb-gone00-0"),
     ]
+    assert not by_key[("cam-bbbbbb", "cam-bbbbbb")].healthy
     assert by_key[("node-a", "usb-aaaaaa-0")].healthy  # a prepared device of a live Instance
     assert by_key[("node-a", "usb-aaaaaa-0")].message == ""
     offline = by_key[("cam-bbbbbb", "cam-bbbbbb-0")]
@@ -72,8 +76,8 @@ def test_draining_mark_is_unhealthy_and_messages_fit() -> None:
     drained = instance("cam-dddddd", ("node-a",), shared=True, capacity=1)
     drained = drained.evolve(annotations={"akri.sh/draining": "node-a"})
     assert drained.draining_nodes == ("node-a",)
-    (entry,) = device_health([drained], "node-a", offline=())
-    assert not entry.healthy
+    entries = device_health([drained], "node-a", offline=())
+    assert len(entries) == 2 and not any(e.healthy for e in entries)
     long = instance("c" * 60 + "-eeeeee", ("node-a",), shared=True, capacity=1)
     long = long.evolve(configuration_name="x" * 2000)
     assert len(offline_message(long, "node-a")) == MAX_MESSAGE

@@ -106,7 +106,13 @@ def test_pools_local_and_shared_with_single_publisher() -> None:
             {"key": "kubernetes.io/hostname", "operator": "In", "values": ["n1", "n2"]}
         ]
     }
-    assert by_name["cams-oooooo"].devices == ()  # offline: published empty
+    # offline (grace period): still published, tainted so the scheduler skips the slots
+    offline = by_name["cams-oooooo"].devices
+    assert [d["name"] for d in offline] == ["cams-oooooo-0", "cams-oooooo-1"]
+    assert all(
+        d["taints"] == [{"key": "akri.sh/offline", "value": "n1", "effect": "NoSchedule"}]
+        for d in offline
+    )
     # n2 is not the publisher of the shared pool (n1 sorts first)
     assert [p.name for p in desired_pools([shared], "n2", set())] == ["n2"]
 
