@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.controller.leader import LeaderElector, LeaseSettings
 from agent.controller.metrics import ControllerCollector
-from agent.controller.reconcile import NodeReleaseHook, Reconciler, ReconcileSettings
+from agent.controller.reconcile import Reconciler, ReconcileSettings
 from agent.controller.settings import ControllerSettings
 from agent.core.kube import KubeClient
 from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
@@ -37,8 +37,6 @@ class Controller:
         self,
         settings: ControllerSettings,
         client: KubeClient,
-        *,
-        release_hooks: tuple[NodeReleaseHook, ...] = (),
     ) -> None:
         self.settings = settings
         self.client = client
@@ -56,7 +54,6 @@ class Controller:
                 resync_interval=settings.resync_interval,
                 namespace=settings.namespace,
             ),
-            release_hooks=release_hooks,
         )
         self.elector = LeaderElector(
             client,

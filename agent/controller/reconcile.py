@@ -6,8 +6,10 @@ One pass (:meth:`Reconciler.reconcile_once`) looks at everything in the caches:
    holds a slot of it, is rewritten by :func:`~agent.core.ledger.decisions.decide_evict_node`
    through resourceVersion-checked writes (the decision is re-made on every re-read, and
    dropped if the node turned Ready meanwhile); an Instance left without a node is deleted
-   with a resourceVersion precondition; the dead node's stale shared ResourceSlices are
-   deleted for their next publisher (:mod:`agent.controller.slices`);
+   with a resourceVersion precondition; terminating Instances get the node's share of their
+   ``akri.sh/slots`` finalizer released (:func:`~agent.core.ledger.finalizer.
+   release_finalizer_share`); the dead node's stale shared ResourceSlices are deleted for
+   their next publisher (:mod:`agent.controller.slices`);
 2. **brokers** (:mod:`agent.controller.brokers`): Pods / Jobs per Instance;
 3. **Services** (:mod:`agent.controller.services`) following Running broker Pods.
 
@@ -24,7 +26,7 @@ import datetime
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ from agent.controller.nodes import NodeWatch
 from agent.controller.watched import Watched, broker_summary
 from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
+from agent.core.ledger.finalizer import release_finalizer_share
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
@@ -44,9 +47,6 @@ log = logging.getLogger("agent.controller")
 
 COALESCE = 0.02  # seconds: a burst of watch events makes one pass
 OBSERVED_MEMO = 50_000  # broker Pods/Jobs versions remembered (about 2.5 per cached Pod)
-# Released a dead node's share of an Instance beyond deviceUsage and nodes (e.g. a finalizer
-# per node): called after the eviction was written, with the Instance as it was before it
-NodeReleaseHook = Callable[[Instance, str], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,12 @@ class Reconciler:
         store: InstanceStore,
         settings: ReconcileSettings,
         *,
-        release_hooks: Sequence[NodeReleaseHook] = (),
         monotonic: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.store = store
         self.settings = settings
-        self.release_hooks = tuple(release_hooks)
         self._monotonic = monotonic
         self._wall = wall
         self.stats = ControllerStats()
@@ -287,10 +285,18 @@ class Reconciler:
             await self.clean_node(node)
 
     async def clean_node(self, node: str) -> None:
-        """Free everything ``node`` holds and take it out of every Instance."""
+        """Free everything ``node`` holds and take it out of every Instance.
+
+        Live Instances: :func:`decide_evict_node` (an update, or a delete when no node is
+        left). Terminating ones (deleted, waiting on the ``akri.sh/slots`` finalizer for their
+        holders, issue 30) — including those this pass just deleted — get the dead node's
+        share released by :func:`release_finalizer_share`, which drops the finalizer when
+        nothing else is held, so a dead node never keeps a deleted Instance alive."""
         freed = 0
         touched = 0
         for instance in self.store.list_cached():
+            if instance.deletion_timestamp is not None:
+                continue  # the finalizer's rules below
             if node not in instance.nodes and not node_slots(instance, node):
                 continue
             eviction = await self._evict(instance.key, node)
@@ -298,8 +304,15 @@ class Reconciler:
                 continue
             touched += 1
             freed += len(eviction.freed)
-            for hook in self.release_hooks:
-                await hook(instance, node)
+        held_before = {
+            instance.key: len(node_slots(instance, node))
+            for instance in self.store.list_cached()
+            if instance.deletion_timestamp is not None
+        }
+        if self.nodes.is_dead(node, self._monotonic()):
+            for key in await release_finalizer_share(self.store, node):
+                touched += 1
+                freed += held_before.get(key, 0)
         if not touched:
             return
         self.stats.nodes_cleaned += 1

@@ -125,6 +125,7 @@ def instance(
     capacity: int = 2,
     usage: dict[str, str] | None = None,
     shared: bool = True,
+    finalizers: list[str] | None = None,
 ) -> dict[str, Any]:
     """Create an Instance (as the agents would have) owned by its Configuration."""
     owner = api.get("configurations.akri.sh", configuration_name)
@@ -145,6 +146,7 @@ def instance(
                     "controller": True,
                 }
             ],
+            **({"finalizers": finalizers} if finalizers else {}),
         },
         "spec": {
             "configurationName": configuration_name,
@@ -227,12 +229,9 @@ async def running_controller(
     api: ApiServerDouble, tmp_path: Path, **changes: Any
 ) -> AsyncIterator[RunningController]:
     """An in-process controller that leads (the only replica) until the block ends."""
-    release_hooks = changes.pop("release_hooks", ())
     kubeconfig = api.write_kubeconfig(tmp_path / f"kubeconfig-{changes.get('identity', 'c')}")
     settings = controller_settings(kubeconfig=str(kubeconfig), **changes)
-    controller = Controller(
-        settings, make_kube_client(str(kubeconfig)), release_hooks=release_hooks
-    )
+    controller = Controller(settings, make_kube_client(str(kubeconfig)))
     stop = asyncio.Event()
     task = asyncio.create_task(controller.run(stop))
     running = RunningController(controller, stop, task)
@@ -267,10 +266,7 @@ async def reconciler_for(
     client = make_kube_client(str(kubeconfig))
     store = KubernetesInstanceStore(client, KubernetesSettings("akri-controller"))
     await store.start()
-    hooks = settings.pop("release_hooks", ())
-    reconciler = Reconciler(
-        client, store, ReconcileSettings(**settings), release_hooks=hooks, monotonic=clock
-    )
+    reconciler = Reconciler(client, store, ReconcileSettings(**settings), monotonic=clock)
     await reconciler.start()
     try:
         yield reconciler

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.controller.reconcile import Reconciler
-from agent.core.model.instance import Instance
+from agent.core.model.naming import SLOTS_FINALIZER
 from tests.controller.conftest import (
     FakeClock,
     add_node,
@@ -101,21 +101,59 @@ async def test_a_deleted_node_is_removed_at_once_and_an_instance_left_without_no
         add_node(api, name)
     api.create(configuration(capacity=4))
     instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
-    instance(api, "cams-a19705", ["node-a"], capacity=1, usage={"cams-a19705-0": "node-a"})
-    released: list[tuple[str, str]] = []
-
-    async def hook(instance: Instance, node: str) -> None:
-        released.append((instance.name, node))
-
+    # the agents' akri.sh/slots finalizer (issue 30): a delete waits for the slots held
+    instance(
+        api,
+        "cams-a19705",
+        ["node-a"],
+        capacity=1,
+        usage={"cams-a19705-0": "node-a"},
+        finalizers=[SLOTS_FINALIZER],
+    )
     clock = FakeClock()
-    async with reconciler_for(api, tmp_path, clock, release_hooks=(hook,)) as reconciler:
+    async with reconciler_for(api, tmp_path, clock) as reconciler:
         api.delete("nodes", "node-a")
         await _sees(reconciler, "node-a", None)
         await reconciler.reconcile_once()
+    # deleted, its dead node's slot freed and the finalizer released: gone, not stuck
     assert _stored(api, "cams-a19705") is None
     stored = _stored(api)
     assert stored is not None and stored["spec"]["nodes"] == ["node-b"]
-    assert sorted(released) == [("cams-8120fe", "node-a"), ("cams-a19705", "node-a")]
+
+
+async def test_a_dead_node_never_keeps_a_terminating_instance(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """An Instance deleted (its Configuration gone) while a container of the node that then
+    died held a slot: the finalizer waits for that slot, which only the controller frees."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE,
+             finalizers=[SLOTS_FINALIZER])  # fmt: skip
+    api.delete("instances.akri.sh", "cams-8120fe")
+    terminating = _stored(api)
+    assert terminating is not None and terminating["metadata"]["deletionTimestamp"]
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=60) as reconciler:
+        set_ready(api, "node-a", False)
+        await _sees(reconciler, "node-a", False)
+        clock.advance(60)
+        await reconciler.reconcile_once()
+        stored = _stored(api)
+        assert stored is not None  # node-b's slots still held: it waits for them
+        assert stored["spec"]["nodes"] == ["node-b"]
+        assert sorted(v for v in stored["spec"]["deviceUsage"].values() if v) == [
+            "C:cams-0:node-b",
+            "node-b",
+        ]
+        assert reconciler.stats.slots_freed == 2
+        # node-b dies too: nothing is held any more, the finalizer goes and so does the Instance
+        set_ready(api, "node-b", False)
+        await _sees(reconciler, "node-b", False)
+        clock.advance(60)
+        await reconciler.reconcile_once()
+    assert _stored(api) is None
 
 
 async def test_stale_shared_slices_of_the_dead_node_are_deleted(
