@@ -241,7 +241,7 @@ async def _run_controller(settings: ControllerSettings) -> int:
     except StoreError as error:
         log.error("cannot start: %s", error)
         return EXIT_UNAVAILABLE
-    except ApiError as error:
+    except ApiError as error:  # TransportError too (no answer)
         log.error("cannot start: Kubernetes API: %s", error)
         return EXIT_UNAVAILABLE
     except OSError as error:

@@ -328,3 +328,27 @@ def test_stale_shared_slices_are_those_listing_the_dead_node() -> None:
         "node-a",
     )
     assert found == [("shared-1", "7")]
+
+
+def test_the_broker_example_plans_one_pod_per_node_and_both_services() -> None:
+    import yaml
+
+    from tests.paths import REPO
+
+    raw = yaml.safe_load((REPO / "examples" / "debug-echo-broker.yaml").read_text())
+    raw["metadata"]["namespace"] = "default"
+    config = parse_configuration(raw)
+    assert brokers.broker_kind(config) == "pod"
+    instance = _instance(nodes=("node-a", "node-b"), capacity=2).evolve(
+        configuration_name="akri-debug-echo-broker"
+    )
+    plan = brokers.plan_pods(config, instance, [], {"node-a", "node-b"}, NOW)
+    assert [p["metadata"]["name"] for p in plan.create] == [
+        "node-a-cams-8120fe-pod",
+        "node-b-cams-8120fe-pod",
+    ]
+    resources = plan.create[0]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["akri.sh/cams-8120fe"] == "1"
+    assert "{{PLACEHOLDER}}" not in resources["requests"]
+    assert services.instance_service(config, instance) is not None
+    assert services.configuration_service(config) is not None

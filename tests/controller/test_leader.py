@@ -170,3 +170,35 @@ def test_lease_settings_are_checked() -> None:
     assert (settings.node_grace, settings.identity) == (120.0, "p-1")
     with pytest.raises(ControllerSettingsError, match="AKRI_NODE_GRACE"):
         ControllerSettings.resolve(args, {"AKRI_NODE_GRACE": "soon"})
+
+
+def test_exit_codes(tmp_path: Path) -> None:
+    import socket
+
+    from tests.harness.agent_process import AgentProcess as Process
+
+    missing = Process(["--kubeconfig", str(tmp_path / "nope")], command="controller")
+    try:
+        assert missing.wait_exit(WITHIN) == 2, missing.describe()
+        assert missing.matching("cannot configure the Kubernetes client"), missing.describe()
+    finally:
+        missing.cleanup()
+    bad = Process(["--renew-deadline", "20"], command="controller")
+    try:
+        assert bad.wait_exit(WITHIN) == 2
+        assert bad.matching("--renew-deadline must be shorter"), bad.describe()
+    finally:
+        bad.cleanup()
+    with ThreadedApiServer(crds=CRDS) as api, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        busy = Process(
+            ["--kubeconfig", str(kubeconfig), "--health-address", "127.0.0.1",
+             "--health-port", str(taken.getsockname()[1])],
+            command="controller",
+        )  # fmt: skip
+        try:
+            assert busy.wait_exit(WITHIN) == 5, busy.describe()
+        finally:
+            busy.cleanup()
