@@ -316,3 +316,52 @@ async def test_a_watch_that_expires_after_events_relists_at_once() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert sleeps == []
+
+
+async def test_a_watch_backing_off_reconnects_within_a_second_of_the_api_answering() -> None:
+    """Issue 30 (7): after a 30 s outage the watches came back 16-17 s after the API server
+    was ready, their backoff having grown to ~27 s. Now the backoff is capped and, while
+    waiting, a cheap probe (``GET /version``) cuts it short as soon as the server answers.
+    Fake time: the informer's sleeps advance it."""
+    from agent.core.kube.errors import TransportError
+    from agent.core.store.informer import MAX_WATCH_BACKOFF, PROBE_INTERVAL
+
+    now = 0.0
+    back_at = 30.0  # the API server answers again from here
+    watches: list[float] = []
+    delays: list[float] = []
+    reconnected = asyncio.Event()
+
+    async def sleep(seconds: float) -> None:
+        nonlocal now
+        delays.append(seconds)
+        now += seconds
+        await asyncio.sleep(0)
+
+    async def list_fn() -> tuple[list[Obj], str]:
+        return [], "1"
+
+    async def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+        watches.append(now)
+        if now < back_at:
+            raise TransportError("connection refused")
+        reconnected.set()
+        await asyncio.Future()  # a healthy watch: no events
+        yield "BOOKMARK", {}
+
+    async def probe() -> None:
+        if now < back_at:
+            raise TransportError("connection refused")
+
+    informer = Informer("instances", list_fn, watch_fn, lambda e: None, sleep=sleep, probe=probe)
+    await informer.initial_list()
+    task = asyncio.create_task(informer.run())
+    try:
+        await asyncio.wait_for(reconnected.wait(), 10)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert watches[-1] - back_at <= PROBE_INTERVAL
+    assert max(delays) <= MAX_WATCH_BACKOFF
+    assert informer.probes > 0

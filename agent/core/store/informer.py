@@ -9,7 +9,8 @@
   version, watch events for the object are older (watch order) and skipped, and a relist
   requested before the write completed does not move the object back;
 * reconnects with capped, jittered exponential backoff while the API server is unreachable,
-  keeping the cache (the agent keeps working on what it knew).
+  keeping the cache (the agent keeps working on what it knew); with a ``probe`` (a cheap
+  request), a long backoff is cut short within a second of the API server answering again.
 
 The HTTP calls are injected (``list_fn``/``watch_fn``) so the same loop serves Instances and
 Configurations, and the decision logic (:func:`diff_snapshot`) is pure.
@@ -39,6 +40,10 @@ Obj = dict[str, Any]
 # moved past it (a relist answered from a snapshot newer than our write, then someone else
 # wrote), and skipping the object's events any longer would freeze it in the cache
 LOCAL_CONFIRM_TIMEOUT = 30.0
+# reconnect backoff of a failing watch: 0.5 s doubling to this (the watch request itself is
+# cheap, and a longer gap leaves the cache stale that much longer after an outage)
+MAX_WATCH_BACKOFF = 10.0
+PROBE_INTERVAL = 1.0  # seconds between probes of an API server a watch waits for
 
 
 class WatchExpiredError(Exception):
@@ -115,9 +120,10 @@ class Informer:
         watch_fn: WatchFn,
         on_event: Callable[[RawEvent], None],
         *,
-        max_backoff: float = 30.0,
+        max_backoff: float = MAX_WATCH_BACKOFF,
         keep: Callable[[Obj], Obj] = whole,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        probe: Callable[[], Awaitable[object]] | None = None,
     ) -> None:
         self.name = name
         self._list = list_fn
@@ -125,6 +131,11 @@ class Informer:
         self._on_event = on_event
         self._max_backoff = max_backoff
         self._sleep = sleep
+        # a cheap request (GET /version) that answers once the API server is back: a watch
+        # backing off after an outage reconnects within PROBE_INTERVAL of that, not at the
+        # end of its (grown) backoff
+        self._probe = probe
+        self.probes = 0
         # what the cache holds of each object; events always carry the whole object, except
         # DELETED events made up after a relist, which carry what the cache held
         self._keep = keep
@@ -256,8 +267,31 @@ class Informer:
                     error,
                     delay,
                 )
-                await self._sleep(delay)
+                await self._wait_before_retry(delay)
                 backoff = min(backoff * 2, self._max_backoff)
+
+    async def _wait_before_retry(self, delay: float) -> None:
+        """Sleep ``delay`` seconds — but with a probe, ask it every :data:`PROBE_INTERVAL`
+        and return as soon as the API server answers."""
+        if self._probe is None or delay <= PROBE_INTERVAL:
+            await self._sleep(delay)
+            return
+        waited = 0.0
+        while waited < delay:
+            step = min(PROBE_INTERVAL, delay - waited)
+            await self._sleep(step)
+            waited += step
+            if waited >= delay:
+                return
+            self.probes += 1
+            try:
+                await self._probe()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # still down (or answering errors): keep waiting
+                continue
+            log.info("%s watch: the API server answers again; reconnecting now", self.name)
+            return
 
 
 def retry_delay(backoff: float, error: BaseException) -> float:

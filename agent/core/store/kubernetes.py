@@ -67,6 +67,7 @@ VERSION = "v0"
 INSTANCES = "instances"
 CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
+PROBE_TIMEOUT = 2.0  # seconds for the GET /version that tells a backing-off watch the API is back
 CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
 MAX_START_BACKOFF = 10.0
 TRANSIENT = (0, 429, 500, 502, 503, 504)
@@ -119,12 +120,14 @@ class KubernetesInstanceStore(InstanceStore):
             self._watcher(INSTANCES),
             self._on_instance,
             keep=identity_only,  # the typed Instances in self._instances are the cache
+            probe=self._probe,
         )
         self._config_informer = Informer(
             "configurations",
             self._lister(CONFIGURATIONS),
             self._watcher(CONFIGURATIONS),
             self._on_configuration,
+            probe=self._probe,
         )
         self.request_count = 0
         self._events = EventRecorder(
@@ -178,6 +181,12 @@ class KubernetesInstanceStore(InstanceStore):
         await self._client.close()
 
     # -- list / watch plumbing -------------------------------------------------------------
+    async def _probe(self) -> None:
+        """Does the API server answer? ``GET /version``: the cheapest request there is, allowed
+        to every client (``system:public-info-viewer``); raises while it does not."""
+        self.request_count += 1
+        await self._client.get("/version", request_timeout=PROBE_TIMEOUT)
+
     def _lister(self, plural: str) -> ListFn:
         path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
 

@@ -65,6 +65,7 @@ from typing import Protocol
 
 import grpc
 
+from agent.core.aio.backoff import FailureBackoff
 from agent.core.aio.events import Subscription
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.ledger.ledger import SlotLedger
@@ -79,6 +80,8 @@ log = logging.getLogger(__name__)
 TICK_SLACK = 0.1  # fraction of the interval a pass may move to confirm a deadline with it
 DEFAULT_CONCURRENCY = 8  # Instances released at the same time
 RESTART_SETTLE = 10.0  # seconds without reclaim after kubelet restarted
+RELEASE_BACKOFF_MAX = 30.0  # seconds between attempts at an Instance whose release keeps failing
+RELEASE_LOG_EVERY = 30.0  # seconds between two warnings about one such Instance
 RENUDGE_INTERVAL = 10.0  # how often to ask kubelet to rewrite its checkpoint for the same slots
 NUDGE_RECHECK = 0.1  # seconds between asking kubelet to rewrite its checkpoint and looking
 SOCKET_POLL = 5.0  # where inotify cannot tell when the pod-resources socket appears
@@ -207,6 +210,11 @@ class SlotReclaimer:
         self._quiet_until: float | None = None
         self._nudged: dict[SlotKey, float] = {}  # slot -> when kubelet was last asked about it
         self._listed_pods: frozenset[tuple[str, str]] = frozenset()
+        # an Instance whose release failed (API server unavailable) is tried again after a
+        # backoff, not at every pass, and its failures are logged at most every 30 s
+        self.release_backoff: FailureBackoff[ObjectKey] = FailureBackoff(
+            initial=max(1.0, interval), maximum=RELEASE_BACKOFF_MAX, log_every=RELEASE_LOG_EVERY
+        )
         self.freed = 0
         self.passes = 0  # passes that asked kubelet
         self.skipped = 0  # passes that did not need to (nothing held)
@@ -406,9 +414,16 @@ class SlotReclaimer:
         return due
 
     async def _release(self, due: Sequence[HeldSlot]) -> list[HeldSlot]:
-        """Release ``due``: one write per Instance, Instances concurrently (bounded)."""
+        """Release ``due``: one write per Instance, Instances concurrently (bounded). An
+        Instance still backing off from a failed release waits (its slots stay seen unused:
+        due again when its backoff is over)."""
         limit = asyncio.Semaphore(self.concurrency)
-        groups = by_instance(due)
+        now = self._clock()
+        groups = {
+            name: slots
+            for name, slots in by_instance(due).items()
+            if self.release_backoff.due(name, now)
+        }
 
         async def release(name: ObjectKey, slots: list[HeldSlot]) -> tuple[str, ...]:
             expected = {slot.slot: slot.value for slot in slots}
@@ -424,9 +439,25 @@ class SlotReclaimer:
             if isinstance(result, BaseException):
                 if isinstance(result, asyncio.CancelledError):
                     raise result
-                # kept as seen unused: due again at the next pass
-                log.warning("releasing stale slots of %s failed: %s", name, result)
+                # kept as seen unused: due again once its backoff is over
+                failure = self.release_backoff.failed(name, self._clock())
+                if failure.log:
+                    more = (
+                        f" ({failure.unlogged} more failure(s) since the last report)"
+                        if failure.unlogged
+                        else ""
+                    )
+                    log.warning(
+                        "releasing stale slots of %s failed: %s; retrying in %.0fs%s",
+                        name,
+                        result,
+                        failure.delay,
+                        more,
+                    )
                 continue
+            failures = self.release_backoff.succeeded(name)
+            if failures:
+                log.info("releasing stale slots of %s works again (%d failure(s))", name, failures)
             for slot in slots:
                 self._unused_since.pop(slot.key, None)
                 if slot.slot in result:

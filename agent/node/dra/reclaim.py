@@ -39,6 +39,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from agent.core.aio.backoff import FailureBackoff
 from agent.core.aio.events import Subscription
 from agent.core.model.device_usage import ClaimUsage, parse_usage
 from agent.core.model.instance import Instance
@@ -134,6 +135,11 @@ class DraReclaimer:
         self._subscription: Subscription[InstanceEvent] | None = None
         self._stale_since: dict[tuple[ObjectKey, str], float] = {}
         self._reported: set[tuple[ObjectKey, str, str]] = set()
+        # an Instance whose release failed (API server unavailable) waits before the next
+        # attempt, and its failures are logged at most every 30 s
+        self.release_backoff: FailureBackoff[ObjectKey] = FailureBackoff(
+            initial=max(1.0, interval), maximum=30.0, log_every=30.0
+        )
         self.freed = 0
         self.passes = 0
         self.idle = asyncio.Event()  # set while waiting for this node to hold a D: slot
@@ -241,6 +247,8 @@ class DraReclaimer:
             for key in [k for k in self._stale_since if k not in current]:
                 del self._stale_since[key]
             for slot in due:
+                if not self.release_backoff.due(slot.instance, now):
+                    continue  # still stale since then: freed once its backoff is over
                 since = self._stale_since.pop(slot.key)
                 try:
                     released = await self.ledger.release_slots(
@@ -250,12 +258,19 @@ class DraReclaimer:
                     )
                 except StoreError as error:
                     # the API or the disk refused (StorageError names the cause): still stale
-                    # since then, so the next pass frees it without a new grace
+                    # since then, so a later pass frees it without a new grace
                     self._stale_since[slot.key] = since
-                    log.warning(
-                        "cannot free DRA slot %s (%s) now: %s", slot.slot, slot.value, error
-                    )
+                    failure = self.release_backoff.failed(slot.instance, self._clock())
+                    if failure.log:
+                        log.warning(
+                            "cannot free DRA slot %s (%s) now: %s; retrying in %.0fs",
+                            slot.slot,
+                            slot.value,
+                            error,
+                            failure.delay,
+                        )
                     continue
+                self.release_backoff.succeeded(slot.instance)
                 if slot.slot in released:
                     self.freed += 1
                     freed.append(slot)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -564,3 +565,41 @@ async def test_instances_this_node_does_not_serve_are_left_alone(
     assert [h.instance for h in freed] == [K("cam-aaaaaa")]
     kept = store.get_cached(ObjectKey("other", "cam-aaaaaa"))
     assert kept is not None and kept.device_usage["cam-aaaaaa-0"] == NODE
+
+
+async def test_an_outage_backs_off_and_rate_limits_the_warnings(
+    store: CountingStore,
+    fake: FakeTime,
+    kubelet: Kubelet,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 30 (7): during a 30 s outage ``releasing stale slots of X failed`` was logged (and
+    the write sent) once a second per Instance. Now the attempts back off exponentially and
+    a warning is logged at most every 30 s; the slot is freed once the API answers again."""
+    from agent.core.store.base import StoreUnavailableError
+
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet)
+    real_update = store.update
+    attempts: list[float] = []
+
+    async def unavailable(instance: Instance) -> Instance:
+        attempts.append(fake.now)
+        raise StoreUnavailableError("connection refused")
+
+    store.update = unavailable  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="agent.node.deviceplugin.reclaimer"):
+        for _ in range(33):  # a pass a second for 33 s: 30 of them during the outage
+            await reclaimer.reclaim_once()
+            fake.now += 1.0
+        warnings = [r for r in caplog.records if "releasing stale slots" in r.getMessage()]
+    # seen unused at 100, due at 103: tried at 103, 104, 106, 110, 118, 134 (not yet): 5
+    assert attempts == [103.0, 104.0, 106.0, 110.0, 118.0]
+    assert len(warnings) == 1 and "retrying in 1s" in warnings[0].getMessage()
+    store.update = real_update  # type: ignore[method-assign]
+    fake.now = 134.0
+    with caplog.at_level(logging.INFO, logger="agent.node.deviceplugin.reclaimer"):
+        assert [h.instance.name for h in await reclaimer.reclaim_once()] == ["cam-aaaaaa"]
+    assert any("works again (5 failure(s))" in r.getMessage() for r in caplog.records)
+    assert len(reclaimer.release_backoff) == 0
