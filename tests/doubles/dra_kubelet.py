@@ -1142,6 +1142,17 @@ class DraKubeletDouble:
             response = await rpc(request, timeout=self.call_timeout)
         except grpc.aio.AioRpcError as exc:
             error = f"{method} on {registration.driver} ({service}): {_rpc_error_text(exc)}"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller itself was cancelled
+            # grpc.aio raises CancelledError in the caller when its channel is closed under
+            # the call (the plugin deregistered meanwhile, _close_unused_channels): kubelet's
+            # client sees codes.Canceled, a failed call, not a crash
+            error = (
+                f"{method} on {registration.driver} ({service}): rpc error: code = Canceled "
+                "desc = the connection to the plugin was closed"
+            )
         self.calls.append(
             DraCall(
                 method,

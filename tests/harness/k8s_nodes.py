@@ -117,7 +117,9 @@ def summary(api: ApiServerDouble) -> dict[str, list[str]]:
     return {o["metadata"]["name"]: sorted(o["spec"]["nodes"]) for o in instances(api)}
 
 
-async def eventually(check: Callable[[], bool], within: float = 5.0, what: str = "") -> None:
+async def eventually(check: Callable[[], bool], within: float = 30.0, what: str = "") -> None:
+    """Poll ``check`` until it holds. The bound is generous (CI may be loaded: a passing check
+    returns as soon as it holds, so only a failure waits it out)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while True:

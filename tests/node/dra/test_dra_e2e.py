@@ -343,10 +343,18 @@ async def test_removed_registration_socket_is_served_again(
     try:
         assert node.dra is not None
         node.dra.registration_socket.unlink()
-        await eventually(lambda: node.dra is not None and node.dra.re_registrations == 1)
-        await eventually(lambda: node.dra is not None and node.dra.registration_socket.exists())
-        await kubelet.wait_for_registration("akri.sh", timeout=5)
-        await eventually(lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"])
+        # generous bounds: on a loaded machine (CI runs beside other work) the re-serve, the
+        # double's 1 s GetInfo and its 0.5 s doubling backoff can take several seconds
+        await eventually(
+            lambda: node.dra is not None and node.dra.re_registrations == 1, within=30
+        )
+        await eventually(
+            lambda: node.dra is not None and node.dra.registration_socket.exists(), within=30
+        )
+        await kubelet.wait_for_registration("akri.sh", timeout=30)
+        await eventually(
+            lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"], within=30
+        )
         uid, results = await claim_and_prepare(api, kubelet, "node-a", "after")
         assert results[uid].devices[0].device_name == "cam-8120fe-0"
     finally:
