@@ -376,7 +376,7 @@ AGENT_OPTIONS = (
         "the most devices that become Instances on this node, over all Configurations "
         "(Configurations by namespace and name, devices by id; the rest are left out with an "
         f"Event OverBudget); 0: no limit. Default {DEFAULT_MAX_INSTANCES}: fits the "
-        "DaemonSet's 384Mi memory limit with a third to spare (docs/performance.md)",
+        "DaemonSet's 384Mi memory limit, also after kubelet restarts (docs/performance.md)",
     ),
 )
 

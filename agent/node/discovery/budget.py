@@ -26,12 +26,12 @@ from discovery_handlers.base import Device
 
 log = logging.getLogger("agent.discovery")
 
-# Measured (benchmarks/instance_cost.py, docs/performance.md "Instance budget"): the agent's RSS
-# grows ~85 KiB per served Instance on top of ~60 MiB, and it holds 2 fds per plugin. With the
-# DaemonSet's 384 MiB limit and a third of it kept as headroom (Python's allocator does not
-# return freed arenas, bursts of Allocate/Events/relists, a kubelet restart re-registering every
-# plugin at once), 2,000 Instances fit: 60 + 2000 x 0.085 = 230 MiB.
-DEFAULT_MAX_INSTANCES = 2000
+# Measured (benchmarks/instance_cost.py, results-instance-cost.json, docs/performance.md "Instance
+# budget"): RSS = 46 MiB + 98.6 KiB per served Instance, 2 fds per Instance; after kubelet
+# restarts (every plugin gets a new gRPC server; the old ones' memory is not all given back)
+# up to 161 KiB per Instance. 1500 keeps the steady RSS at half the DaemonSet's 384 MiB limit
+# (46 + 1500 x 0.096 = 190 MiB) and the worst after restarts at three quarters (282 MiB).
+DEFAULT_MAX_INSTANCES = 1500
 FDS_PER_INSTANCE = 2  # the plugin's listening socket + kubelet's connection to it
 BASE_FDS = 256  # API/kubelet connections, watches, inotify, logs, external handlers, CL plugins
 
