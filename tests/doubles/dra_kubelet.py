@@ -904,6 +904,80 @@ class DraKubeletDouble:
             registration, service or registration.service, "NodeUnprepareResources", claims
         )
 
+    # --- pods: their claims, including the extended-resource claim (KEP-5004) ----------
+
+    def pod_claims(self, pod: JSON) -> list[ClaimRef]:
+        """The claims kubelet prepares for ``pod`` (needs the API double): every
+        ``spec.resourceClaims`` entry by its name in ``status.resourceClaimStatuses`` (or
+        ``resourceClaimName``), and the special claim named in
+        ``status.extendedResourceClaimStatus`` (the scheduler created it for extended
+        resources backed by DRA)."""
+        if self.api is None:
+            raise DraKubeletError("pod_claims needs the API double")
+        namespace = pod["metadata"].get("namespace", "default")
+        status = pod.get("status") or {}
+        generated = {
+            s.get("name"): s.get("resourceClaimName")
+            for s in status.get("resourceClaimStatuses") or []
+        }
+        names: list[str] = []
+        for claim in pod["spec"].get("resourceClaims") or []:
+            name = claim.get("resourceClaimName") or generated.get(claim.get("name"))
+            if name:
+                names.append(name)
+        extended = (status.get("extendedResourceClaimStatus") or {}).get("resourceClaimName")
+        if extended:
+            names.append(extended)
+        refs: list[ClaimRef] = []
+        for name in names:
+            obj = self.api.get(RESOURCE_CLAIMS, name, namespace)
+            if obj is None:
+                raise PrepareError(f"failed to fetch ResourceClaim {namespace}/{name}: not found")
+            refs.append((namespace, obj["metadata"]["uid"], name))
+        return refs
+
+    async def prepare_pod(self, pod: JSON) -> dict[str, Any]:
+        """:meth:`prepare` for all of ``pod``'s claims (:meth:`pod_claims`); the pod is
+        tracked for its status (:meth:`track_pod`)."""
+        refs = self.pod_claims(pod)
+        results = await self.prepare(pod["metadata"]["uid"], refs)
+        self.track_pod(pod)
+        return results
+
+    def container_cdi_devices(self, pod: JSON, container: str) -> list[str]:
+        """The CDI device ids kubelet hands the runtime for ``container``: of the claims in its
+        ``resources.claims`` (filtered by ``request`` when set), and of the extended-resource
+        claim the devices of the requests ``requestMappings`` maps to this container."""
+        namespace = pod["metadata"].get("namespace", "default")
+        status = pod.get("status") or {}
+        generated = {
+            s.get("name"): s.get("resourceClaimName")
+            for s in status.get("resourceClaimStatuses") or []
+        }
+        by_pod_name = {
+            c.get("name"): c.get("resourceClaimName") or generated.get(c.get("name"))
+            for c in pod["spec"].get("resourceClaims") or []
+        }
+        by_name = {(i.namespace, i.name): i for i in self.claims.values()}
+        wanted: list[tuple[str | None, str | None]] = []  # (claim name, request or None)
+        spec = next(c for c in pod["spec"]["containers"] if c["name"] == container)
+        for claim in (spec.get("resources") or {}).get("claims") or []:
+            wanted.append((by_pod_name.get(claim["name"]), claim.get("request")))
+        extended = status.get("extendedResourceClaimStatus") or {}
+        for mapping in extended.get("requestMappings") or []:
+            if mapping.get("containerName") == container:
+                wanted.append((extended.get("resourceClaimName"), mapping.get("requestName")))
+        ids: list[str] = []
+        for claim_name, request in wanted:
+            info = by_name.get((namespace, claim_name)) if claim_name else None
+            if info is None or info.response is None:
+                continue
+            for device in info.response.devices:
+                names = list(device.request_names)
+                if request is None or not names or request in names:
+                    ids.extend(i for i in device.cdi_device_ids if i not in ids)
+        return ids
+
     # --- device health (KEP-4680) ----------------------------------------------------------
 
     def choose_health_service(self, supported_versions: Sequence[str]) -> str | None:

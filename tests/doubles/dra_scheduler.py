@@ -422,12 +422,16 @@ def allocate_claim(
     pod_name: str | None = None,
     pod_uid: str | None = None,
     tolerations: Iterable[Mapping[str, Any]] | None = None,
+    all_requests: bool = False,
+    class_selectors: Mapping[str, Selector | None] | None = None,
 ) -> JSON:
     """Allocate ``count`` devices (default: the request's ``exactly.count``, else 1) of
     ``driver`` on ``node_name`` to the claim and reserve it for the pod; returns the claim.
 
     An already allocated claim is only reserved for the pod (its allocation must be usable on
-    the node). Raises :class:`AllocationError` when nothing fits, with the reasons."""
+    the node). Raises :class:`AllocationError` when nothing fits, with the reasons.
+    ``all_requests`` allocates every request of the claim with its own ``count``;
+    ``class_selectors`` (DeviceClass name -> selector) then stands for each request's class."""
     claim = api.get(RESOURCE_CLAIMS, claim_name, namespace)
     if claim is None:
         raise AllocationError(f"ResourceClaim {namespace}/{claim_name} not found")
@@ -444,25 +448,86 @@ def allocate_claim(
         return _write_status(api, claim, status)
 
     requests = ((claim.get("spec") or {}).get("devices") or {}).get("requests") or []
-    spec_request = next((r for r in requests if r.get("name") == request), None)
-    if requests and spec_request is None:
-        raise AllocationError(
-            f"ResourceClaim {namespace}/{claim_name} has no request named {request!r} "
-            f"(requests: {[r.get('name') for r in requests]})"
-        )
-    if count is None:
-        count = int(((spec_request or {}).get("exactly") or {}).get("count") or 1)
-    if count < 1:
-        raise AllocationError(f"count must be at least 1, got {count}")
-    exactly = (spec_request or {}).get("exactly") or {}
-    if tolerations is None:
-        tolerations = exactly.get("tolerations") or []
-    tolerations = list(tolerations)
-    consumption: dict[tuple[str, str], dict[str, int]] = {}
-    over_capacity = 0
-
+    names = [str(r.get("name")) for r in requests] if all_requests else [request]
     taken = allocated_devices(api)
     picked: list[tuple[PoolView, JSON, JSON, str]] = []  # (pool, slice, device, placement)
+    results: list[JSON] = []
+    for name in names:
+        spec_request = next((r for r in requests if r.get("name") == name), None)
+        if requests and spec_request is None:
+            raise AllocationError(
+                f"ResourceClaim {namespace}/{claim_name} has no request named {name!r} "
+                f"(requests: {[r.get('name') for r in requests]})"
+            )
+        wanted = count
+        if wanted is None or all_requests:
+            wanted = int(((spec_request or {}).get("exactly") or {}).get("count") or 1)
+        if wanted < 1:
+            raise AllocationError(f"count must be at least 1, got {wanted}")
+        exactly = (spec_request or {}).get("exactly") or {}
+        request_selector = selector
+        if class_selectors is not None:
+            request_selector = class_selectors.get(str(exactly.get("deviceClassName")))
+        request_tolerations = list(
+            tolerations if tolerations is not None else exactly.get("tolerations") or []
+        )
+        these, consumption = _pick(
+            api,
+            f"ResourceClaim {namespace}/{claim_name} request {name!r}",
+            driver,
+            node_name,
+            labels,
+            wanted,
+            exactly,
+            request_selector,
+            request_tolerations,
+            taken,
+            picked,
+        )
+        picked.extend(these)
+        for pool, _item, device, _placement in these:
+            result: JSON = {
+                "request": name,
+                "driver": driver,
+                "pool": pool.name,
+                "device": device["name"],
+            }
+            if device.get("allowMultipleAllocations"):
+                result["shareID"] = str(uuid.uuid4())
+                used = consumption.get((pool.name, device["name"]))
+                if used:
+                    result["consumedCapacity"] = {n: str(v) for n, v in used.items()}
+            if request_tolerations and device.get("taints"):
+                # copied from the request, like the allocator
+                result["tolerations"] = request_tolerations
+            results.append(result)
+    allocation: JSON = {"devices": {"results": results}}
+    node_selector = _allocation_node_selector(picked, node_name)
+    if node_selector is not None:
+        allocation["nodeSelector"] = node_selector
+    status["allocation"] = allocation
+    _reserve(status, pod_name, pod_uid)
+    return _write_status(api, claim, status)
+
+
+def _pick(
+    api: ApiServerDouble,
+    what: str,
+    driver: str,
+    node_name: str,
+    labels: Mapping[str, str],
+    count: int,
+    exactly: Mapping[str, Any],
+    selector: Selector | None,
+    tolerations: list[Mapping[str, Any]],
+    taken: set[tuple[str, str, str]],
+    earlier: list[tuple[PoolView, JSON, JSON, str]],
+) -> tuple[list[tuple[PoolView, JSON, JSON, str]], dict[tuple[str, str], dict[str, int]]]:
+    """First-fit ``count`` devices for one request (``earlier``: picked for other requests
+    of the same claim, not picked again)."""
+    consumption: dict[tuple[str, str], dict[str, int]] = {}
+    over_capacity = 0
+    picked: list[tuple[PoolView, JSON, JSON, str]] = []
     incomplete: list[str] = []
     elsewhere = 0
     already = 0
@@ -501,6 +566,10 @@ def allocate_claim(
             if key in taken and not device.get("allowMultipleAllocations"):
                 already += 1
                 continue
+            if any(
+                p[0].name == pool.name and p[2].get("name") == key[2] for p in (*earlier, *picked)
+            ) and not device.get("allowMultipleAllocations"):
+                continue
             if any(p[0].name == pool.name and p[2].get("name") == key[2] for p in picked):
                 continue
             if _tainted(device, tolerations):
@@ -526,38 +595,13 @@ def allocate_claim(
             break
     if len(picked) < count:
         raise AllocationError(
-            f"cannot allocate {count} device(s) of driver {driver} for ResourceClaim "
-            f"{namespace}/{claim_name} request {request!r} on node {node_name}: "
-            f"{len(picked)} fit; {candidates} candidate(s) in complete pools available on the "
-            f"node, {already} already allocated, {rejected} rejected by the selector, "
-            f"{tainted} tainted, {over_capacity} without enough capacity left, {elsewhere} not "
-            f"available on the node; incomplete pools: "
-            f"{incomplete or 'none'}"
+            f"cannot allocate {count} device(s) of driver {driver} for {what} on node "
+            f"{node_name}: {len(picked)} fit; {candidates} candidate(s) in complete pools "
+            f"available on the node, {already} already allocated, {rejected} rejected by the "
+            f"selector, {tainted} tainted, {over_capacity} without enough capacity left, "
+            f"{elsewhere} not available on the node; incomplete pools: {incomplete or 'none'}"
         )
-
-    results = []
-    for pool, _item, device, _placement in picked:
-        result: JSON = {
-            "request": request,
-            "driver": driver,
-            "pool": pool.name,
-            "device": device["name"],
-        }
-        if device.get("allowMultipleAllocations"):
-            result["shareID"] = str(uuid.uuid4())
-            used = consumption.get((pool.name, device["name"]))
-            if used:
-                result["consumedCapacity"] = {n: str(v) for n, v in used.items()}
-        if tolerations and device.get("taints"):
-            result["tolerations"] = tolerations  # copied from the request, like the allocator
-        results.append(result)
-    allocation: JSON = {"devices": {"results": results}}
-    node_selector = _allocation_node_selector(picked, node_name)
-    if node_selector is not None:
-        allocation["nodeSelector"] = node_selector
-    status["allocation"] = allocation
-    _reserve(status, pod_name, pod_uid)
-    return _write_status(api, claim, status)
+    return picked, consumption
 
 
 def _allocation_node_selector(
@@ -719,3 +763,194 @@ def all_of(*selectors: Selector) -> Selector:
 def any_of(*selectors: Selector) -> Selector:
     """``a || b || ...``"""
     return lambda device, slice_: any(s(device, slice_) for s in selectors)
+
+
+# --------------------------------------------------------------------------------------------
+# Extended resources backed by DRA (KEP-5004)
+# --------------------------------------------------------------------------------------------
+
+DEVICE_CLASSES = "deviceclasses.resource.k8s.io"
+EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
+IMPLICIT_PREFIX = "deviceclass.resource.kubernetes.io/"
+_CEL_TERM = re.compile(
+    r"^\s*device\.(?:driver|attributes\[\s*'(?P<domain>[^']+)'\s*\]\.(?P<attr>\w+))\s*==\s*"
+    r"'(?P<value>(?:[^'\\]|\\.)*)'\s*$"
+)
+
+
+def class_selector(device_class: Mapping[str, Any]) -> Selector:
+    """A DeviceClass's CEL selectors as a Python selector, for the forms the agent's classes
+    use: terms ``device.driver == '<d>'`` and ``device.attributes['<domain>'].<attr> ==
+    '<value>'`` joined by ``&&`` (anything else raises ``ValueError``: not emulated)."""
+    checks: list[Callable[[JSON, JSON], bool]] = []
+    for selector in (device_class.get("spec") or {}).get("selectors") or []:
+        expression = str((selector.get("cel") or {}).get("expression", ""))
+        for term in expression.split("&&"):
+            match = _CEL_TERM.match(term)
+            if match is None:
+                raise ValueError(f"CEL not emulated: {term.strip()!r}")
+            value = re.sub(r"\\(.)", r"\1", match["value"])
+            if match["attr"] is None:
+                checks.append(lambda d, s, v=value: s["spec"].get("driver") == v)
+            else:
+                checks.append(lambda d, s, a=match["attr"], v=value: attribute_value(d, s, a) == v)
+    return lambda device, slice_: all(check(device, slice_) for check in checks)
+
+
+def _is_extended(resource: str) -> bool:
+    """``IsExtendedResourceName``: a domain-qualified name outside ``kubernetes.io`` (and not
+    ``requests.``-prefixed)."""
+    domain = resource.split("/", 1)[0] if "/" in resource else ""
+    return (
+        bool(domain)
+        and not domain.endswith("kubernetes.io")
+        and not resource.startswith("requests.")
+    )
+
+
+def _container_requests(container: Mapping[str, Any]) -> dict[str, int]:
+    """Extended resources a container asks for: ``requests``, else ``limits`` (the API server
+    defaults requests to limits for extended resources)."""
+    resources = container.get("resources") or {}
+    merged = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+    return {k: int(str(v)) for k, v in merged.items() if _is_extended(k) and int(str(v)) > 0}
+
+
+def device_class_for(api: ApiServerDouble, resource: str) -> JSON | None:
+    """The DeviceClass backing ``resource``: ``spec.extendedResourceName`` or the implicit
+    ``deviceclass.resource.kubernetes.io/<class>`` (the newest class wins on a tie)."""
+    classes = api.list(DEVICE_CLASSES)
+    explicit = [c for c in classes if (c.get("spec") or {}).get("extendedResourceName") == resource]
+    if explicit:
+        return max(explicit, key=lambda c: c["metadata"].get("creationTimestamp", ""))
+    if resource.startswith(IMPLICIT_PREFIX):
+        return next(
+            (c for c in classes if c["metadata"]["name"] == resource[len(IMPLICIT_PREFIX) :]),
+            None,
+        )
+    return None
+
+
+def schedule_extended_resources(
+    api: ApiServerDouble,
+    namespace: str,
+    pod_name: str,
+    node_name: str,
+    *,
+    driver: str = DEFAULT_DRIVER,
+) -> JSON | None:
+    """What the scheduler's DRA plugin does for a pod's extended resources on ``node_name``
+    (``filterExtendedResources``, ``createRequestsAndMappings``, the binder's claim create and
+    pod status patch): a resource the Node's ``status.allocatable`` has (> 0: a device plugin
+    advertises it) is left to the device plugin; one backed by a DeviceClass is requested
+    through DRA. Creates the special claim (``generateName: <pod>-extended-resources-``,
+    annotation ``resource.kubernetes.io/extended-resource-claim: "true"``, owned by the pod;
+    one request ``container-<i>-request-<j>`` per container and resource: ``i`` the index among
+    init containers + containers, ``j`` the resource's index in the container's sorted
+    requests), allocates it on the node, reserves it for the pod and writes
+    ``pod.status.extendedResourceClaimStatus``. Returns the claim, or None when nothing goes
+    through DRA. Raises :class:`AllocationError` for a resource neither offered nor backed.
+
+    Not emulated: reuse of long-lived containers' devices by init containers (each container
+    gets its own request)."""
+    pod = api.get("pods", pod_name, namespace)
+    if pod is None:
+        raise AllocationError(f"pod {namespace}/{pod_name} not found")
+    node = api.get("nodes", node_name) or {}
+    allocatable = ((node.get("status") or {}).get("allocatable")) or {}
+    containers = [*(pod["spec"].get("initContainers") or []), *pod["spec"]["containers"]]
+    requests: list[JSON] = []
+    mappings: list[JSON] = []
+    selectors: dict[str, Selector | None] = {}
+    for index, container in enumerate(containers):
+        wanted = _container_requests(container)
+        keys = sorted(
+            {**((container.get("resources") or {}).get("limits") or {}),
+             **((container.get("resources") or {}).get("requests") or {})}
+        )  # fmt: skip
+        for resource, quantity in sorted(wanted.items()):
+            if int(str(allocatable.get(resource, "0"))) > 0:
+                continue  # a device plugin offers it on this node
+            device_class = device_class_for(api, resource)
+            if device_class is None:
+                raise AllocationError(
+                    f"pod {namespace}/{pod_name}: cannot fit resource {resource} on node "
+                    f"{node_name}: not in the node's allocatable and no DeviceClass backs it"
+                )
+            class_name = device_class["metadata"]["name"]
+            selectors[class_name] = class_selector(device_class)
+            name = f"container-{index}-request-{keys.index(resource)}"
+            requests.append(
+                {
+                    "name": name,
+                    "exactly": {
+                        "deviceClassName": class_name,
+                        "allocationMode": "ExactCount",
+                        "count": quantity,
+                    },
+                }
+            )
+            mappings.append(
+                {"containerName": container["name"], "resourceName": resource, "requestName": name}
+            )
+    if not requests:
+        return None
+    requests.sort(key=lambda r: r["name"])
+    meta = pod["metadata"]
+    claim = api.create(
+        {
+            "apiVersion": API_VERSION,
+            "kind": "ResourceClaim",
+            "metadata": {
+                "generateName": f"{pod_name}-extended-resources-",
+                "namespace": namespace,
+                "annotations": {EXTENDED_RESOURCE_CLAIM_ANNOTATION: "true"},
+                "ownerReferences": [
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "name": pod_name,
+                        "uid": meta["uid"],
+                        "controller": True,
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+            "spec": {"devices": {"requests": requests}},
+        }
+    )
+    claim_name = claim["metadata"]["name"]
+    try:
+        claim = allocate_claim(
+            api,
+            namespace,
+            claim_name,
+            node_name,
+            driver=driver,
+            pod_name=pod_name,
+            pod_uid=meta["uid"],
+            all_requests=True,
+            class_selectors=selectors,
+        )
+    except AllocationError:
+        api.delete(RESOURCE_CLAIMS, claim_name, namespace)  # unreserveExtendedResourceClaim
+        raise
+    stored = api.get("pods", pod_name, namespace) or pod
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name,
+            "namespace": namespace,
+            "resourceVersion": stored["metadata"]["resourceVersion"],
+        },
+        "status": {
+            **(stored.get("status") or {}),
+            "extendedResourceClaimStatus": {
+                "resourceClaimName": claim_name,
+                "requestMappings": mappings,
+            },
+        },
+    }
+    api.store.update(api.resource("pods"), "v1", namespace, pod_name, body, subresource="status")
+    return claim
