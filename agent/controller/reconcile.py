@@ -414,7 +414,7 @@ class Reconciler:
             self.settings.pending_broker_grace, self.settings.failed_broker_grace
         )
         ready = self.nodes.ready_nodes()
-        waiting: collections.Counter[str] = collections.Counter()
+        waiting: collections.Counter[ObjectKey] = collections.Counter()
         seen: set[tuple[str, str]] = set()
         for instance in instances:
             ident = (instance.namespace, instance.name)
@@ -427,7 +427,7 @@ class Reconciler:
             if plan.next_check is not None:
                 deadlines.append(self._monotonic() + max(0.0, plan.next_check - now))
             if plan.waiting:
-                waiting[configuration.name] += len(plan.waiting)
+                waiting[configuration.key] += len(plan.waiting)
             for removal in plan.remove:
                 await self._remove_pod(instance.namespace, configuration.name, removal)
             for pod in plan.create:
@@ -438,7 +438,7 @@ class Reconciler:
             if job_plan.create is not None:
                 await self._create(self.job_cache, "jobs", job_plan.create, configuration.name)
             elif job_plan.waiting:
-                waiting[configuration.name] += 1
+                waiting[configuration.key] += 1
         # brokers of Instances that are gone (Akri deletes them; owner GC would too, later)
         for (namespace, instance_name), objs in pods.items():
             if (namespace, instance_name) in seen:
@@ -458,7 +458,19 @@ class Reconciler:
                 ):
                     log.info("configuration %s/%s: broker Job %s removed (InstanceGone)",
                              namespace, _configuration_label(obj), orphan.name)  # fmt: skip
-        self.stats.brokers_waiting = dict(waiting)
+        by_name: collections.Counter[str] = collections.Counter()
+        for key, number in waiting.items():
+            by_name[key.name] += number
+        self.stats.brokers_waiting = dict(by_name)
+        for key, number in sorted(waiting.items()):
+            configuration = configurations[key]
+            # the same message at most every 5 minutes (the Event recorder's rule)
+            await self.store.record_configuration_event(
+                configuration,
+                "BrokerWaitingForSlot",
+                f"{number} broker(s) not started: their Instance has no free slot for them "
+                f"(capacity {configuration.capacity}); they start when a slot is freed",
+            )
 
     async def _create(self, cache: Watched, plural: str, obj: Obj, configuration: str) -> None:
         meta = obj["metadata"]

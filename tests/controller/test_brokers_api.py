@@ -81,6 +81,12 @@ async def test_no_more_broker_pods_than_free_slots(api: ApiServerDouble, tmp_pat
         )
         assert len(broker_pods(api)) == 1
         assert running.controller.reconciler.stats.brokers_waiting == {"cams": 2}
+        event = await eventually(
+            lambda: [e for e in api.list("events") if e.get("reason") == "BrokerWaitingForSlot"],
+            "an Event on the Configuration",
+        )
+        assert event[0]["involvedObject"]["name"] == "cams"
+        assert "2 broker(s) not started" in event[0]["message"]
 
 
 async def test_failed_broker_pod_is_replaced(api: ApiServerDouble, tmp_path: Path) -> None:
