@@ -12,6 +12,7 @@ from agent.core.aio.events import Subscription
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent
 from agent.node.activity_log import log_instance_changes
+from agent.node.discovery.budget import ensure_fd_limit
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
@@ -141,6 +142,7 @@ class Agent:
             GraceSettings(settings.local_offline_grace, settings.shared_offline_grace),
             ledger=self.ledger,
             ownership=self.ownership,
+            max_instances=settings.max_instances,
         )
         self._activity: asyncio.Task[None] | None = None
         self._finalizers: asyncio.Task[None] | None = None
@@ -262,6 +264,8 @@ class Agent:
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
         self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
+        # before the first plugin: every served Instance holds two descriptors
+        ensure_fd_limit(self.settings.max_instances)
         if self.settings.health_port:
             # first: /healthz must answer while the store waits for the API and the CRDs (up
             # to 300 s), or the liveness probe restarts a starting agent; /readyz says
