@@ -197,7 +197,7 @@ async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: 
     await handler.queue.put([])
     await until(lambda: name in manager.offline_instances())
     assert store.get_cached(key) is not None  # kept during the grace period
-    await until(lambda: store.get_cached(key) is None, within=2)
+    await until(lambda: store.get_cached(key) is None)
     assert manager.offline_instances() == frozenset()
 
 
@@ -210,7 +210,7 @@ async def test_handler_failure_is_survived_and_restarted(setup, caplog) -> None:
     await until(lambda: len(instances(store)) == 1)
     with caplog.at_level(logging.ERROR):
         await handler.queue.put(RuntimeError("boom"))
-        await until(lambda: handler.started == 2, within=3)
+        await until(lambda: handler.started == 2)
     assert any("boom" in r.getMessage() for r in caplog.records)
     await handler.queue.put([Device("d1")])
     await until(lambda: len(instances(store)) == 1)
@@ -234,7 +234,7 @@ async def test_a_failing_handler_keeps_its_last_devices(tmp_path: Path) -> None:
         runner = manager.runners[key]
         runner.reconciled.clear()
         await handler.queue.put(RuntimeError("the bus went away"))
-        await until(lambda: handler.started == 2, within=3)
+        await until(lambda: handler.started == 2)
         await runner.reconcile_once()  # what any later reconcile would decide
         assert len(instances(store)) == 2
         assert manager.offline_instances() == frozenset()
@@ -355,7 +355,7 @@ async def test_nothing_is_taken_for_an_orphan_while_a_configuration_file_is_unre
             "apiVersion: akri.sh/v0\nkind: Configuration\nmetadata: {name: other}\n"
             "spec: {discoveryHandler: {name: scripted}, capacity: 1}\n"
         )
-        await until(lambda: store.get_cached(unused.key) is None, within=5)
+        await until(lambda: store.get_cached(unused.key) is None)
     finally:
         await manager.close()
         await store.close()

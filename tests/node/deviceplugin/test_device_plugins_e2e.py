@@ -241,7 +241,7 @@ async def test_kubelet_restart_reregisters_within_a_second(
         started = time.monotonic()
         await node.kubelet.restart()
         for resource in resources:
-            await node.kubelet.wait_registered(resource, timeout=5)
+            await node.kubelet.wait_registered(resource, timeout=30)
         elapsed = time.monotonic() - started
         assert elapsed < 1.5, f"re-registration took {elapsed:.2f}s"
         await eventually(lambda: node.kubelet.allocatable(CL) >= 1)
@@ -292,7 +292,7 @@ async def test_offline_device_turns_unhealthy_then_plugin_goes(
             lambda: set(node.kubelet.devices(IL).values()) == {"Unhealthy"},
             what="slots Unhealthy during the grace period",
         )
-        await eventually(lambda: "cam-8120fe" not in node.plugins.instance_plugins, within=5)
+        await eventually(lambda: "cam-8120fe" not in node.plugins.instance_plugins)
         assert not socket.exists()
     finally:
         await node.stop()

@@ -125,7 +125,7 @@ async def dra_node(api: ApiServerDouble, tmp_path: Path, **kwargs: Any) -> tuple
     node = await start_dp_node(api, "node-a", tmp_path, dra=True, **kwargs)
     kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
     await kubelet.start()
-    await kubelet.wait_for_registration("akri.sh", timeout=5)
+    await kubelet.wait_for_registration("akri.sh", timeout=30)
     return node, kubelet
 
 
