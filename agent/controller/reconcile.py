@@ -37,6 +37,7 @@ from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
 from agent.core.ledger.finalizer import release_finalizer_share
 from agent.core.model.configuration import Configuration
+from agent.core.model.device_usage import holder_node, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import ConflictError, InstanceStore, NotFoundError, StoreError
@@ -276,6 +277,11 @@ class Reconciler:
         listed: set[str] = set()
         for instance in instances:
             listed.update(instance.nodes)
+            # a holder no longer listed (its value left behind) is a candidate too
+            for value in set(instance.device_usage.values()):
+                holder = holder_node(parse_usage(value)) if value else None
+                if holder is not None:
+                    listed.add(holder)
         now = self._monotonic()
         dead = sorted(self.nodes.dead_among(listed, now))
         upcoming = self.nodes.next_deadline(listed, now)
@@ -392,12 +398,18 @@ class Reconciler:
             log.info("ResourceSlice %s of dead node %s deleted for the next publisher", name, node)
 
     # -- brokers ---------------------------------------------------------------------------
-    def _by_instance(self, cache: Watched) -> dict[tuple[str, str], list[Obj]]:
+    def _by_instance(
+        self, cache: Watched, *, pinned: bool = False
+    ) -> dict[tuple[str, str], list[Obj]]:
+        """Cached brokers by (namespace, Instance); ``pinned``: only broker Pods this
+        controller made from a brokerPodSpec (they name their node) — a broker Job's Pods
+        carry the same ``controller``/``instance`` labels but belong to their Job."""
         grouped: dict[tuple[str, str], list[Obj]] = collections.defaultdict(list)
         for obj in cache.cache.values():
             meta = obj.get("metadata") or {}
-            instance = (meta.get("labels") or {}).get(brokers.INSTANCE_LABEL)
-            if instance:
+            labels = meta.get("labels") or {}
+            instance = labels.get(brokers.INSTANCE_LABEL)
+            if instance and (not pinned or brokers.TARGET_NODE_LABEL in labels):
                 grouped[(str(meta.get("namespace") or ""), str(instance))].append(obj)
         return grouped
 
@@ -408,7 +420,7 @@ class Reconciler:
         now: float,
         deadlines: list[float],
     ) -> None:
-        pods = self._by_instance(self.pod_cache)
+        pods = self._by_instance(self.pod_cache, pinned=True)
         jobs = self._by_instance(self.job_cache)
         timing = brokers.Timing(
             self.settings.pending_broker_grace, self.settings.failed_broker_grace
@@ -589,8 +601,8 @@ class Reconciler:
         counts: collections.Counter[tuple[str, str]] = collections.Counter()
         for obj in self.pod_cache.cache.values():
             pod = self.observed(obj)
-            if pod.deleting:
-                continue
+            if pod.deleting or not pod.node:
+                continue  # terminating, or a broker Job's Pod
             labels = (obj.get("metadata") or {}).get("labels") or {}
             counts[(str(labels.get(brokers.CONFIGURATION_LABEL) or ""), pod.node)] += 1
         return dict(counts)

@@ -262,3 +262,28 @@ async def test_services_follow_running_brokers(api: ApiServerDouble, tmp_path: P
         # the broker stops running: both Services go
         set_phase(api, pod["metadata"]["name"], "Failed")
         await eventually(lambda: api.list("services") == [], "services removed")
+
+
+async def test_a_broker_job_s_pods_are_left_to_their_job_and_count_for_services(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    add_node(api, "node-a")
+    ports = {"ports": [{"port": 80}]}
+    job_spec = {"template": {"spec": {"restartPolicy": "Never", **broker_pod_spec()}}}
+    api.create(configuration(job_spec=job_spec, instance_service=ports))
+    instance(api, "cams-8120fe", ["node-a"])
+    async with running_controller(api, tmp_path):
+        job = await eventually(lambda: api.get("jobs.batch", "cams-8120fe-1-job"), "job")
+        # what the Job controller would start: a Pod from the template's labels
+        labels = dict(job["spec"]["template"]["metadata"]["labels"])
+        labels["batch.kubernetes.io/job-name"] = "cams-8120fe-1-job"
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "cams-8120fe-1-job-x1", "namespace": "default", "labels": labels},
+            "spec": job["spec"]["template"]["spec"],
+        }
+        api.create(pod)
+        set_phase(api, "cams-8120fe-1-job-x1", "Running")
+        await eventually(lambda: api.get("services", "cams-8120fe-svc"), "instance service")
+        assert api.get("pods", "cams-8120fe-1-job-x1") is not None  # never taken for a stray

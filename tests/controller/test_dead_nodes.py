@@ -212,3 +212,19 @@ async def test_running_controller_frees_a_dead_nodes_slots_after_the_grace(
         "cams-8120fe-2": "D:claim-1:node-a",
         "cams-8120fe-3": "",
     }
+
+
+async def test_a_dead_holder_no_longer_listed_is_freed_too(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    add_node(api, "node-a")
+    api.create(configuration(capacity=2))
+    # node-c's value was left behind (an older agent, a hand edit); node-c has no Node at all
+    instance(api, "cams-8120fe", ["node-a"], usage={"cams-8120fe-1": "C:cams-0:node-c"})
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock) as reconciler:
+        await reconciler.reconcile_once()
+    stored = _stored(api)
+    assert stored is not None
+    assert stored["spec"]["deviceUsage"] == {"cams-8120fe-0": "", "cams-8120fe-1": ""}
+    assert stored["spec"]["nodes"] == ["node-a"]
