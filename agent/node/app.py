@@ -132,7 +132,13 @@ class Agent:
             )
         self.evidence = NodeEvidence(node, self.kubelet)
         self.evidence.siblings = lambda instance: store.list_cached(instance.configuration_key)
-        self.ledger = SlotLedger(store, node, evidence=self.evidence)
+        self.ledger = SlotLedger(
+            store,
+            node,
+            evidence=self.evidence,
+            # hot paths (Allocate, NodePrepareResources) bounded well under kubelet's waits
+            claim_timeout=settings.slot_write_timeout or None,
+        )
         self.ownership = Ownership(store)
         self.served = ServedInstances(store, self.ownership)
         self.discovery = DiscoveryManager(

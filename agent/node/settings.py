@@ -263,6 +263,15 @@ AGENT_OPTIONS = (
         "seconds a slot must be unused by any container before it is freed",
     ),
     Option(
+        "--slot-write-timeout",
+        "AKRI_SLOT_WRITE_TIMEOUT",
+        parse_seconds,
+        5.0,
+        "seconds Allocate and NodePrepareResources wait for the API server to record a slot "
+        "before they fail (kubelet waits much longer; a write that timed out is re-read "
+        "before its slot is offered again; 0: the API client's own timeout)",
+    ),
+    Option(
         "--dra",
         "AKRI_DRA",
         parse_bool,
@@ -465,6 +474,7 @@ class AgentSettings:
     health_address: str = "0.0.0.0"
     max_instances: int | None = DEFAULT_MAX_INSTANCES
     log_format: str = "text"
+    slot_write_timeout: float = 5.0
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:

@@ -26,7 +26,7 @@ import logging
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,9 +52,17 @@ from agent.core.ledger.decisions import (
     with_draining,
 )
 from agent.core.ledger.finalizer import finalizer_done, settle_finalizer
+from agent.core.ledger.reservations import RESERVED, UNSETTLED, Reservations
+from agent.core.model.device_usage import ClaimUsage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.store.base import ConflictError, InstanceStore, NotFoundError
+from agent.core.store.base import (
+    ConflictError,
+    InstanceStore,
+    NotFoundError,
+    StoreError,
+    StoreUnavailableError,
+)
 from agent.core.store.cas import DEFAULT_RETRY, RetriesExhaustedError, RetryPolicy, cas_update
 
 log = logging.getLogger(__name__)
@@ -147,6 +155,17 @@ class LeaveResult:
     slots: tuple[str, ...] = ()
 
 
+class SlotWriteTimeoutError(StoreUnavailableError):
+    """A claim's write got no answer within the ledger's ``claim_timeout``: the caller
+    (Allocate, NodePrepareResources) fails now, well before kubelet gives up. The write may
+    still land; the slot is held back until a re-read settles it (:meth:`SlotLedger.unsettled`)."""
+
+
+# A write the API server neither confirmed nor refused can land as long as the server works
+# on the request: kube-apiserver ends a request after its --request-timeout (60 s).
+UNKNOWN_OUTCOME_LIMIT = 60.0
+
+
 class SlotLedger:
     """Claims and frees slots of Instances for owners on ``node``."""
 
@@ -158,9 +177,18 @@ class SlotLedger:
         policy: RetryPolicy = DEFAULT_RETRY,
         clock: Callable[[], float] | None = None,
         evidence: SlotEvidence | None = None,
+        claim_timeout: float | None = None,
     ) -> None:
         self.store = store
         self.node = node
+        # hot paths (Allocate, NodePrepareResources) wait at most this long for a claim
+        self.claim_timeout = claim_timeout
+        # slots the device plugins must not take (allocated DRA claims, unsettled writes)
+        self.reservations = Reservations()
+        # instance -> slot -> (value written, resourceVersion it replaced, when): claim writes
+        # whose outcome is unknown (timed out), until a re-read settles them
+        self._unsettled: dict[ObjectKey, dict[str, tuple[str, str | None, float]]] = {}
+        self._settling: dict[ObjectKey, asyncio.Task[None]] = {}
         self.evidence: SlotEvidence = evidence or NoEvidence()
         self._policy = policy
         # grant times must come from the same clock as the reclaimer's evidence (monotonic)
@@ -495,10 +523,20 @@ class SlotLedger:
     async def claim(
         self, instance: ObjectKey, slot: str, owner: Owner, *, reclaimable: Collection[str] = ()
     ) -> ClaimResult:
-        """Claim ``slot`` of ``instance`` for ``owner``; raises :class:`SlotRefusedError`."""
-        stored, decision = await self._apply(
-            instance, lambda inst: decide_claim(inst, slot, owner, reclaimable=reclaimable)
-        )
+        """Claim ``slot`` of ``instance`` for ``owner``; raises :class:`SlotRefusedError`, or
+        :class:`SlotWriteTimeoutError` after ``claim_timeout``. A device-plugin owner is
+        refused a reserved slot (``Reserved``) unless it holds it already."""
+        sent: list[tuple[str, str, str | None]] = []
+
+        def decide(inst: Instance) -> Granted | Refused:
+            reserved = self._reserved_for(inst, owner)
+            if slot in reserved and inst.device_usage.get(slot, "") != owner.value:
+                return Refused("Reserved", self._reserved_message(inst, slot))
+            return self._noting(
+                sent, inst, decide_claim(inst, slot, owner, reclaimable=reclaimable)
+            )
+
+        stored, decision = await self._bounded(instance, sent, self._apply(instance, decide))
         assert isinstance(decision, Granted)
         if decision.changed:
             # DEBUG: the activity log (agent/node/activity_log.py) writes the one INFO line
@@ -509,14 +547,154 @@ class SlotLedger:
     async def claim_any(
         self, instance: ObjectKey, owner: Owner, *, reclaimable: Collection[str] = ()
     ) -> ClaimResult:
-        """Claim the owner's slot of ``instance`` or the lowest free one."""
-        stored, decision = await self._apply(
-            instance, lambda inst: decide_claim_any(inst, owner, reclaimable=reclaimable)
-        )
+        """Claim the owner's slot of ``instance`` or the lowest free one (for a device-plugin
+        owner, not a reserved one)."""
+        sent: list[tuple[str, str, str | None]] = []
+
+        def decide(inst: Instance) -> Granted | Refused:
+            reserved = self._reserved_for(inst, owner)
+            if not reserved:
+                return self._noting(
+                    sent, inst, decide_claim_any(inst, owner, reclaimable=reclaimable)
+                )
+            # decided on a view where the reserved free slots are held; the write is the
+            # stored usage with only the granted slot changed
+            view = inst.evolve(
+                device_usage={
+                    **inst.device_usage,
+                    **{s: RESERVED for s in reserved if not inst.device_usage.get(s)},
+                }
+            )
+            decision = decide_claim_any(view, owner, reclaimable=reclaimable)
+            if isinstance(decision, Granted) and decision.changed:
+                usage = {**inst.device_usage, decision.slot: owner.value}
+                decision = Granted(decision.slot, usage, True, decision.replaced)
+            return self._noting(sent, inst, decision)
+
+        stored, decision = await self._bounded(instance, sent, self._apply(instance, decide))
         assert isinstance(decision, Granted)
         if decision.changed:
             log.debug("slot %s: %r -> %r", decision.slot, decision.replaced, owner.value)
         return ClaimResult(decision.slot, stored, decision.changed)
+
+    # -- hot-path bounds and reservations ------------------------------------------------------
+    def _reserved_for(self, instance: Instance, owner: Owner) -> frozenset[str]:
+        """The slots ``owner`` may not take in ``instance``: none for a DRA claim (the
+        reservation is for it, or the CAS decides), the reserved ones for a device plugin."""
+        if isinstance(owner.usage, ClaimUsage):
+            return frozenset()
+        return self.reservations.slots(instance.key)
+
+    def _reserved_message(self, instance: Instance, slot: str) -> str:
+        unsettled = slot in self._unsettled.get(instance.key, {})
+        why = (
+            "an earlier write of it timed out and may still land"
+            if unsettled
+            else "the scheduler allocated it to a ResourceClaim that is being prepared"
+        )
+        return f"slot {slot} of instance {instance.name} is reserved: {why}"
+
+    @staticmethod
+    def _noting(
+        sent: list[tuple[str, str, str | None]], inst: Instance, decision: Granted | Refused
+    ) -> Granted | Refused:
+        """Remember the write about to be sent (slot, value, version replaced): if no answer
+        comes, that is the write whose outcome is unknown."""
+        if isinstance(decision, Granted) and decision.changed:
+            value = decision.device_usage[decision.slot]
+            sent.append((decision.slot, value, inst.resource_version))
+        return decision
+
+    async def _bounded(
+        self,
+        key: ObjectKey,
+        sent: list[tuple[str, str, str | None]],
+        claim: Awaitable[tuple[Instance, Granted | Released]],
+    ) -> tuple[Instance, Granted | Released]:
+        """Await ``claim`` for at most ``claim_timeout``. On timeout the write in flight, if
+        any, is *unsettled*: its slot is reserved until a re-read shows what happened."""
+        if not self.claim_timeout:
+            return await claim
+        started = self._now()
+        try:
+            async with asyncio.timeout(self.claim_timeout):
+                return await claim
+        except TimeoutError as error:
+            if sent:
+                slot, value, version = sent[-1]
+                self._unsettle(key, slot, value, version, started)
+            raise SlotWriteTimeoutError(
+                f"instance {key}: the API server did not answer the claim within "
+                f"{self.claim_timeout:g}s"
+                + (f"; slot {sent[-1][0]} is held back until the outcome is known" if sent else "")
+            ) from error
+
+    def unsettled(self, key: ObjectKey) -> frozenset[str]:
+        """Slots of ``key`` with a claim write whose outcome is not known yet."""
+        return frozenset(self._unsettled.get(key, {}))
+
+    def _unsettle(
+        self, key: ObjectKey, slot: str, value: str, version: str | None, since: float
+    ) -> None:
+        self._unsettled.setdefault(key, {})[slot] = (value, version, since)
+        self.reservations.add(UNSETTLED, key, slot)
+        log.warning(
+            "instance %s slot %s: the claim for %r timed out; the slot is held back until a "
+            "re-read shows whether the write landed",
+            key,
+            slot,
+            value,
+        )
+        if key not in self._settling or self._settling[key].done():
+            self._settling[key] = asyncio.create_task(
+                self._settle_unknown(key), name=f"settle-{key.name}"
+            )
+
+    async def _settle_unknown(self, key: ObjectKey) -> None:
+        """Re-read ``key`` until each unsettled write is decided: it landed (the slot holds
+        its value in a newer version: the request that made it failed, so the slot is freed,
+        unless granted again since) or it cannot land any more (the Instance moved past the
+        version it replaced, or :data:`UNKNOWN_OUTCOME_LIMIT` passed)."""
+        delay = 0.2
+        while self._unsettled.get(key):
+            try:
+                fresh = await self.store.get(key)
+            except NotFoundError:
+                for slot in self._unsettled.pop(key, {}):
+                    self.reservations.discard(UNSETTLED, key, slot)
+                return
+            except StoreError:
+                fresh = None
+            if fresh is not None:
+                await self._settle_with(key, fresh)
+            if self._unsettled.get(key):
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self._unsettled.pop(key, None)
+
+    async def _settle_with(self, key: ObjectKey, fresh: Instance) -> None:
+        pending = self._unsettled.get(key, {})
+        now = self._now()
+        for slot, (value, version, since) in list(pending.items()):
+            if fresh.resource_version == version and now - since < UNKNOWN_OUTCOME_LIMIT:
+                continue  # nothing newer: the write may still land
+            if fresh.device_usage.get(slot) == value:
+                try:
+                    freed = await self.release_slots(
+                        key, {slot: value}, unless_granted_since={slot: since}
+                    )
+                except StoreError:
+                    continue  # tried again at the next re-read
+                if freed:
+                    log.warning(
+                        "instance %s slot %s: the timed-out claim for %r landed late; freed "
+                        "(the request that made it had failed)",
+                        key,
+                        slot,
+                        value,
+                    )
+            del pending[slot]
+            self.reservations.discard(UNSETTLED, key, slot)
 
     async def release(self, instance: ObjectKey, slot: str, owner: Owner) -> bool:
         """Free ``slot`` if ``owner`` holds it. Returns True if something was freed."""

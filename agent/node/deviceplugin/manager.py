@@ -41,6 +41,8 @@ from pathlib import Path
 from agent.core.aio.events import Subscription
 from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.ledger.ledger import SlotLedger
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import configuration_resource_name
 from agent.core.store.base import InstanceEvent
 from agent.node.deviceplugin.endpoint import PluginEndpoint
@@ -131,6 +133,7 @@ class DevicePluginManager:
         self._directory_id = self._directory_state()
         events = self.served.store.subscribe_instances()
         self.served.ownership.add_listener(self._owners_changed)
+        self.ledger.reservations.add_listener(self._reservations_changed)
         self._tasks = [
             asyncio.create_task(self._follow(events), name="plugins-follow"),
             asyncio.create_task(self._sync_loop(), name="plugins-sync"),
@@ -167,6 +170,23 @@ class DevicePluginManager:
             endpoint.service.resend()
             return True
         return False
+
+    def _reserved_view(self, name: str) -> Instance | None:
+        """The served Instance as the plugins see it: slots reserved for allocated DRA claims
+        or held back after a timed-out write show as held (never offered, never placed)."""
+        instance = self.served.get(name)
+        return None if instance is None else self.ledger.reservations.overlay(instance)
+
+    def _reserved_views(self, configuration: str) -> list[Instance]:
+        overlay = self.ledger.reservations.overlay
+        return [overlay(i) for i in self.served.of_configuration(configuration)]
+
+    def _reservations_changed(self, keys: set[ObjectKey]) -> None:
+        """Reserved slots changed: the lists of those Instances (and their Configurations'
+        plugins) are sent again."""
+        for key in keys:
+            self._dirty.add(key.name)
+        self._wake.set()
 
     def _owners_changed(self, names: set[str]) -> None:
         """Another namespace's Instances are served now: re-read everything."""
@@ -284,12 +304,10 @@ class DevicePluginManager:
             new_cl.append(configuration)
         starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
         for name in new_il:
-            logic = InstancePlugin(name, self.served.get, self.ledger, self.source)
+            logic = InstancePlugin(name, self._reserved_view, self.ledger, self.source)
             starting.append((self.instance_plugins, name, self._endpoint(logic)))
         for name in new_cl:
-            cl_logic = ConfigurationPlugin(
-                name, self.served.of_configuration, self.ledger, self.source
-            )
+            cl_logic = ConfigurationPlugin(name, self._reserved_views, self.ledger, self.source)
             starting.append((self.configuration_plugins, name, self._endpoint(cl_logic)))
         for plugins, name, endpoint in starting:
             plugins[name] = endpoint  # listed at once: close() stops it even mid-start

@@ -66,7 +66,14 @@ def _response(
 def _refusal_code(error: SlotRefusedError) -> grpc.StatusCode:
     if error.reason in ("UnknownSlot", "UnknownInstance"):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if error.reason in ("SlotInUse", "CapacityReached", "Deleting", "NotOnNode", "Draining"):
+    if error.reason in (
+        "SlotInUse",
+        "CapacityReached",
+        "Deleting",
+        "NotOnNode",
+        "Draining",
+        "Reserved",
+    ):
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.UNAVAILABLE
 
