@@ -267,8 +267,10 @@ def _controller(args: argparse.Namespace) -> int:
 
 async def _cluster_objects(
     kubeconfig: str | None, namespace: str | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    from agent.core.kube import make_kube_client, resource_path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Configurations, Instances, and the agents' budget Events on Configurations (empty
+    where Events may not be listed: the agent's own service account may only create them)."""
+    from agent.core.kube import ApiError, make_kube_client, resource_path
 
     client = make_kube_client(kubeconfig)
     try:
@@ -278,7 +280,16 @@ async def _cluster_objects(
                 resource_path("akri.sh", "v0", plural, namespace)
             )
             found.append(items)
-        return found[0], found[1]
+        try:
+            events, _version = await client.list_all(
+                resource_path("", "v1", "events", namespace),
+                params={"fieldSelector": "involvedObject.kind=Configuration"},
+            )
+        except ApiError as error:
+            if error.status not in (401, 403):
+                raise
+            events = []
+        return found[0], found[1], events
     finally:
         await client.close()
 
@@ -294,7 +305,7 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
     # $KUBECONFIG is read by the client itself (after the in-cluster service account)
     kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
     try:
-        configurations, raw = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
+        configurations, raw, events = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
     except (ApiError, ConfigError, TransportError, OSError) as error:
         print(f"akri status: cannot read the cluster ({why}): {error}", file=sys.stderr)
         return EXIT_UNAVAILABLE
@@ -309,7 +320,9 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
     if args.output == "json":
         text = cluster_json(configurations, instances)
     else:
-        text = configurations_table(configurations, instances) + "\n\n" + to_table(instances)
+        text = (
+            configurations_table(configurations, instances, events) + "\n\n" + to_table(instances)
+        )
     return _print(text)
 
 

@@ -182,12 +182,52 @@ def to_table(instances: Sequence[Instance]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+BUDGET_REASONS = ("OverBudget", "WithinBudget")
+
+
+def budget_notes(events: Sequence[Mapping[str, Any]]) -> dict[ObjectKey, str]:
+    """From the agents' ``OverBudget``/``WithinBudget`` Events: per Configuration, the nodes
+    whose latest such Event says devices are left out (the node's Instance budget,
+    ``--max-instances``), as ``over budget on <node>: <its message>``."""
+    latest: dict[tuple[ObjectKey, str], tuple[tuple[str, int], str, str]] = {}
+    for event in events:
+        reason = event.get("reason")
+        involved = event.get("involvedObject") or {}
+        if reason not in BUDGET_REASONS or involved.get("kind") != "Configuration":
+            continue
+        key = ObjectKey(
+            str(involved.get("namespace") or DEFAULT_NAMESPACE), str(involved.get("name"))
+        )
+        node = str(event.get("reportingInstance") or (event.get("source") or {}).get("host"))
+        when = str(
+            event.get("lastTimestamp")
+            or event.get("eventTime")
+            or (event.get("metadata") or {}).get("creationTimestamp")
+            or ""
+        )
+        # timestamps have whole seconds: two Events of one second are ordered by their
+        # resourceVersion (the API server's write order, in practice a growing number)
+        version = str((event.get("metadata") or {}).get("resourceVersion", ""))
+        order = (when, int(version) if version.isdigit() else -1)
+        if (key, node) not in latest or order >= latest[(key, node)][0]:
+            latest[(key, node)] = (order, str(reason), str(event.get("message", "")))
+    notes: dict[ObjectKey, list[str]] = {}
+    for (key, node), (_, reason, message) in sorted(latest.items()):
+        if reason == "OverBudget":
+            notes.setdefault(key, []).append(f"over budget on {node}: {message.split(':')[0]}")
+    return {key: "; ".join(lines) for key, lines in notes.items()}
+
+
 def configurations_table(
-    configurations: Sequence[Mapping[str, Any]], instances: Sequence[Instance]
+    configurations: Sequence[Mapping[str, Any]],
+    instances: Sequence[Instance],
+    events: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """Configurations (raw API objects, valid or not) with their handler, capacity and
     Instance count; NOTE says why one is refused (its kubelet names are another's: the rules
-    every agent applies, :func:`agent.node.discovery.ownership.decide_names`)."""
+    every agent applies, :func:`agent.node.discovery.ownership.decide_names`) and on which
+    nodes devices of it are left out by the Instance budget (``events``:
+    :func:`budget_notes`)."""
     from agent.node.discovery.ownership import NameUser, decide_names
 
     users: dict[ObjectKey, NameUser] = {}
@@ -201,6 +241,7 @@ def configurations_table(
             instance.configuration_key, known.created if known else None, has_instances=True
         )
     refused = decide_names(users.values()).refused
+    over_budget = budget_notes(events)
     rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED", "NOTE")]
     for obj in configurations:
         metadata = obj.get("metadata") or {}
@@ -210,6 +251,9 @@ def configurations_table(
         used = sum(1 for i in mine for v in i.device_usage.values() if v)
         slots = sum(i.capacity for i in mine)
         why = refused.get(ObjectKey(namespace, str(name)))
+        notes = [f"refused: {why}"] if why else []
+        if ObjectKey(namespace, str(name)) in over_budget:
+            notes.append(over_budget[ObjectKey(namespace, str(name))])
         rows.append(
             (
                 name if namespace == DEFAULT_NAMESPACE else f"{namespace}/{name}",
@@ -217,7 +261,7 @@ def configurations_table(
                 str(spec.get("capacity", "?")),
                 str(len(mine)),
                 f"{used}/{slots}",
-                f"refused: {why}" if why else "",
+                "; ".join(notes),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

@@ -9,6 +9,7 @@ Event, the metrics and a log line, and come back when room is made. The flag and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import resource
@@ -34,6 +35,7 @@ from agent.node.discovery.budget import (
 )
 from agent.node.metrics import NodeCollector
 from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, resolve
+from agent.node.status import budget_notes
 from discovery_handlers.base import Device
 from tests.doubles.apiserver import ApiServerDouble
 from tests.harness.dp_nodes import start_dp_node
@@ -157,6 +159,18 @@ def served(api: ApiServerDouble) -> dict[str, set[str]]:
     return result
 
 
+async def akri_status(kubeconfig: Path) -> str:
+    """``akri status --kubeconfig`` as a user runs it (a process: the API double serves on
+    this loop)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "agent.cli", "status", "--kubeconfig", str(kubeconfig),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
 def events(api: ApiServerDouble, reason: str, name: str) -> list[dict[str, Any]]:
     return [
         e
@@ -193,6 +207,13 @@ async def test_devices_over_the_budget_are_left_out_deterministically(
             lambda: len([r for r in node.kubelet.resources() if r.startswith("akri.sh/")]) == 8,
             what="8 plugins",
         )
+        # akri status (cluster) shows it on the Configuration's row
+        kubeconfig = api.write_kubeconfig(tmp_path / "status-kubeconfig")
+        status = await akri_status(kubeconfig)
+        (row,) = [line for line in status.splitlines() if line.startswith("mics ")]
+        assert "over budget on node-a: 2 of its 3 devices are not served on node-a" in row
+        (cams,) = [line for line in status.splitlines() if line.startswith("cams ")]
+        assert "over budget" not in cams
         # room made: the left-out devices come back, and the Event says so
         api.delete(CONFIGURATIONS, "cams", "default")
         await eventually(
@@ -200,5 +221,42 @@ async def test_devices_over_the_budget_are_left_out_deterministically(
         )
         await eventually(lambda: bool(events(api, "WithinBudget", "mics")), what="Event")
         assert node.discovery.budget.left_out == {}
+        status = await akri_status(kubeconfig)
+        assert "over budget" not in status
     finally:
         await node.stop()
+
+
+def test_status_notes_come_from_each_node_s_latest_budget_event() -> None:
+    def event(reason: str, node: str, when: str, name: str = "mics") -> dict[str, Any]:
+        return {
+            "reason": reason,
+            "involvedObject": {"kind": "Configuration", "namespace": "default", "name": name},
+            "reportingInstance": node,
+            "lastTimestamp": when,
+            "message": f"2 of its 3 devices are not served on {node}: the node serves ...",
+        }
+
+    notes = budget_notes(
+        [
+            event("OverBudget", "node-a", "2026-01-01T00:00:01Z"),
+            event("WithinBudget", "node-a", "2026-01-01T00:00:02Z"),  # a: fine again
+            event("WithinBudget", "node-b", "2026-01-01T00:00:01Z"),
+            event("OverBudget", "node-b", "2026-01-01T00:00:03Z"),  # b: over now
+            event("OverBudget", "node-c", "2026-01-01T00:00:01Z", name="cams"),
+            {"reason": "OverBudget", "involvedObject": {"kind": "Instance", "name": "x"}},
+            # one second, two Events: the later write (resourceVersion) counts
+            {
+                **event("WithinBudget", "node-d", "2026-01-01T00:00:05Z"),
+                "metadata": {"resourceVersion": "12"},
+            },
+            {
+                **event("OverBudget", "node-d", "2026-01-01T00:00:05Z"),
+                "metadata": {"resourceVersion": "9"},
+            },
+        ]
+    )
+    assert notes == {
+        key("mics"): "over budget on node-b: 2 of its 3 devices are not served on node-b",
+        key("cams"): "over budget on node-c: 2 of its 3 devices are not served on node-c",
+    }
