@@ -159,6 +159,8 @@ class Agent:
         self.dra_state: DraState | None = None
         self.dra_health: HealthReporter | None = None
         self.dra_options: DraOptions | None = None
+        self.extended_resource_path = "device-plugins"  # dra/extended.py decides at start
+        self.extended_resource_reason = ""
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
@@ -290,7 +292,10 @@ class Agent:
         )
         await self.discovery.start()
         if self.plugins is not None and self.reclaimer is not None:
-            await self.plugins.start()
+            if await self._extended_resources_path() == "device-plugins":
+                await self.plugins.start()
+            # on the DRA path too: slots pods took through device plugins before a switch
+            # stay held until those pods end, then this frees them
             self._reclaim_task = asyncio.create_task(self.reclaimer.run(), name="reclaimer")
         if self.dra is not None and self.publisher is not None:
             assert self.dra_state is not None and self.dra_reclaimer is not None
@@ -426,6 +431,26 @@ class Agent:
             await freeze_when_settled(changes)
         finally:
             changes.close()
+
+    async def _extended_resources_path(self) -> str:
+        """Which path serves ``akri.sh/<name>`` limits on this node (``dra/extended.py``):
+        decided once per start, logged, exported as ``akri_extended_resource_path``."""
+        from agent.core.store.kubernetes import KubernetesInstanceStore
+
+        if not isinstance(self.store, KubernetesInstanceStore):
+            self.extended_resource_path = "device-plugins"  # local mode: no API, no DRA
+            return self.extended_resource_path
+        from agent.node.dra.extended import decide_path
+
+        decision = await decide_path(
+            self.store.api_client,
+            self.settings.node_name,
+            self.settings.extended_resources,
+            dra_enabled=self.dra is not None,
+        )
+        self.extended_resource_path = decision.path
+        self.extended_resource_reason = decision.reason
+        return decision.path
 
     def _wake_publisher(self) -> None:
         if self.publisher is not None:

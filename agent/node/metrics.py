@@ -83,6 +83,19 @@ class NodeCollector(Collector):
         yield self._handler_states()
         yield from self._budget()
         yield from self._node_counters()
+        yield self._extended_resource_path()
+
+    def _extended_resource_path(self) -> Metric:
+        path = GaugeMetricFamily(
+            "akri_extended_resource_path",
+            "Which path serves pods' limits akri.sh/<name> on this node (1 for the one in use): "
+            "dra (ResourceSlices + DRA driver) or device-plugins",
+            labels=["path"],
+        )
+        current = getattr(self.agent, "extended_resource_path", None)
+        for name in ("dra", "device-plugins"):
+            path.add_metric([name], 1 if current == name else 0)
+        return path
 
     def _budget(self) -> Iterator[Metric]:
         budget = self.agent.discovery.budget

@@ -279,6 +279,15 @@ AGENT_OPTIONS = (
         "run the DRA kubelet plugin and publish ResourceSlices (default: on in cluster mode)",
     ),
     Option(
+        "--extended-resources",
+        "AKRI_EXTENDED_RESOURCES",
+        str,
+        "auto",
+        "how pods' limits: {akri.sh/<name>: N} are served on this node: 'dra' (ResourceSlices "
+        "+ the DRA driver, KEP-5004), 'device-plugins', or 'auto': DRA when kubelet is 1.36+ "
+        "and the API server keeps DeviceClass extendedResourceName (docs/dra.md)",
+    ),
+    Option(
         "--plugins-registry-dir",
         "AKRI_PLUGINS_REGISTRY_DIR",
         Path,
@@ -475,6 +484,7 @@ class AgentSettings:
     max_instances: int | None = DEFAULT_MAX_INSTANCES
     log_format: str = "text"
     slot_write_timeout: float = 5.0
+    extended_resources: str = "auto"
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> AgentSettings:
@@ -498,6 +508,11 @@ class AgentSettings:
             data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
         if not data.get("max_instances"):
             data["max_instances"] = None  # 0: no limit
+        if data.get("extended_resources", "auto") not in ("auto", "dra", "device-plugins"):
+            raise SettingsError(
+                "--extended-resources: expected auto, dra or device-plugins, got "
+                f"{data['extended_resources']!r}"
+            )
         if data["log_format"] not in ("text", "json"):
             raise SettingsError(f"--log-format: expected text or json, got {data['log_format']!r}")
         if data["log_level"] not in {"DEBUG", "INFO", "WARNING", "ERROR"}:

@@ -1,0 +1,206 @@
+"""DRA first, device plugins as the fallback: the per-node path for ``akri.sh/<name>`` limits
+(agent/node/dra/extended.py), never both on one node, and a switch that keeps held slots."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.core.deviceclasses import InstanceRef, configuration_class, desired_device_classes
+from agent.core.model.keys import ObjectKey
+from agent.node.dra.extended import (
+    DEVICE_PLUGINS,
+    DRA,
+    choose_path,
+    kubelet_version,
+    observed_paths,
+)
+from agent.node.settings import SettingsError
+from tests.doubles.apiserver import ApiServerDouble
+from tests.doubles.dra_kubelet import DraKubeletDouble
+from tests.doubles.dra_scheduler import schedule_extended_resources
+from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
+from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
+from tests.node.test_settings import settings
+
+CAM = ObjectKey("default", "cam")
+KEPT = [configuration_class(CAM)]
+DROPPED = [
+    {**KEPT[0], "spec": {k: v for k, v in KEPT[0]["spec"].items() if k != "extendedResourceName"}}
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "dra", "kubelet", "classes", "path", "why"),
+    [
+        ("device-plugins", True, "v1.36.2", KEPT, DEVICE_PLUGINS, "forced"),
+        ("dra", True, "v1.30.0", None, DRA, "forced"),
+        ("dra", False, "v1.36.0", KEPT, DEVICE_PLUGINS, "--no-dra"),
+        ("auto", True, "v1.36.2", KEPT, DRA, "support extended resources"),
+        ("auto", True, "v1.37.0-alpha.1", KEPT, DRA, "support"),
+        ("auto", True, "v1.35.4", KEPT, DEVICE_PLUGINS, "older than 1.36"),
+        ("auto", True, None, KEPT, DEVICE_PLUGINS, "unknown"),
+        ("auto", True, "v1.36.2", [], DEVICE_PLUGINS, "no DeviceClass"),
+        ("auto", True, "v1.36.2", DROPPED, DEVICE_PLUGINS, "drops"),
+        ("auto", True, "v1.36.2", None, DEVICE_PLUGINS, "could not be read"),
+    ],
+)
+def test_choose_path(
+    mode: str, dra: bool, kubelet: str | None, classes: Any, path: str, why: str
+) -> None:
+    decision = choose_path(mode, dra_enabled=dra, kubelet=kubelet, classes=classes)
+    assert decision.path == path and why in decision.reason
+
+
+def test_kubelet_versions_and_the_flag() -> None:
+    assert kubelet_version("v1.36.2") == (1, 36) and kubelet_version("1.9") == (1, 9)
+    assert kubelet_version("garbage") is None
+    assert settings([], {}).extended_resources == "auto"
+    assert settings([], {"AKRI_EXTENDED_RESOURCES": "dra"}).extended_resources == "dra"
+    assert settings(["--extended-resources", "device-plugins"], {}).extended_resources == (
+        "device-plugins"
+    )
+    with pytest.raises(SettingsError, match="--extended-resources"):
+        settings(["--extended-resources", "both"], {})
+
+
+def test_observed_paths_as_the_scheduler_sees_them() -> None:
+    nodes = [
+        {"metadata": {"name": "a"}, "status": {"allocatable": {"akri.sh/cam": "2"}}},
+        {"metadata": {"name": "b"}, "status": {"allocatable": {"akri.sh/cam": "0"}}},
+        {"metadata": {"name": "c"}, "status": {"allocatable": {"cpu": "4"}}},
+    ]
+    slices = [
+        {"spec": {"driver": "akri.sh", "nodeName": "a"}},
+        {"spec": {"driver": "akri.sh", "nodeName": "b"}},
+    ]
+    assert observed_paths(nodes, slices) == {"a": DEVICE_PLUGINS, "b": DRA}
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+def node_object(api: ApiServerDouble, version: str) -> None:
+    api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}})
+    node = api.get("nodes", "node-a") or {}
+    api.store.update(
+        api.resource("nodes"),
+        "v1",
+        None,
+        "node-a",
+        {**node, "status": {"nodeInfo": {"kubeletVersion": version}}},
+        subresource="status",
+    )
+
+
+def install_classes(api: ApiServerDouble) -> None:
+    for device_class in desired_device_classes(
+        [CAM], [InstanceRef("cam-8120fe", CAM)], lambda k: True
+    ).values():
+        api.create(device_class)
+
+
+async def restart_with(node: DpNode, mode: str) -> None:
+    await node.restart_agent(dataclasses.replace(node.agent.settings, extended_resources=mode))
+
+
+async def test_auto_takes_dra_on_a_new_kubelet_and_registers_no_device_plugin(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    node_object(api, "v1.36.2")
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    try:
+        await eventually(lambda: "cam-8120fe" in api_instances(api))
+        assert node.agent.extended_resource_path == DRA
+        assert "extended resources (akri.sh/*) on node node-a: DRA" in caplog.text
+        metrics = node.agent.metrics_text().decode()
+        assert 'akri_extended_resource_path{path="dra"} 1.0' in metrics
+        assert 'akri_extended_resource_path{path="device-plugins"} 0.0' in metrics
+        # never both: no akri.sh resource is advertised to kubelet on this node
+        assert node.kubelet.resources() == []
+    finally:
+        await node.stop()
+
+
+async def test_an_old_kubelet_keeps_device_plugins(api: ApiServerDouble, tmp_path: Path) -> None:
+    node_object(api, "v1.35.0")
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    try:
+        await node.kubelet.wait_registered("akri.sh/cam-8120fe")
+        assert node.agent.extended_resource_path == DEVICE_PLUGINS
+        assert "older than 1.36" in node.agent.extended_resource_reason
+    finally:
+        await node.stop()
+
+
+async def test_switching_paths_keeps_held_slots(api: ApiServerDouble, tmp_path: Path) -> None:
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    kubelet: DraKubeletDouble | None = None
+    try:
+        # device plugins (no Node object: kubelet version unknown): a pod takes a slot
+        await node.kubelet.wait_registered("akri.sh/cam-8120fe")
+        assert node.agent.extended_resource_path == DEVICE_PLUGINS
+        await eventually(lambda: node.kubelet.allocatable("akri.sh/cam-8120fe") == 2)
+        admitted = await node.kubelet.admit_pod("default", "dp-pod", [("c", {"akri.sh/cam": 1})])
+        assert admitted.error is None
+        held = dict(api_instances(api)["cam-8120fe"].device_usage)
+        assert sorted(v for v in held.values() if v) != []
+
+        # switch this node to DRA: its device plugins go, the slot stays held
+        await restart_with(node, "dra")
+        assert node.agent.extended_resource_path == DRA
+        await eventually(
+            lambda: node.kubelet.allocatable("akri.sh/cam-8120fe") == 0, what="plugins gone"
+        )
+        assert api_instances(api)["cam-8120fe"].device_usage == held
+        # a new pod's limits are served from the slices: the free slot only
+        kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
+        await kubelet.start()
+        await kubelet.wait_for_registration("akri.sh", timeout=10)
+        api.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "dra-pod", "namespace": "default"},
+                "spec": {
+                    "containers": [{"name": "c", "resources": {"limits": {"akri.sh/cam": "1"}}}]
+                },
+            }
+        )
+        free = sorted(slot for slot, value in held.items() if not value)
+
+        def published() -> list[str]:
+            return sorted(
+                d["name"]
+                for s in api.list("resourceslices.resource.k8s.io")
+                for d in s["spec"].get("devices") or []
+            )
+
+        # the device-plugin slot is not in the slices (only the free one)
+        await eventually(lambda: published() == free, within=10, what="the free slot published")
+        claim = schedule_extended_resources(api, "default", "dra-pod", "node-a")
+        assert claim is not None
+        await kubelet.prepare_pod(api.get("pods", "dra-pod", "default") or {})
+        usage = api_instances(api)["cam-8120fe"].device_usage
+        assert sorted(usage.values()) == sorted(
+            [*[v for v in held.values() if v], f"D:{claim['metadata']['uid']}:node-a"]
+        )
+    finally:
+        if kubelet is not None:
+            await kubelet.stop()
+        await node.stop()
