@@ -93,6 +93,8 @@ class ControllerCollector(Collector):
              "Times this replica started or stopped leading"),
             ("akri_controller_reconcile_passes_total", stats.passes,
              "Reconcile passes run while leading"),
+            ("akri_controller_reconcile_failures_total", stats.pass_failures,
+             "Reconcile passes ended by an unexpected error (logged with its traceback)"),
         ):  # fmt: skip
             family = CounterMetricFamily(name, what)
             family.add_metric([], counter)

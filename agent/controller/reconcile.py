@@ -77,6 +77,7 @@ class ControllerStats:
     instances_deleted: int = 0
     slices_handed_over: int = 0
     passes: int = 0
+    pass_failures: int = 0  # passes ended by an unexpected exception (a bug)
     write_errors: int = 0
     last_pass_seconds: float = 0.0
 
@@ -249,6 +250,11 @@ class Reconciler:
             except (ApiError, TransportError, StoreError) as error:
                 log.warning("reconcile pass failed (%s); retrying", error)
                 next_at = self._monotonic() + 1.0 + random.random()
+            except Exception:
+                # a bug must not leave a leader that holds the Lease and does nothing
+                self.stats.pass_failures += 1
+                log.exception("reconcile pass failed; retrying in about 5 s")
+                next_at = self._monotonic() + 4.0 + 2 * random.random()
             self.stats.passes += 1
             self.stats.last_pass_seconds = self._monotonic() - started
             timeout = self.settings.resync_interval

@@ -273,3 +273,15 @@ async def reconciler_for(
     finally:
         await reconciler.stop()
         await store.close()
+
+
+async def more_passes(reconciler: Reconciler, count: int) -> None:
+    """Make the running reconciler do ``count`` more whole passes (each woken on purpose)."""
+    target = reconciler.stats.passes + count
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WITHIN
+    while reconciler.stats.passes < target:
+        if loop.time() > deadline:
+            raise AssertionError(f"fewer than {count} passes within {WITHIN}s")
+        reconciler.wake.set()
+        await asyncio.sleep(0.02)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from tests.controller.conftest import (
     add_node,
@@ -12,6 +15,7 @@ from tests.controller.conftest import (
     configuration,
     eventually,
     instance,
+    more_passes,
     running_controller,
     set_phase,
 )
@@ -71,14 +75,7 @@ async def test_no_more_broker_pods_than_free_slots(api: ApiServerDouble, tmp_pat
     async with running_controller(api, tmp_path) as running:
         await eventually(lambda: len(broker_pods(api)) == 1, "one broker pod")
         # the pass that created it already saw the budget used up: no second pod, ever
-        passes = running.controller.reconciler.stats.passes
-        await eventually(
-            lambda: (
-                running.controller.reconciler.stats.passes > passes + 1
-                or (running.controller.reconciler.wake.set() and False)
-            ),
-            "two more passes",
-        )
+        await more_passes(running.controller.reconciler, 2)
         assert len(broker_pods(api)) == 1
         assert running.controller.reconciler.stats.brokers_waiting == {"cams": 2}
         event = await eventually(
@@ -287,3 +284,26 @@ async def test_a_broker_job_s_pods_are_left_to_their_job_and_count_for_services(
         set_phase(api, "cams-8120fe-1-job-x1", "Running")
         await eventually(lambda: api.get("services", "cams-8120fe-svc"), "instance service")
         assert api.get("pods", "cams-8120fe-1-job-x1") is not None  # never taken for a stray
+
+
+async def test_a_failing_pass_is_retried_and_the_leader_keeps_working(
+    api: ApiServerDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agent.controller import brokers
+
+    add_node(api, "node-a")
+    api.create(configuration(pod_spec=broker_pod_spec()))
+    original = brokers.plan_pods
+    failures: list[int] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("a bug in a decision")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(brokers, "plan_pods", flaky)
+    instance(api, "cams-8120fe", ["node-a"], shared=False)
+    async with running_controller(api, tmp_path) as running:
+        await eventually(lambda: broker_pods(api), "a broker after the failed pass", within=30)
+        assert running.controller.reconciler.stats.pass_failures == 1
