@@ -142,7 +142,8 @@ async def test_store_refuses_then_recovers_without_restart(
         full = [True]
 
         def maybe_full(fd: int, data: bytes | memoryview) -> int:
-            if full[0] and _is_temp(fd) and "cfg-abcdef" in os.readlink(f"/proc/self/fd/{fd}"):
+            # the Instance's temp file or its slot journal: whichever records the claim
+            if full[0] and "cfg-abcdef" in os.readlink(f"/proc/self/fd/{fd}"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return REAL_WRITE(fd, data)
 

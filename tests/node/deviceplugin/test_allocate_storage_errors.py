@@ -127,9 +127,9 @@ async def node(tmp_path: Path) -> AsyncIterator[LocalNode]:
 
 
 def _instance_file_fails(after: int, *, once: bool = True) -> tuple[list[int], object]:
-    """An ``os.write`` that fails with ENOSPC on Instance files' temp files after
-    ``after`` successful ones: once (space came back at once), or until ``state[0]`` is set
-    to -1."""
+    """An ``os.write`` that fails with ENOSPC on writes of Instance state (a temp file or a
+    journal) after ``after`` successful ones: once (space came back at once), or until
+    ``state[0]`` is set to -1."""
     state = [after]
 
     def write(fd: int, data: bytes | memoryview) -> int:
@@ -137,7 +137,11 @@ def _instance_file_fails(after: int, *, once: bool = True) -> tuple[list[int], o
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             target = ""
-        if f"/{TMP_PREFIX}cam-" in target and state[0] >= 0:
+        # an Instance file's temp file, or its slot journal (agent/core/store/journal.py)
+        name = target.rsplit("/", 1)[-1]
+        if "/instances/" in target and name.startswith((f"{TMP_PREFIX}cam-", "cam-")) and (
+            state[0] >= 0
+        ):
             if state[0] == 0:
                 if once:
                     state[0] = -1
