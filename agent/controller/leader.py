@@ -130,6 +130,11 @@ class LeaderElector:
             except (ApiError, TransportError) as error:
                 log.warning("leader election: Lease request failed: %s", error)
                 held = False
+            except Exception:
+                # e.g. a Lease someone wrote by hand with odd field types: never leave the
+                # loop (a leader that stops renewing must stop leading at its deadline)
+                log.exception("leader election: Lease round failed")
+                held = False
             now = self._monotonic()
             if held:
                 self._renewed_at = now

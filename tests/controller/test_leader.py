@@ -202,3 +202,34 @@ def test_exit_codes(tmp_path: Path) -> None:
             assert busy.wait_exit(WITHIN) == 5, busy.describe()
         finally:
             busy.cleanup()
+
+
+async def test_a_leader_that_cannot_renew_stops_leading_by_its_deadline(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """The API server refuses every Lease write: the leader stops leading once the renew
+    deadline has passed on its clock (before any standby could take over)."""
+    import asyncio
+
+    kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+    clock = FakeClock()
+    client = make_kube_client(str(kubeconfig))
+    settings = LeaseSettings("default", "akri-controller", "me", 3.0, 2.0, 0.05)
+    elector = LeaderElector(client, settings, monotonic=clock)
+    task = asyncio.create_task(elector.run())
+    try:
+        await asyncio.wait_for(elector.leading.wait(), WITHIN)
+        api.fail(500, resource="leases.coordination.k8s.io", times=None)
+        clock.advance(1.9)
+        await asyncio.sleep(0.3)  # a few failed rounds, still inside the deadline
+        assert elector.leading.is_set()
+        clock.advance(0.2)
+        deadline = asyncio.get_running_loop().time() + WITHIN
+        while elector.leading.is_set():
+            assert asyncio.get_running_loop().time() < deadline, "still leading"
+            await asyncio.sleep(0.02)
+        assert elector.transitions == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
