@@ -198,7 +198,8 @@ async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: 
     await until(lambda: name in manager.offline_instances())
     assert store.get_cached(key) is not None  # kept during the grace period
     await until(lambda: store.get_cached(key) is None)
-    assert manager.offline_instances() == frozenset()
+    # the runner drops it from its offline set once its pass ends (it may yield in between)
+    await until(lambda: manager.offline_instances() == frozenset())
 
 
 async def test_handler_failure_is_survived_and_restarted(setup, caplog) -> None:  # type: ignore[no-untyped-def]
