@@ -164,9 +164,111 @@ async def measure_slices(samples: int) -> dict[str, Any]:
     return figures
 
 
+async def measure_extended_resource(samples: int) -> dict[str, Any]:
+    """``dra_extended_resource_pod_ready_ms`` next to the device-plugin Allocate path: a pod
+    with ``limits: {akri.sh/cam: 1}`` on a node whose agent serves it through DRA (scheduler
+    emulator: special claim + allocation from the slices; DRA kubelet double: prepare over
+    gRPC, the Instance write, the CDI spec), and the same pod on a node whose agent serves it
+    through its configuration-level device plugin (kubelet double: admission + Allocate)."""
+    import dataclasses
+
+    from agent.core.deviceclasses import InstanceRef, desired_device_classes
+    from agent.core.model.keys import ObjectKey
+    from tests.doubles.dra_scheduler import AllocationError, schedule_extended_resources
+
+    key = ObjectKey("default", "cam")
+    dra_ms: list[float] = []
+    dp_ms: list[float] = []
+    async with ApiServerDouble(crds=CRDS) as api:
+        api.create(debug_echo_configuration("cam", ("foo0",), 2))
+        for device_class in desired_device_classes(
+            [key], [InstanceRef("cam-8120fe", key)], lambda k: True
+        ).values():
+            api.create(device_class)
+        with tempfile.TemporaryDirectory() as tmp:
+            node = await start_dp_node(api, NODE, Path(tmp), dra=True)
+            kubelet = DraKubeletDouble(node.registry_dir, NODE, api)
+            try:
+                await node.restart_agent(
+                    dataclasses.replace(node.agent.settings, extended_resources="dra")
+                )
+                await kubelet.start()
+                await kubelet.wait_for_registration(DRIVER, timeout=20)
+                for i in range(samples):
+                    name = f"pod-{i}"
+                    start = time.monotonic()
+                    pod = api.create(
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Pod",
+                            "metadata": {"name": name, "namespace": "default"},
+                            "spec": {
+                                "containers": [
+                                    {"name": "c", "resources": {"limits": {"akri.sh/cam": "1"}}}
+                                ]
+                            },
+                        }
+                    )
+                    deadline = time.monotonic() + 20
+                    while True:  # the freed slot may still be on its way back into the slice
+                        try:
+                            claim = schedule_extended_resources(api, "default", name, NODE)
+                            break
+                        except AllocationError:
+                            if time.monotonic() > deadline:
+                                raise
+                            await asyncio.sleep(0.002)
+                    assert claim is not None
+                    await kubelet.prepare_pod(api.get("pods", name, "default") or pod)
+                    dra_ms.append((time.monotonic() - start) * 1000)
+                    await kubelet.remove_pod(pod["metadata"]["uid"])
+                    api.delete(
+                        "resourceclaims.resource.k8s.io", claim["metadata"]["name"], "default"
+                    )
+                await kubelet.stop()
+                await node.restart_agent(
+                    dataclasses.replace(node.agent.settings, extended_resources="device-plugins")
+                )
+                await node.kubelet.wait_registered("akri.sh/cam")
+                for i in range(samples):
+                    await _wait(
+                        lambda: node.kubelet.allocatable("akri.sh/cam") >= 1, 20, "a free slot"
+                    )
+                    start = time.monotonic()
+                    admitted = await node.kubelet.admit_pod(
+                        "default", f"dp-{i}", [("c", {"akri.sh/cam": 1})]
+                    )
+                    dp_ms.append((time.monotonic() - start) * 1000)
+                    assert admitted.error is None, admitted.error
+                    await node.kubelet.delete_pod("default", f"dp-{i}")
+                    await _wait(  # the reclaimer frees the slot (pod-resources shows no user)
+                        lambda: all(
+                            not v
+                            for o in api.list("instances.akri.sh")
+                            for v in (o["spec"].get("deviceUsage") or {}).values()
+                        ),
+                        20,
+                        "the slot freed",
+                    )
+            finally:
+                await kubelet.stop()
+                await node.stop()
+    return {
+        "dra": summarize(dra_ms, 2),
+        "device_plugin_allocate": summarize(dp_ms, 2),
+        "method": "dra: pod object created -> scheduler emulator's extended-resource claim "
+        "(special claim, allocation from the agent's slices, pod status) -> DRA kubelet double's "
+        "NodePrepareResources returned (claim read, Instance CAS write, CDI spec); "
+        "device_plugin_allocate: kubelet double's admission of the same limit through the "
+        "agent's configuration-level device plugin (GetPreferredAllocation + Allocate with the "
+        "Instance CAS write); one process, one node, capacity 2, one pod at a time",
+    }
+
+
 MEASUREMENTS = {
     "dra_health_update_ms": measure_health,
     "dra_slices_capacity_1000": measure_slices,
+    "dra_extended_resource_pod_ready_ms": measure_extended_resource,
 }
 
 
