@@ -24,6 +24,7 @@ from agent.ops.loop_monitor import LoopMonitor
 if TYPE_CHECKING:
     from agent.node.deviceplugin.manager import DevicePluginManager
     from agent.node.deviceplugin.reclaimer import SlotReclaimer
+    from agent.node.dra.allocated import AllocatedClaims
     from agent.node.dra.driver import DraDriver
     from agent.node.dra.health import HealthReporter
     from agent.node.dra.options import DraOptions
@@ -164,6 +165,8 @@ class Agent:
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
+        # slots allocated to ResourceClaims not prepared yet: held back from device plugins
+        self.allocated_claims: AllocatedClaims | None = None
         self._slice_events: asyncio.Task[None] | None = None
         self._dra_options_task: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
@@ -306,6 +309,18 @@ class Agent:
             )
             await self.publisher.start()
             self.ownership.add_listener(lambda _names: self._wake_publisher())
+            from agent.core.store.kubernetes import KubernetesInstanceStore
+            from agent.node.dra.allocated import AllocatedClaims
+
+            assert isinstance(self.store, KubernetesInstanceStore)  # DRA runs on the API only
+            self.allocated_claims = AllocatedClaims(
+                self.store.api_client,
+                self.settings.node_name,
+                self.served.all,
+                self.ledger.reservations,
+            )
+            await self.allocated_claims.start()
+            self.allocated_claims.follow_instances(self.store.subscribe_instances())
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
@@ -478,6 +493,8 @@ class Agent:
                     await events
         if self.publisher is not None:
             await self.publisher.close()
+        if self.allocated_claims is not None:
+            await self.allocated_claims.close()
         if self._dra_reclaim_task is not None:
             self._dra_reclaim_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

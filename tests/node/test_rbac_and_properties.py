@@ -238,7 +238,10 @@ def test_secrets_are_readable_only_where_granted() -> None:
     assert not allowed(granted, "", "secrets", "get", "default")
     assert allowed(granted, "", "secrets", "watch", "akri")
     assert allowed(grants(("cams",)), "", "configmaps", "list", "cams")
-    assert not allowed(granted, "resource.k8s.io", "resourceclaims", "list", None)
+    # claims: read-only (list/watch hold allocated slots back from the device plugins)
+    assert allowed(granted, "resource.k8s.io", "resourceclaims", "watch", None)
+    for verb in ("create", "update", "patch", "delete", "deletecollection"):
+        assert not allowed(granted, "resource.k8s.io", "resourceclaims", verb, None)
     binding = next(d for d in _documents("properties-reader.yaml") if d["kind"] == "RoleBinding")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "akri-agent", "namespace": "akri"}

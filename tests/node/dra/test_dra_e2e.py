@@ -333,6 +333,7 @@ async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_pa
     }
     assert ("resource.k8s.io", "resourceslices", "create") in used
     assert ("resource.k8s.io", "resourceclaims", "get") in used
+    assert ("resource.k8s.io", "resourceclaims", "watch") in used  # allocated, unprepared
     # status.devices after the prepare: the status subresource, PUT only
     assert ("resource.k8s.io", "resourceclaims/status", "update") in used
     assert used <= allowed, sorted(used - allowed)
