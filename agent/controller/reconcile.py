@@ -279,6 +279,11 @@ class Reconciler:
 
     # -- dead nodes ------------------------------------------------------------------------
     async def _clean_dead_nodes(self, deadlines: list[float]) -> None:
+        if not self.node_cache.informer.connected.is_set():
+            # the Node watch is down (API server unreachable, relisting): what the cache says
+            # of readiness may be stale, and a node seen NotReady may be back — decide nothing
+            deadlines.append(self._monotonic() + 1.0)
+            return
         instances = self.store.list_cached()
         listed: set[str] = set()
         for instance in instances:

@@ -228,3 +228,24 @@ async def test_a_dead_holder_no_longer_listed_is_freed_too(
     assert stored is not None
     assert stored["spec"]["deviceUsage"] == {"cams-8120fe-0": "", "cams-8120fe-1": ""}
     assert stored["spec"]["nodes"] == ["node-a"]
+
+
+async def test_nothing_is_freed_while_the_node_watch_is_down(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    before = _stored(api)
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=10) as reconciler:
+        set_ready(api, "node-b", False)
+        await _sees(reconciler, "node-b", False)
+        reconciler.node_cache.informer.connected.clear()  # as the informer does on a failure
+        clock.advance(10)
+        await reconciler.reconcile_once()
+        assert _stored(api) == before
+        reconciler.node_cache.informer.connected.set()
+        await reconciler.reconcile_once()
+        assert (_stored(api) or {})["spec"]["nodes"] == ["node-a"]
