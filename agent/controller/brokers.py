@@ -261,7 +261,8 @@ class Removal:
 
     name: str
     uid: str
-    reason: str  # NodeLeft, Failed, PendingTooLong, RolledOver, MakeRoom, InstanceGone
+    # NodeLeft, Failed, PendingTooLong, RolledOver, MakeRoom, InstanceGone, NoBrokerPodSpec
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -306,8 +307,10 @@ def plan_pods(
     ``ready_nodes``: nodes that are Ready now — no broker is started on any other)."""
     raw_spec = _pod_spec(configuration)
     if raw_spec is None or instance.deletion_timestamp is not None:
-        return PodPlan(remove=tuple(Removal(p.name, p.uid, "InstanceGone") for p in pods
-                                    if not p.deleting))  # fmt: skip
+        # the Instance is being deleted (its slots wait for their pods), or the Configuration
+        # no longer asks for broker Pods
+        why = "InstanceGone" if instance.deletion_timestamp is not None else "NoBrokerPodSpec"
+        return PodPlan(remove=tuple(Removal(p.name, p.uid, why) for p in pods if not p.deleting))
     wanted = spec_hash(raw_spec)
     need = slots_per_broker(raw_spec)
     remove: list[Removal] = []

@@ -66,7 +66,7 @@ class ControllerCollector(Collector):
         removed = CounterMetricFamily(
             "akri_broker_pods_removed_total",
             "Broker Pods removed, by reason (NodeLeft, Failed, PendingTooLong, RolledOver, "
-            "MakeRoom, InstanceGone)",
+            "MakeRoom, InstanceGone, NoBrokerPodSpec)",
             labels=["configuration", "reason"],
         )
         for (configuration, reason), number in sorted(stats.pods_removed.items()):

@@ -352,3 +352,15 @@ def test_the_broker_example_plans_one_pod_per_node_and_both_services() -> None:
     assert "{{PLACEHOLDER}}" not in resources["requests"]
     assert services.instance_service(config, instance) is not None
     assert services.configuration_service(config) is not None
+
+
+def test_brokers_go_with_a_terminating_instance_or_a_removed_spec() -> None:
+    wanted = brokers.spec_hash(broker_pod_spec())
+    pods = [_pod("node-a-cams-8120fe-pod", "node-a", wanted)]
+    terminating = _instance(nodes=("node-a",)).evolve(deletion_timestamp="2026-11-25T00:00:00Z")
+    plan = brokers.plan_pods(
+        _config(pod_spec=broker_pod_spec()), terminating, pods, {"node-a"}, NOW
+    )
+    assert [r.reason for r in plan.remove] == ["InstanceGone"] and plan.create == ()
+    plan = brokers.plan_pods(_config(), _instance(nodes=("node-a",)), pods, {"node-a"}, NOW)
+    assert [r.reason for r in plan.remove] == ["NoBrokerPodSpec"]
