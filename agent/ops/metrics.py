@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import (
     CounterMetricFamily,
+    GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
     UnknownMetricFamily,
@@ -21,7 +22,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from agent.core import telemetry
-from agent.core.store.cas import DEFAULT_RETRY, STATS
+from agent.core.aio import fswatch
+from agent.core.store.cas import DEFAULT_RETRY, OPERATIONS, STATS, OperationStats
 
 
 class TelemetryCollector(Collector):
@@ -60,22 +62,33 @@ class TelemetryCollector(Collector):
         prepare.add_metric([], histogram.cumulative(), histogram.total)
         yield prepare
         writes = CounterMetricFamily(
-            "akri_slot_writes_total", "resourceVersion-checked writes of Instances (slot changes)"
+            "akri_slot_writes_total",
+            "Instance writes, by operation (join, leave, update, claim, release): "
+            "resourceVersion-checked, or membership applies (join/leave) that touch no slot",
+            labels=["operation"],
         )
-        writes.add_metric([], STATS.writes)
-        yield writes
         conflicts = CounterMetricFamily(
             "akri_slot_write_conflicts_total",
-            "Instance writes refused as stale (409) and retried on a fresh read",
+            "Instance writes refused as stale (409) and retried on a fresh read, by operation",
+            labels=["operation"],
         )
-        conflicts.add_metric([], STATS.conflicts)
-        yield conflicts
         gave_up = CounterMetricFamily(
             "akri_slot_write_retries_exhausted_total",
-            f"Instance writes given up after {DEFAULT_RETRY.attempts} conflicts in a row (the "
-            "Allocate, prepare or release that needed it failed; its caller may retry)",
+            f"Instance writes given up after {DEFAULT_RETRY.attempts} conflicts in a row, by "
+            "operation (the Allocate, prepare or release that needed it failed; its caller may "
+            "retry)",
+            labels=["operation"],
         )
-        gave_up.add_metric([], STATS.gave_up)
+        per_operation = STATS.per_operation()
+        # every operation is exported from the start (a counter that appears only at its
+        # first increment breaks rate() and the alerts' ratios)
+        for operation in sorted({*OPERATIONS, *per_operation}):
+            counted = per_operation.get(operation, OperationStats())
+            writes.add_metric([operation], counted.writes)
+            conflicts.add_metric([operation], counted.conflicts)
+            gave_up.add_metric([operation], counted.gave_up)
+        yield writes
+        yield conflicts
         yield gave_up
         errors = CounterMetricFamily(
             "akri_api_request_errors_total",
@@ -85,6 +98,23 @@ class TelemetryCollector(Collector):
         for code, number in sorted(telemetry.API_ERRORS.items()):
             errors.add_metric([code], number)
         yield errors
+        # read at scrape time: tests swap the module's STATS for a fresh one
+        inotify = fswatch.STATS
+        fallbacks = CounterMetricFamily(
+            "akri_inotify_fallbacks_total",
+            "Times the kernel refused inotify (kind: instance = inotify_init, e.g. EMFILE; "
+            "watch = a directory, e.g. ENOSPC) and watched directories were polled instead",
+            labels=["kind"],
+        )
+        for kind in ("instance", "watch"):
+            fallbacks.add_metric([kind], inotify.fallbacks.get(kind, 0))
+        yield fallbacks
+        yield GaugeMetricFamily(
+            "akri_inotify_available",
+            "1 while inotify works for this process, 0 while its directories are polled "
+            "(retried every few minutes)",
+            value=1 if inotify.available else 0,
+        )
         cut_offs = CounterMetricFamily(
             "akri_discovery_handler_cut_offs_total",
             "Streams of an external discovery handler cut off (flooding, garbage, a hung first "

@@ -281,23 +281,19 @@ def test_offline_shared_with_grace_keeps_instances_for_the_grace(env: LocalEnv) 
     agent.wait_for_log(
         rf"instance default/{FOO0}: device not seen by {NODE}", since=since, timeout=2
     )
-    # akri status shows it (the slots are Unhealthy on this node meanwhile)
-
-    def offline_table() -> str | None:
-        output = run_status(env.state_dir, output="table").stdout
-        return output if f"offline ({NODE})" in output else None
-
-    table = poll_until(
-        offline_table, timeout=2, message="akri status never showed the device offline"
-    )
-    assert FOO0 in table
+    # the slots are Unhealthy on this node meanwhile, and nothing is written: the node
+    # leaves with one write when the grace is over (issue 28: an offline mark written when
+    # the grace started doubled every departing node's writes and conflicts)
+    versions = {
+        name: obj["metadata"]["resourceVersion"]
+        for name, obj in instance_files(env.state_dir).items()
+    }
+    time.sleep(0.5)  # several reconcile passes (poll interval 0.2 s) inside the grace
+    assert {
+        name: obj["metadata"]["resourceVersion"]
+        for name, obj in instance_files(env.state_dir).items()
+    } == versions
     set_online(env.avail)
-    env.wait_status(
-        lambda items: all(
-            "akri.sh/offline" not in i["metadata"].get("annotations", {}) for i in items.values()
-        ),
-        what="offline marks cleared",
-    )
     env.hold_names({FOO0, FOO1}, 2.5)
     assert {n: o["metadata"]["uid"] for n, o in instance_files(env.state_dir).items()} == uids
 

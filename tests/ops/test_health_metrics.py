@@ -143,7 +143,7 @@ async def test_probes_and_metrics_during_allocations(api: ApiServerDouble, tmp_p
         assert value(found, "akri_instance_count", configuration="cam", is_shared="true") == 1
         assert value(found, "akri_allocate_seconds_count", plugin="instance") >= 1
         assert value(found, "akri_allocate_seconds_count", plugin="configuration") >= 1
-        assert value(found, "akri_slot_writes_total") >= 2
+        assert value(found, "akri_slot_writes_total", operation="claim") >= 2
         assert (
             value(
                 found,
@@ -323,9 +323,9 @@ async def test_dra_conflict_reclaim_and_api_error_metrics(
 
         assert grew("akri_node_prepare_resources_seconds_count")
         assert grew("akri_node_prepare_resources_seconds_bucket", le="+Inf")
-        assert grew("akri_slot_write_conflicts_total")
+        assert grew("akri_slot_write_conflicts_total", operation="claim")
         assert grew("akri_api_request_errors_total", code="409")
-        assert not grew("akri_slot_write_retries_exhausted_total")
+        assert not grew("akri_slot_write_retries_exhausted_total", operation="claim")
 
         # every write refused: the Allocate gives up after the retry policy's attempts
         before = found
@@ -334,8 +334,8 @@ async def test_dra_conflict_reclaim_and_api_error_metrics(
         api.clear_faults()
         assert not refused.admitted
         found = await scrape(base)
-        assert grew("akri_slot_write_retries_exhausted_total")
-        assert grew("akri_slot_write_conflicts_total", by=DEFAULT_RETRY.attempts)
+        assert grew("akri_slot_write_retries_exhausted_total", operation="claim")
+        assert grew("akri_slot_write_conflicts_total", by=DEFAULT_RETRY.attempts, operation="claim")
 
         # a pod that is gone: its slot is reclaimed and counted
         before = found

@@ -45,6 +45,9 @@ _TRANSPORT_ERRORS = (OSError, EOFError, ProtocolError, asyncio.LimitOverrunError
 _RETRY_ON_STALE = frozenset({"GET", "HEAD"})  # writes are never sent twice
 
 
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
 def resource_path(
     group: str, version: str, plural: str, namespace: str | None = None, name: str | None = None
 ) -> str:
@@ -119,6 +122,31 @@ class KubeClient:
     ) -> JSON:
         return await self.request("DELETE", path, body=body, request_timeout=request_timeout)
 
+    async def apply(
+        self,
+        path: str,
+        body: JSON,
+        *,
+        field_manager: str,
+        force: bool = False,
+        request_timeout: float | None = None,
+    ) -> JSON:
+        """Server-side apply (``PATCH`` ``application/apply-patch+yaml``; JSON is YAML) of
+        ``body`` as ``field_manager``: the fields it lists become (co-)owned by that manager,
+        and fields it applied before and omits now are removed unless another manager owns
+        them."""
+        params = {"fieldManager": field_manager}
+        if force:
+            params["force"] = "true"
+        return await self.request(
+            "PATCH",
+            path,
+            params=params,
+            body=body,
+            request_timeout=request_timeout,
+            content_type=APPLY_PATCH,
+        )
+
     async def request(
         self,
         method: str,
@@ -127,9 +155,11 @@ class KubeClient:
         params: Params | None = None,
         body: JSON | None = None,
         request_timeout: float | None = None,
+        content_type: str = "application/json",
     ) -> JSON:
-        """Send ``body`` as JSON; the answer's JSON object (``{}`` if empty). Raises
-        :class:`ApiError` for status >= 400 and :class:`TransportError` without an answer."""
+        """Send ``body`` as JSON (as ``content_type``: a patch type for ``PATCH``); the answer's
+        JSON object (``{}`` if empty). Raises :class:`ApiError` for status >= 400 and
+        :class:`TransportError` without an answer."""
         limit = request_timeout or self.timeout
         target = self._target(path, params)
         payload = None if body is None else json.dumps(body, separators=(",", ":")).encode()
@@ -142,7 +172,9 @@ class KubeClient:
                     async with self._slots:
                         for attempt in (1, 2):
                             auth = await self.config.credentials.get(deadline)
-                            conn, response = await self._exchange(method, target, payload, auth)
+                            conn, response = await self._exchange(
+                                method, target, payload, auth, content_type
+                            )
                             data = await self._read_all(conn, method, target, response)
                             if self._retry_unauthorized(response, attempt):
                                 continue
@@ -349,7 +381,9 @@ class KubeClient:
     def _retry_unauthorized(self, response: Response, attempt: int) -> bool:
         return response.status == 401 and attempt == 1 and self.config.credentials.invalidate()
 
-    def _headers(self, auth: Auth, body: bytes | None) -> list[tuple[str, str]]:
+    def _headers(
+        self, auth: Auth, body: bytes | None, content_type: str = "application/json"
+    ) -> list[tuple[str, str]]:
         config = self.config
         host = f"[{config.host}]" if ":" in config.host else config.host
         headers = [
@@ -358,18 +392,23 @@ class KubeClient:
             ("Accept", "application/json"),
         ]
         if body is not None:
-            headers.append(("Content-Type", "application/json"))
+            headers.append(("Content-Type", content_type))
         if auth.authorization:
             headers.append(("Authorization", auth.authorization))
         headers.extend(config.impersonation)
         return headers
 
     async def _exchange(
-        self, method: str, target: str, body: bytes | None, auth: Auth
+        self,
+        method: str,
+        target: str,
+        body: bytes | None,
+        auth: Auth,
+        content_type: str = "application/json",
     ) -> tuple[Connection, Response]:
         """Send the request and read the answer's head. A read sent on a pooled connection
         that the server closed meanwhile is sent again on another one."""
-        headers = self._headers(auth, body)
+        headers = self._headers(auth, body, content_type)
         while True:
             conn, reused = await self._connection(method, target, auth)
             try:

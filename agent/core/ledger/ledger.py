@@ -63,7 +63,13 @@ from agent.core.store.base import (
     StoreError,
     StoreUnavailableError,
 )
-from agent.core.store.cas import DEFAULT_RETRY, RetriesExhaustedError, RetryPolicy, cas_update
+from agent.core.store.cas import (
+    DEFAULT_RETRY,
+    STATS,
+    RetriesExhaustedError,
+    RetryPolicy,
+    cas_update,
+)
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +170,15 @@ class SlotWriteTimeoutError(StoreUnavailableError):
 # A write the API server neither confirmed nor refused can land as long as the server works
 # on the request: kube-apiserver ends a request after its --request-timeout (60 s).
 UNKNOWN_OUTCOME_LIMIT = 60.0
+
+
+def only_joins(before: Instance, after: Instance, node: str) -> bool:
+    """Whether ``after`` is ``before`` with ``node`` added to ``nodes`` and nothing else."""
+    return (
+        node not in before.nodes
+        and set(after.nodes) == {*before.nodes, node}
+        and after.evolve(nodes=before.nodes) == before
+    )
 
 
 class SlotLedger:
@@ -268,6 +283,9 @@ class SlotLedger:
             in_use: SlotsInUse | None = None
             if check_evidence or self.node not in current.nodes:
                 in_use = await self._evidence_for(current)
+            joined = await self._join_by_membership(key, change, current, in_use)
+            if joined is not None:
+                return joined
             stored, result = await self._join(key, change, in_use)
             if result is None:
                 # re-created without this node between the read and the write: once more,
@@ -276,6 +294,64 @@ class SlotLedger:
             assert result is not None
         await self._report_adoption(stored, result)
         return result
+
+    async def _join_by_membership(
+        self,
+        key: ObjectKey,
+        change: Callable[[Instance], Instance | None],
+        current: Instance,
+        in_use: SlotsInUse | None,
+    ) -> JoinResult | None:
+        """Join without a resourceVersion precondition when joining is all there is to write:
+        this node is not listed, its evidence shows nothing in use (no slot to adopt) and
+        discovery's ``change`` adds this node and nothing else. Then the store's membership
+        write (server-side apply of this node's own ``spec.nodes`` entry) cannot conflict
+        with the other nodes joining at the same moment: N nodes joining one shared Instance
+        cost N writes, not ~N²/2 conflicts and retries. None: a checked write is needed (or
+        the Instance changed meanwhile); the caller does it."""
+        if self.node in current.nodes or in_use is None or in_use:
+            return None
+        changed = change(current)
+        target = current if changed is None else decide_update(current, changed) or current
+        if not only_joins(current, target, self.node):
+            return None
+        try:
+            stored = await self.store.apply_membership(key, self.node, True, uid=current.uid)
+        except ConflictError:
+            return None  # re-created meanwhile: decided again on the new one, checked
+        if stored is None:
+            return None
+        STATS.record("join", writes=1)
+        return JoinResult(stored, (), (), True)
+
+    async def _leave_by_membership(self, key: ObjectKey) -> LeaveResult | None:
+        """Leave without a resourceVersion precondition when this node holds no slot and
+        leaving is all there is to write (no draining or offline mark of this node to clear,
+        other nodes remain): the store's membership write removes this node's own entry, so
+        nodes leaving together do not conflict. None: a checked write (or delete) is needed —
+        also when the entry stays because another writer owns it too (the creator's entry on
+        a Kubernetes API server)."""
+        current = self.store.get_cached(key)
+        if current is None:
+            return None
+        decision = decide_leave(current, self.node)
+        if not isinstance(decision, Leave) or decision.delete:
+            return None
+        if not only_joins(decision.instance, current, self.node):
+            return None
+        try:
+            stored = await self.store.apply_membership(key, self.node, False, uid=current.uid)
+        except ConflictError:
+            return None
+        except NotFoundError:
+            return LeaveResult(left=True)
+        if stored is None:
+            return None
+        STATS.record("leave", writes=1)
+        if self.node in stored.nodes:
+            return None
+        self._granted.pop(key, None)
+        return LeaveResult(left=True)
 
     async def _evidence_for(self, instance: Instance) -> SlotsInUse:
         """Raises :class:`EvidenceUnavailableError` when kubelet or a checkpoint cannot be
@@ -322,7 +398,7 @@ class SlotLedger:
             )
             return None if target is current else target
 
-        stored = await cas_update(self.store, key, mutate, policy=self._policy)
+        stored = await cas_update(self.store, key, mutate, policy=self._policy, operation="join")
         assert stored is not None and outcome
         done = outcome[0]
         if done is None:
@@ -371,7 +447,9 @@ class SlotLedger:
                     )
                 )
 
-            stored = await cas_update(self.store, key, mutate, policy=self._policy)
+            stored = await cas_update(
+                self.store, key, mutate, policy=self._policy, operation="join"
+            )
             if not outcome or stored is None:
                 return None
             done = outcome[0]
@@ -424,6 +502,9 @@ class SlotLedger:
         """Take this node out of Instance ``key`` if it holds none of its slots (deleting the
         Instance when no node and no held slot remain); otherwise mark it draining and stay."""
         async with self.lock_for(key):
+            by_membership = await self._leave_by_membership(key)
+            if by_membership is not None:
+                return by_membership
             for attempt in range(1, self._policy.attempts + 1):
                 current = self.store.get_cached(key)
                 if current is None:
@@ -448,6 +529,7 @@ class SlotLedger:
                 except NotFoundError:
                     return LeaveResult(left=True)
                 except ConflictError:
+                    STATS.record("leave", conflicts=1)
                     await asyncio.sleep(self._policy.delay(attempt))
                     with contextlib.suppress(NotFoundError):
                         await self.store.get(key)
@@ -456,6 +538,7 @@ class SlotLedger:
                     # nothing is held: the finalizer, which kept it terminating, goes too
                     await self._settle_finalizer(key)
                 return LeaveResult(left=True, deleted=decision.delete)
+        STATS.record("leave", gave_up=1)
         raise RetriesExhaustedError(f"could not take {self.node} out of instance {key}")
 
     async def settle_finalizer(self, key: ObjectKey) -> bool:
@@ -482,7 +565,10 @@ class SlotLedger:
 
     # -- claims and releases -------------------------------------------------------------------
     async def _apply(
-        self, key: ObjectKey, decide: Callable[[Instance], Granted | Refused | Released]
+        self,
+        key: ObjectKey,
+        decide: Callable[[Instance], Granted | Refused | Released],
+        operation: str = "claim",
     ) -> tuple[Instance, Granted | Released]:
         outcome: list[Granted | Released] = []
         refusal: list[Refused] = []
@@ -503,7 +589,9 @@ class SlotLedger:
 
         async with self.lock_for(key):
             try:
-                stored = await cas_update(self.store, key, mutate, policy=self._policy)
+                stored = await cas_update(
+                    self.store, key, mutate, policy=self._policy, operation=operation
+                )
             except NotFoundError as error:
                 raise SlotRefusedError(
                     "UnknownInstance", f"instance {key} does not exist"
@@ -700,7 +788,7 @@ class SlotLedger:
         """Free ``slot`` if ``owner`` holds it. Returns True if something was freed."""
         try:
             _, decision = await self._apply(
-                instance, lambda inst: decide_release(inst, slot, owner)
+                instance, lambda inst: decide_release(inst, slot, owner), "release"
             )
         except SlotRefusedError as error:
             if error.reason == "UnknownInstance":
@@ -737,7 +825,7 @@ class SlotLedger:
             return decide_release_slots(inst, expected, keep=keep)
 
         try:
-            _, decision = await self._apply(instance, decide)
+            _, decision = await self._apply(instance, decide, "release")
         except SlotRefusedError as error:
             if error.reason == "UnknownInstance":
                 return ()
@@ -764,7 +852,7 @@ class SlotLedger:
             return decide_release_values(inst, values, keep=keep)
 
         try:
-            _, decision = await self._apply(instance, decide)
+            _, decision = await self._apply(instance, decide, "release")
         except SlotRefusedError as error:
             if error.reason == "UnknownInstance":
                 return ()

@@ -190,6 +190,24 @@ class InstanceStore(abc.ABC):
     async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
         """Delete ``key``; with ``resource_version`` only if still at that version."""
 
+    async def apply_membership(
+        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+    ) -> Instance | None:
+        """Add ``node`` to (``member``) or take it out of ``spec.nodes`` of ``key`` without a
+        resourceVersion precondition, so that nodes joining and leaving one shared Instance
+        at the same moment never conflict: a server-side apply of the node's own entry with a
+        field manager per node (``spec.nodes`` is a set, ``x-kubernetes-list-type: set``), or
+        the same under the local store's lock. Nothing else changes — ``deviceUsage`` in
+        particular stays a resourceVersion-checked write's. ``uid`` is the Instance the
+        decision was made on: a re-created one (another uid) raises :class:`ConflictError`.
+
+        Returns the stored Instance — which may still list ``node`` after a leave when another
+        writer owns the entry too (on a Kubernetes API server: an entry written by a plain
+        update, e.g. the creator's); the caller then removes it with a checked write — or None
+        when this backend has no such write (the caller uses a checked write). Raises
+        :class:`NotFoundError`."""
+        return None
+
     @abc.abstractmethod
     def configurations(self) -> list[Configuration]:
         """The Configurations in force: every valid one, and the last good version of one

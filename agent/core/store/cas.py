@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
@@ -42,13 +42,54 @@ class RetriesExhaustedError(StoreError):
     """Too many conflicting writers; the caller should report a transient failure."""
 
 
+OPERATIONS = ("join", "leave", "update", "claim", "release")
+"""What a slot write was for (the ``operation`` label of the write/conflict metrics)."""
+
+
+@dataclass
+class OperationStats:
+    """Counters of one operation."""
+
+    writes: int = 0
+    conflicts: int = 0
+    gave_up: int = 0
+
+
 @dataclass
 class CasStats:
-    """Counters for metrics and benchmarks."""
+    """Counters for metrics and benchmarks: totals, and per operation. Writers that only
+    bump the totals (``STATS.writes += 1``) show up as operation ``other``."""
 
     writes: int = 0
     conflicts: int = 0
     gave_up: int = 0  # writes abandoned after ``RetryPolicy.attempts`` conflicts in a row
+    by_operation: dict[str, OperationStats] = field(default_factory=dict)
+
+    def record(
+        self, operation: str, *, writes: int = 0, conflicts: int = 0, gave_up: int = 0
+    ) -> None:
+        """Count writes, conflicts (409 on a resourceVersion-checked write) or give-ups."""
+        stats = self.by_operation.get(operation)
+        if stats is None:
+            stats = self.by_operation[operation] = OperationStats()
+        stats.writes += writes
+        stats.conflicts += conflicts
+        stats.gave_up += gave_up
+        self.writes += writes
+        self.conflicts += conflicts
+        self.gave_up += gave_up
+
+    def per_operation(self) -> dict[str, OperationStats]:
+        """Every operation's counters; ``other`` holds what was counted in the totals only."""
+        result = dict(self.by_operation)
+        other = OperationStats(
+            self.writes - sum(s.writes for s in result.values()),
+            self.conflicts - sum(s.conflicts for s in result.values()),
+            self.gave_up - sum(s.gave_up for s in result.values()),
+        )
+        if other.writes or other.conflicts or other.gave_up:
+            result["other"] = other
+        return result
 
 
 STATS = CasStats()
@@ -61,11 +102,13 @@ async def cas_update(
     *,
     policy: RetryPolicy = DEFAULT_RETRY,
     fresh: bool = False,
+    operation: str = "update",
 ) -> Instance | None:
     """Apply ``mutate`` to Instance ``key`` with optimistic concurrency.
 
     Returns the stored Instance after the write, the unchanged Instance if ``mutate`` returned
-    None, or raises :class:`NotFoundError` if it does not exist.
+    None, or raises :class:`NotFoundError` if it does not exist. Writes, conflicts and a give-up
+    are counted under ``operation`` (:data:`OPERATIONS`).
     """
     current = None if fresh else store.get_cached(key)
     if current is None:
@@ -76,15 +119,15 @@ async def cas_update(
             return current
         try:
             stored = await store.update(desired)
-            STATS.writes += 1
+            STATS.record(operation, writes=1)
             return stored
         except ConflictError:
-            STATS.conflicts += 1
+            STATS.record(operation, conflicts=1)
             if attempt == policy.attempts:
                 break
             await asyncio.sleep(policy.delay(attempt))
             current = await store.get(key)
         except NotFoundError:
             raise
-    STATS.gave_up += 1
+    STATS.record(operation, gave_up=1)
     raise RetriesExhaustedError(f"gave up updating {key} after {policy.attempts} conflicts")

@@ -24,7 +24,6 @@ from agent.core.ledger.ledger import EvidenceUnavailableError, SlotLedger
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.model.naming import OFFLINE_ANNOTATION
 from agent.core.store.base import (
     AlreadyExistsError,
     InstanceStore,
@@ -261,8 +260,9 @@ class ConfigurationRunner:
                 self.node,
                 self._grace_for(self.configuration, self.handler.shared),
             )
-        for name in sorted(newly_offline):
-            await self._mark_offline(name)
+        # nothing is written when the grace starts: the Instance is left once, when it is over
+        # (a stored offline mark cost every departing node a second write, and the conflicts
+        # with it); the slots are Unhealthy here meanwhile (``self.offline``)
         settled: dict[str, tuple[Instance, DesiredInstance, Configuration, bool]] = {}
         self._evidence_waiting = set()
         for desired in plan.upserts:
@@ -351,9 +351,7 @@ class ConfigurationRunner:
                 # anyway whenever this node is not yet in ``nodes``)
                 result = await self.ledger.join_instance(
                     key,
-                    lambda inst: join_instance(
-                        inst, self.configuration, desired, self.node, shared
-                    ),
+                    lambda inst: self._join_change(inst, desired, shared),
                     check_evidence=(
                         before is None
                         or desired.name not in self._evidence_checked
@@ -430,18 +428,28 @@ class ConfigurationRunner:
                 self._evidence_retry,
             )
 
-    async def _mark_offline(self, name: str) -> None:
-        """Record in the Instance that this node does not see its device right now (so
-        ``akri status`` and ``kubectl get akrii -o yaml`` show it); cleared on rejoin."""
-        key = ObjectKey(self.configuration.namespace, name)
-
-        def mark(instance: Instance) -> Instance | None:
-            if self.node in instance.offline_nodes or self.node not in instance.nodes:
-                return None
-            return instance.with_node_mark(OFFLINE_ANNOTATION, self.node, True)
-
-        with contextlib.suppress(NotFoundError):
-            await self.ledger.update_instance(key, mark)
+    def _join_change(
+        self, instance: Instance, desired: DesiredInstance, shared: bool
+    ) -> Instance | None:
+        """Discovery's change of ``instance`` for this node (:func:`join_instance`). A change
+        the Configuration alone drives (capacity, properties...) of a shared Instance this
+        node is already in is written by one node, the one that sorts first in ``nodes`` (as
+        for its DRA pool): all nodes learn of an edit at once, and each writing it cost N-1
+        conflicts and re-reads per Instance; the others' caches then show it done. (If that
+        node's agent is down, the change waits until it is back or the controller's dead-node
+        cleanup takes it out of ``nodes``.) This node's own part (joining, its marks) it
+        always writes itself."""
+        target = join_instance(instance, self.configuration, desired, self.node, shared)
+        if (
+            target is None
+            or not shared
+            or self.node not in instance.nodes
+            or min(instance.nodes) == self.node
+        ):
+            return target
+        if target.nodes == instance.nodes and target.annotations == instance.annotations:
+            return None  # the node that sorts first writes it
+        return target
 
     async def _refresh(self, key: ObjectKey) -> None:
         with contextlib.suppress(NotFoundError):

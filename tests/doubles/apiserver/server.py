@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import collections
 import contextlib
 import json
 import logging
@@ -125,6 +126,8 @@ class ApiServerDouble:
         # Unexpected exceptions raised while serving (answered with 500); tests may assert
         # that this stays empty.
         self.internal_errors: builtins.list[Exception] = []
+        # watch events written to clients, by resource plural (benchmarks)
+        self.watch_events_sent: collections.Counter[str] = collections.Counter()
         self._runner: web.AppRunner | None = None
         self._watchers: set[Watcher] = set()
         self._offline_task: asyncio.Task[None] | None = None
@@ -930,6 +933,7 @@ class ApiServerDouble:
         async def send(event_type: str, obj: JSON) -> None:
             line = json.dumps({"type": event_type, "object": obj}, separators=(",", ":")) + "\n"
             await response.write(line.encode())
+            self.watch_events_sent[rt.plural] += 1
 
         try:
             start = self.store.watch(

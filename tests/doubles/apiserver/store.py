@@ -26,7 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import yaml
 
-from tests.doubles.apiserver import errors
+from tests.doubles.apiserver import errors, managed_fields
 from tests.doubles.apiserver.errors import ApiError
 from tests.doubles.apiserver.gc import (
     GarbageCollector,
@@ -93,6 +93,14 @@ PATCH_TYPES: tuple[str, ...] = (JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH, APPLY_
 
 DEFAULT_NAMESPACES: tuple[str, ...] = ("default", "kube-system", "kube-public", "kube-node-lease")
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def _set_managed_fields(obj: JSON, entries: Any) -> None:
+    meta = _meta(obj)
+    if entries:
+        meta["managedFields"] = json_copy(entries)
+    else:
+        meta.pop("managedFields", None)
 
 
 def now_rfc3339() -> str:
@@ -374,6 +382,8 @@ class Store:
         *,
         dry_run: bool = False,
         field_validation: str = "Warn",
+        field_manager: str | None = None,
+        applied: bool = False,
     ) -> JSON:
         if not isinstance(body, dict):
             raise errors.bad_request("the body of the request must be a JSON object")
@@ -417,6 +427,8 @@ class Store:
                 obj.pop("status", None)
             obj["apiVersion"] = rt.api_version(version)
             obj["kind"] = rt.kind
+            if not applied:  # an apply that creates has recorded its own ownership
+                self._track_ownership(rt, version, None, obj, field_manager)
             self._before_write(rt, version, None, obj, field_validation)
             if dry_run:
                 return self._output(rt, version, obj)
@@ -519,7 +531,14 @@ class Store:
                 if current is None:
                     if subresource:
                         raise errors.not_found(rt.gr, name)
-                    body = json_copy(patch)
+                    body = managed_fields.apply(
+                        None,
+                        patch,
+                        field_manager,
+                        self._set_lists(rt, version),
+                        rt.api_version(version),
+                        now_rfc3339(),
+                    )
                     _meta(body)["name"] = name
                     if _meta(body).get("resourceVersion"):
                         raise errors.stale(rt.gr, name)
@@ -530,6 +549,7 @@ class Store:
                         body,
                         dry_run=dry_run,
                         field_validation=field_validation,
+                        applied=True,
                     ), True
             if current is None:
                 raise errors.not_found(rt.gr, name)
@@ -538,6 +558,16 @@ class Store:
                     candidate = json_patch(current, patch)
                 elif patch_type == STRATEGIC_PATCH and not rt.custom:
                     candidate = strategic_merge_patch(current, patch)
+                elif patch_type == APPLY_PATCH:
+                    assert field_manager is not None
+                    candidate = managed_fields.apply(
+                        current,
+                        patch,
+                        field_manager,
+                        self._set_lists(rt, version),
+                        rt.api_version(version),
+                        now_rfc3339(),
+                    )
                 else:
                     if not isinstance(patch, dict):
                         raise PatchError("a merge patch must be a JSON object")
@@ -553,7 +583,16 @@ class Store:
                 raise errors.namespace_mismatch()
             return (
                 self._write_update(
-                    rt, version, key, current, candidate, subresource, dry_run, field_validation
+                    rt,
+                    version,
+                    key,
+                    current,
+                    candidate,
+                    subresource,
+                    dry_run,
+                    field_validation,
+                    field_manager=field_manager,
+                    applied=patch_type == APPLY_PATCH,
                 ),
                 False,
             )
@@ -568,6 +607,9 @@ class Store:
         subresource: str | None,
         dry_run: bool,
         field_validation: str = "Warn",
+        *,
+        field_manager: str | None = None,
+        applied: bool = False,
     ) -> JSON:
         name = key[1]
         cur_meta = current["metadata"]
@@ -615,6 +657,10 @@ class Store:
         new["kind"] = rt.kind
         if "finalizers" in meta and not meta["finalizers"]:
             del meta["finalizers"]
+        if subresource == "status":
+            _set_managed_fields(new, cur_meta.get("managedFields"))
+        elif not applied:  # an apply has recorded its own ownership
+            self._track_ownership(rt, version, current, new, field_manager)
         self._before_write(rt, version, current, new, field_validation)
         if cur_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(cur_meta.get("finalizers") or [])
@@ -646,6 +692,28 @@ class Store:
         if meta.get("deletionTimestamp") and not meta.get("finalizers"):
             self._remove(rt, key)
         return self._output(rt, version, new)
+
+    def _set_lists(self, rt: ResourceType, version: str) -> list[managed_fields.Path]:
+        """The set-typed lists of a custom resource's schema (their elements have owners)."""
+        return managed_fields.set_list_paths(rt.schemas.get(version)) if rt.custom else []
+
+    def _track_ownership(
+        self,
+        rt: ResourceType,
+        version: str,
+        current: JSON | None,
+        new: JSON,
+        field_manager: str | None,
+    ) -> None:
+        """A plain write: ``new`` gets the stored ownership, updated for what it changed
+        (a client's own ``managedFields`` are ignored)."""
+        paths = self._set_lists(rt, version)
+        if not paths:
+            return
+        _set_managed_fields(new, (current or {}).get("metadata", {}).get("managedFields"))
+        managed_fields.track_update(
+            current, new, field_manager, paths, rt.api_version(version), now_rfc3339()
+        )
 
     # --- delete --------------------------------------------------------------------------
 

@@ -1,0 +1,172 @@
+"""Nodes joining and leaving one shared Instance at the same moment do not conflict (issue 28):
+the ledger writes a plain join or leave as the store's membership write (server-side apply of
+the node's own ``spec.nodes`` entry on a Kubernetes API server; the set under the lock in the
+local store), and every ``deviceUsage`` change stays a resourceVersion-checked write."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agent.core.kube import make_kube_client
+from agent.core.ledger.decisions import Owner
+from agent.core.ledger.ledger import SlotLedger
+from agent.core.model.instance import Instance
+from agent.core.model.keys import ObjectKey
+from agent.core.store.base import InstanceStore
+from agent.core.store.cas import STATS, OperationStats
+from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
+from agent.core.store.local import LocalInstanceStore
+from tests.doubles.apiserver import ApiServerDouble
+from tests.harness.k8s_nodes import CRDS
+
+KEY = ObjectKey("default", "cam-abcdef")
+NODES = [f"node-{i:02d}" for i in range(20)]
+
+
+def counted(operation: str) -> OperationStats:
+    found = STATS.by_operation.get(operation, OperationStats())
+    return OperationStats(found.writes, found.conflicts, found.gave_up)
+
+
+def delta(before: OperationStats, operation: str) -> OperationStats:
+    now = counted(operation)
+    return OperationStats(
+        now.writes - before.writes, now.conflicts - before.conflicts, now.gave_up - before.gave_up
+    )
+
+
+def joined(node: str):  # type: ignore[no-untyped-def]
+    """Discovery's join: add ``node`` (nothing else)."""
+
+    def change(instance: Instance) -> Instance | None:
+        if node in instance.nodes:
+            return None
+        return instance.evolve(nodes=(*instance.nodes, node))
+
+    return change
+
+
+async def join_and_leave_all(stores: list[InstanceStore]) -> None:
+    ledgers = [SlotLedger(store, node) for store, node in zip(stores, NODES, strict=True)]
+    await ledgers[0].create_instance(
+        Instance(
+            name=KEY.name,
+            namespace=KEY.namespace,
+            configuration_name="cam",
+            shared=True,
+            capacity=2,
+            nodes=(NODES[0],),
+        )
+    )
+    for store in stores:  # every node's cache has it (a node joins what it has seen)
+        await store.get(KEY)
+    join, leave, claim = counted("join"), counted("leave"), counted("claim")
+
+    await asyncio.gather(
+        *(ledger.join_instance(KEY, joined(ledger.node)) for ledger in ledgers[1:])
+    )
+    stored = await stores[0].get(KEY)
+    assert sorted(stored.nodes) == NODES
+    assert delta(join, "join") == OperationStats(writes=len(NODES) - 1, conflicts=0, gave_up=0)
+
+    # slot claims stay checked writes, and a claim racing the joins is never lost
+    claimed = await ledgers[3].claim(KEY, f"{KEY.name}-0", Owner.instance_level(NODES[3]))
+    assert claimed.instance.device_usage[f"{KEY.name}-0"] == NODES[3]
+    assert delta(claim, "claim").writes == 1
+
+    # everybody but the creator and the holder leaves at once: one write each, no conflict
+    leaving = [ledger for ledger in ledgers[1:] if ledger.node != NODES[3]]
+    results = await asyncio.gather(*(ledger.leave(KEY) for ledger in leaving))
+    assert all(result.left for result in results)
+    stored = await stores[0].get(KEY)
+    assert sorted(stored.nodes) == [NODES[0], NODES[3]]
+    assert stored.device_usage[f"{KEY.name}-0"] == NODES[3]  # untouched
+    assert delta(leave, "leave") == OperationStats(writes=len(leaving), conflicts=0, gave_up=0)
+
+    # the holder cannot leave: it drains (a checked write of its mark), nothing is freed
+    drained = await ledgers[3].leave(KEY)
+    assert not drained.left and drained.slots == (f"{KEY.name}-0",)
+    # the creator leaves too (its entry may need a checked write: see apply_membership)
+    assert (await ledgers[0].leave(KEY)).left
+    assert (await stores[0].get(KEY)).nodes == (NODES[3],)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+async def test_kubernetes_nodes_join_and_leave_without_conflicts(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    stores: list[InstanceStore] = []
+    for node in NODES:
+        store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings(node))
+        await store.start()
+        stores.append(store)
+    try:
+        api.clear_requests()
+        await join_and_leave_all(stores)
+        patches = api.requests_for(verb="patch", resource="instances")
+        assert patches and all(r.content_type == "application/apply-patch+yaml" for r in patches)
+        # one apply per join and per leave, never refused; the checked writes (claim, drain,
+        # the creator's leave) may meet a stale cache (409) and are retried
+        assert len(patches) == 2 * (len(NODES) - 1)
+        assert all(r.status == 200 for r in patches)
+        writes = api.requests_for(verb="update", resource="instances")
+        assert len([r for r in writes if r.status == 200]) == 3
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_local_nodes_join_and_leave_without_conflicts(tmp_path: Path) -> None:
+    """Several agents sharing one state directory (simulated nodes): the same semantics."""
+    stores: list[InstanceStore] = []
+    for _ in NODES:
+        store = LocalInstanceStore(tmp_path / "state")
+        await store.start()
+        stores.append(store)
+    try:
+        await join_and_leave_all(stores)
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_a_recreated_instance_is_not_joined_by_membership(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """The membership write names the Instance the decision was made on (its uid): one
+    deleted and re-created meanwhile refuses it (409), and the join is decided again."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings("n1"))
+    await store.start()
+    try:
+        first = await store.create(
+            Instance(
+                name=KEY.name, configuration_name="cam", capacity=1, shared=True, nodes=("n0",)
+            )
+        )
+        api.delete("instances.akri.sh", KEY.name, "default")
+        api.create(
+            {
+                "apiVersion": "akri.sh/v0",
+                "kind": "Instance",
+                "metadata": {"name": KEY.name, "namespace": "default"},
+                "spec": {"configurationName": "cam", "shared": True, "nodes": ["n2"]},
+            }
+        )
+        from agent.core.store.base import ConflictError
+
+        with pytest.raises(ConflictError):
+            await store.apply_membership(KEY, "n1", True, uid=first.uid)
+        assert api.get("instances.akri.sh", KEY.name, "default")["spec"]["nodes"] == ["n2"]
+    finally:
+        await store.close()
