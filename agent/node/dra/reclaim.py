@@ -16,9 +16,9 @@ DRA checkpoint and, when needed, the ResourceClaim in the API:
   or a slot written by another agent): never freed here, reported once with the slot so an
   operator can free it. Whether such a claim is gone from the API cannot be established:
   the slot holds only the claim's uid, a ``GET`` needs its namespace and name (which only
-  the lost checkpoint had), and finding a uid means listing every ResourceClaim of the
-  cluster, which the agent's RBAC does not allow (``resourceclaims``: ``get`` only). Freeing
-  on a guess could give a device in use to a second claim. kubelet still frees most of them:
+  the lost checkpoint had), and the claims the agent follows (``allocated.py``) are used only
+  to reserve slots: a uid missing from them is no proof (a claim created after the list, a
+  watch that fell behind). Freeing on a guess could give a device in use to a second claim. kubelet still frees most of them:
   it keeps its own record and calls ``NodeUnprepareResources`` when the claim's pod ends,
   and :meth:`DraState.unprepare` frees every ``D:<uid>:<node>`` slot of a claim the
   checkpoint does not know (docs/dra.md, "Slots nobody uses any more").
