@@ -387,6 +387,44 @@ class KubernetesInstanceStore(InstanceStore):
             return
         self._forget(key)
 
+    async def apply_membership(
+        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+    ) -> Instance | None:
+        """Server-side apply of ``node``'s entry of ``spec.nodes`` as field manager
+        :func:`membership_manager` (``nodes`` is ``x-kubernetes-list-type: set`` in the CRD:
+        each element is owned by the managers that applied it, so concurrent joins and leaves
+        merge instead of conflicting). A leave applies ``nodes: []``, which removes the entry
+        only if no other manager owns it too."""
+        metadata: dict[str, Any] = {"name": key.name, "namespace": key.namespace}
+        if uid:
+            metadata["uid"] = uid  # a precondition: 409 if the Instance was re-created
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "Instance",
+            "metadata": metadata,
+            "spec": {"nodes": [node] if member else []},
+        }
+        self.request_count += 1
+        try:
+            obj = await self._client.apply(
+                self._instances_path(key.namespace, key.name),
+                body,
+                field_manager=membership_manager(node),
+                request_timeout=self.settings.request_timeout,
+            )
+        except Exception as error:
+            translated = _translate(error, f"instance {key}")
+            if _status_of(error) == 422:
+                # an apply creates a missing object, and one with only spec.nodes is invalid
+                # (spec.configurationName is required): tell "gone" from a real refusal
+                await self.get(key)  # raises NotFoundError when gone
+            if isinstance(translated, ConflictError | NotFoundError):
+                with contextlib.suppress(StoreError):
+                    await self.get(key)
+            raise translated from error
+        self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
+        return Instance.from_dict(obj)
+
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:
         return await self._properties.read(kind, namespace, name)
@@ -462,6 +500,11 @@ async def first_list(
             backoff = min(backoff * 2, MAX_START_BACKOFF)
             log.warning("listing %s at start: %s; retrying in %.1fs", what, reason, wait)
             await sleep(wait)
+
+
+def membership_manager(node: str) -> str:
+    """The field manager of ``node``'s own ``spec.nodes`` entry (server-side apply)."""
+    return f"akri.sh/{node}"
 
 
 def delete_options(resource_version: str | None) -> dict[str, Any]:

@@ -430,6 +430,39 @@ class LocalInstanceStore(InstanceStore):
             remove_file(path, durable=self._durable)
         return "deleted", None
 
+    async def apply_membership(
+        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+    ) -> Instance | None:
+        """``spec.nodes`` as a set under the state directory's lock: the entry is added or
+        removed on the stored version, whatever it is (no resourceVersion precondition, as
+        server-side apply), and nothing is written when it is already so."""
+        self._validate_key(key)
+        async with self._write_lock, self._storage_errors():
+            stored, written = await asyncio.to_thread(self._membership_file, key, node, member, uid)
+        if written or self.get_cached(key) is None:
+            self._apply_to_cache(key, stored)
+        return stored
+
+    def _membership_file(
+        self, key: ObjectKey, node: str, member: bool, uid: str | None
+    ) -> tuple[Instance, bool]:
+        """(the stored Instance, whether it was written)."""
+        with self._flock():
+            path = self._path(key)
+            if not path.exists():
+                raise NotFoundError(str(key))
+            current = load_instance_file(path, key.namespace)
+            if uid and current.uid != uid:
+                raise ConflictError(f"{key}: re-created (uid {current.uid}, expected {uid})")
+            if (node in current.nodes) == member:
+                return current, False
+            nodes = (
+                (*current.nodes, node) if member else tuple(n for n in current.nodes if n != node)
+            )
+            stored = current.evolve(nodes=nodes, resource_version=self._next_version())
+            atomic_write_json(path, stored.to_dict(), durable=self._durable)
+        return stored, True
+
     # -- internals ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _storage_errors(self) -> AsyncIterator[None]:
