@@ -376,7 +376,12 @@ def _status(args: argparse.Namespace) -> int:
     except CorruptStateError as error:
         print(f"akri status: {error}", file=sys.stderr)
         return EXIT_CORRUPT_STATE
-    return _print(to_json(instances) if args.output == "json" else to_table(instances))
+    if args.output == "json":
+        return _print(to_json(instances))
+    from agent.node.discovery.budget import budget_lines, read_budget_records
+
+    # a local agent's Instance budget (local mode has no Events to read it from)
+    return _print("\n".join([to_table(instances), *budget_lines(read_budget_records(state_dir))]))
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:

@@ -12,7 +12,7 @@ from agent.core.aio.events import Subscription
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent
 from agent.node.activity_log import log_instance_changes
-from agent.node.discovery.budget import ensure_fd_limit
+from agent.node.discovery.budget import ensure_fd_limit, record_budget
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
@@ -151,6 +151,11 @@ class Agent:
             ownership=self.ownership,
             max_instances=settings.max_instances,
         )
+        if settings.local:
+            # local mode has no Events: `akri status --state-dir` reads this file instead
+            self.discovery.budget_listeners.append(
+                lambda: record_budget(settings.state_dir, node, self.discovery.budget)
+            )
         self._activity: asyncio.Task[None] | None = None
         self._finalizers: asyncio.Task[None] | None = None
         self.plugins: DevicePluginManager | None = None
@@ -277,6 +282,8 @@ class Agent:
         self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
         # before the first plugin: every served Instance holds two descriptors
         ensure_fd_limit(self.settings.max_instances)
+        if self.settings.local:  # nothing is left out yet: no stale record of a last run
+            record_budget(self.settings.state_dir, self.settings.node_name, self.discovery.budget)
         if self.settings.health_port:
             # first: /healthz must answer while the store waits for the API and the CRDs (up
             # to 300 s), or the liveness probe restarts a starting agent; /readyz says

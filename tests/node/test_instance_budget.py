@@ -38,6 +38,7 @@ from agent.node.settings import AGENT_OPTIONS, AgentSettings, SettingsError, res
 from agent.node.status import budget_notes
 from discovery_handlers.base import Device
 from tests.doubles.apiserver import ApiServerDouble
+from tests.harness.agent_process import AgentProcess, poll_until, read_status, run_status
 from tests.harness.dp_nodes import start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
 from tests.paths import REPO
@@ -260,3 +261,40 @@ def test_status_notes_come_from_each_node_s_latest_budget_event() -> None:
         key("mics"): "over budget on node-b: 2 of its 3 devices are not served on node-b",
         key("cams"): "over budget on node-c: 2 of its 3 devices are not served on node-c",
     }
+
+
+def test_a_local_agent_shows_its_budget_in_akri_status(tmp_path: Path) -> None:
+    """``akri agent --local`` with ``AKRI_MAX_INSTANCES=2`` and three devices: two
+    Instances, and ``akri status --state-dir`` says what is left out (local mode has no
+    Events); once there is room the line goes."""
+    state = tmp_path / "state"
+    config = tmp_path / "mics.yaml"
+    body = (
+        "apiVersion: akri.sh/v0\nkind: Configuration\nmetadata:\n  name: mics\nspec:\n"
+        "  discoveryHandler:\n    name: debugEcho\n    discoveryDetails: |+\n"
+        "      descriptions: [{}]\n  capacity: 1\n"
+    )
+    config.write_text(body.format('"m0", "m1", "m2"'))
+    agent = AgentProcess(
+        ["--local", "--state-dir", str(state), "--config", str(config), "--node-name", "lab",
+         "--debug-echo-availability-file", str(tmp_path / "avail"), "--poll-interval", "0.2"],
+        env={"AKRI_MAX_INSTANCES": "2"},
+    )  # fmt: skip
+    try:
+
+        def table() -> str:
+            done = run_status(state, output="table")
+            assert done.returncode in (0, 1), done.stderr
+            return done.stdout
+
+        line = "over budget on lab: 1 of the 3 devices of default/mics are not served"
+        poll_until(lambda: line in table(), timeout=60, message=lambda: table() + agent.log_text())
+        assert len(read_status(state)) == 2
+        config.write_text(body.format('"m0", "m1"'))
+        poll_until(
+            lambda: "over budget" not in table(),
+            timeout=60,
+            message=lambda: table() + agent.log_text(),
+        )
+    finally:
+        agent.cleanup()

@@ -70,6 +70,7 @@ class DiscoveryManager:
         self.store = store
         # at most this many devices become Instances on this node (None: no limit)
         self.budget = InstanceBudget(max_instances, self._over_budget)
+        self.budget_listeners: list[Callable[[], None]] = []  # called when left_out changes
         self.handlers = handlers
         self.node = node
         self.grace = grace
@@ -420,6 +421,8 @@ class DiscoveryManager:
 
     def _over_budget(self, key: ObjectKey, left_out: int, reported: int, limit: int) -> None:
         """Record on the Configuration that devices of it are left out (or none any more)."""
+        for listener in self.budget_listeners:
+            listener()
         runner = self.runners.get(key)
         if runner is None:
             return

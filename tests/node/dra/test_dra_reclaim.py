@@ -325,3 +325,55 @@ async def test_a_slot_unprepared_while_a_pass_waited_is_no_error(
         assert await waiting == []
     assert [r for r in caplog.records if "does not know" in r.getMessage()] == []
     await store.close()
+
+
+async def test_a_failing_release_backs_off_and_is_logged_rarely(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 30 (7), DRA side: during an outage the stale slot's release was tried, and
+    logged, at every pass. Now it backs off (1 s doubling) and is logged at most every 30 s."""
+    from agent.core.store.base import StoreUnavailableError
+
+    store = LocalInstanceStore(tmp_path / "state")
+    await store.start()
+    await store.create(
+        Instance("cam-8120fe", "cam", 2, nodes=("node-a",), device_usage={"cam-8120fe-0": ""})
+    )
+    now = [50.0]
+    ledger = SlotLedger(store, "node-a", clock=lambda: now[0])
+    await ledger.claim(KEY, "cam-8120fe-0", Owner.claim("u1", "node-a"))  # granted at 50
+    now[0] = 100.0
+    book = checkpoint(tmp_path)
+    book.record_preparing(PendingClaim("u1", "default", "c"))  # its claim is gone: stale
+    lock = asyncio.Lock()
+    state = SimpleNamespace(ledger=ledger, node="node-a", checkpoint=book, lock=lambda: lock)
+
+    async def no_claims(_namespace: str, _name: str) -> None:
+        return None
+
+    reclaimer = DraReclaimer(
+        state,  # type: ignore[arg-type]
+        store.subscribe_instances,
+        no_claims,
+        store.get_cached,
+        grace=0.0,
+        clock=lambda: now[0],
+    )
+    attempts: list[float] = []
+    real_update = store.update
+
+    async def unavailable(instance: Instance) -> Instance:
+        attempts.append(now[0])
+        raise StoreUnavailableError("connection refused")
+
+    store.update = unavailable  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="agent.node.dra.reclaim"):
+        for _ in range(20):  # a pass a second
+            await reclaimer.reclaim_once()
+            now[0] += 1.0
+    assert attempts == [100.0, 101.0, 103.0, 107.0, 115.0]
+    assert len([r for r in caplog.records if "cannot free DRA slot" in r.getMessage()]) == 1
+    store.update = real_update  # type: ignore[method-assign]
+    now[0] = 131.0
+    assert [s.slot for s in await reclaimer.reclaim_once()] == ["cam-8120fe-0"]
+    await store.close()
