@@ -11,6 +11,7 @@ and two run through the real ``akri agent`` to check the exit code and the outpu
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -255,3 +256,35 @@ def test_the_agent_exits_3_naming_the_file(tmp_path: Path, case: str) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 3, output
     assert str(broken) in output and "Traceback" not in output
+
+
+def test_a_broken_dra_checkpoint_stops_a_cluster_agent_with_exit_3(tmp_path: Path) -> None:
+    """Before: an unreadable checkpoint was replaced by an empty one ("starting empty"), and
+    the ``D:`` slots it traced could never be freed. Now the agent refuses to start, naming
+    the file and what to do (against the API-server double, as in a cluster)."""
+    from tests.doubles.apiserver.threaded import ThreadedApiServer
+    from tests.harness.agent_process import AgentProcess
+    from tests.harness.k8s_nodes import CRDS
+    from tests.node.test_kube_start import cluster_agent_args
+
+    # unix socket paths are limited to 107 bytes: the kubelet-facing directories stay short
+    base = Path(tempfile.mkdtemp(prefix="cp-", dir="/tmp"))
+    try:
+        book = base / "dra" / "checkpoint.json"
+        book.parent.mkdir()
+        book.write_bytes(b'{"version": 2, "preparedClaims": {"u1": {"namespace": 1}}}')
+        with ThreadedApiServer(crds=CRDS) as server:
+            kubeconfig = server.write_kubeconfig(base / "kubeconfig")
+            agent = AgentProcess(cluster_agent_args(kubeconfig, base))
+            try:
+                code = agent.wait_exit(60)
+            finally:
+                agent.cleanup()
+        assert code == 3, agent.describe()
+        assert agent.matching(rf"refusing to start: state file {book} is corrupt"), (
+            agent.describe()
+        )
+        assert agent.matching("move it aside"), agent.describe()
+        assert not agent.matching("Traceback"), agent.describe()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
