@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 
+from agent.controller.deviceclasses import DeviceClassReconciler
 from agent.controller.leader import LeaderElector, LeaseSettings
 from agent.controller.metrics import ControllerCollector
 from agent.controller.reconcile import Reconciler, ReconcileSettings
@@ -55,6 +56,8 @@ class Controller:
                 namespace=settings.namespace,
             ),
         )
+        # KEP-5004: the DeviceClasses that serve akri.sh/<name> limits through DRA
+        self.device_classes = DeviceClassReconciler(client, self.store)
         self.elector = LeaderElector(
             client,
             LeaseSettings(
@@ -118,14 +121,18 @@ class Controller:
         """Reconcile while leading; cancel the work the moment leadership is lost."""
         while True:
             await self.elector.leading.wait()
-            work = asyncio.create_task(self.reconciler.run(), name="reconcile")
+            work = [
+                asyncio.create_task(self.reconciler.run(), name="reconcile"),
+                asyncio.create_task(self.device_classes.run(), name="device-classes"),
+            ]
             try:
                 while self.elector.leading.is_set():
                     self.elector.changed.clear()
                     await self.elector.changed.wait()
             finally:
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
+                for task in work:
+                    task.cancel()
+                await asyncio.gather(*work, return_exceptions=True)
 
 
 async def _until(stop: asyncio.Event, work: Coroutine[Any, Any, None]) -> None:

@@ -183,3 +183,28 @@ def keeps_extended_resource_name(sent: Mapping[str, Any], stored: Mapping[str, A
     ``DRAExtendedResource`` gate is off): the agent's test for the DRA path."""
     wanted = (sent.get("spec") or {}).get("extendedResourceName")
     return bool(wanted) and (stored.get("spec") or {}).get("extendedResourceName") == wanted
+
+
+def name_owners(
+    configurations: Iterable[tuple[ObjectKey, str | None]], instances: Iterable[InstanceRef]
+) -> Callable[[ObjectKey], bool]:
+    """``owns`` for :func:`desired_device_classes`: per Configuration name, the one namespace
+    with Instances of it, else the oldest Configuration (``creationTimestamp``, then namespace)
+    among those with Instances (or among all when none has any) — rules 1 and 2 of
+    ``agent/node/discovery/ownership.py``, which every node agent applies. (Its rules 3 and 4,
+    shortened and Instance-shaped names, make the agents refuse a Configuration; a class for
+    it then selects no device, since no slice publishes one.)"""
+    with_instances: dict[str, set[str]] = {}
+    for instance in instances:
+        with_instances.setdefault(instance.configuration.name, set()).add(
+            instance.configuration.namespace
+        )
+    by_name: dict[str, list[tuple[str, str]]] = {}
+    for key, created in configurations:
+        by_name.setdefault(key.name, []).append((created or "", key.namespace))
+    owner: dict[str, str] = {}
+    for name, entries in by_name.items():
+        used = with_instances.get(name, set())
+        candidates = [e for e in entries if e[1] in used] or entries
+        owner[name] = min(candidates)[1]
+    return lambda key: owner.get(key.name) == key.namespace
