@@ -49,6 +49,7 @@ from benchmarks.harness import (
 from benchmarks.large_instance import measure_large_instance_cluster
 from benchmarks.latency import LatencyBench, LatencyPlan
 from benchmarks.local_mode import LocalPlan, measure_idle, measure_large_instance, measure_startup
+from benchmarks.many_agents import ManyAgentsPlan, run_many_agents
 from benchmarks.network_handlers import measure_mdns, measure_mqtt
 from benchmarks.onvif_discovery import measure_onvif
 from benchmarks.peer import PeerPlan, run_peer, table
@@ -74,6 +75,7 @@ PLANS: dict[str, dict[str, Any]] = {
             measure_shutdown=False,
         ),
         "contention": ContentionPlan(),
+        "many_agents": ManyAgentsPlan(agents=(5, 10)),
         "controller": ControllerPlan(samples=30, dead_node_samples=2, instances=100, nodes=10),
         "local": LocalPlan(
             startups=5,
@@ -95,6 +97,7 @@ PLANS: dict[str, dict[str, Any]] = {
         ),
         "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
         "contention": ContentionPlan(),
+        "many_agents": ManyAgentsPlan(),
         "controller": ControllerPlan(),
         "local": LocalPlan(startups=10, idle_seconds=60),
     },
@@ -102,7 +105,16 @@ PLANS: dict[str, dict[str, Any]] = {
 # the side-by-side section (benchmarks/peer.py): only with --peer-bin
 PEER_PLANS = {"quick": PeerPlan(rounds=3, idle_seconds=10), "full": PeerPlan(rounds=5)}
 UDEV_SAMPLES = {"quick": 5, "full": 20}
-SECTIONS = ("latency", "scale", "contention", "controller", "udev", "local", "peer")
+SECTIONS = (
+    "latency",
+    "scale",
+    "contention",
+    "many_agents",
+    "controller",
+    "udev",
+    "local",
+    "peer",
+)
 LATENCY_KEYS = (
     "discovery_to_kubelet_ms",
     "discovery_online_flip_ms",
@@ -487,6 +499,10 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         mark = len(LOOP_LAGS)
         await contention_section(results, plans["contention"], options, rng)
         record_lag("contention", mark)
+    if "many_agents" in args.only:
+        plan = plans["many_agents"]
+        within = len(plan.agents) * (3 * plan.within + 120)
+        await measure(results, "many_agents", lambda: run_many_agents(plan, options), within)
     if "controller" in args.only:
         await controller_section(results, plans["controller"])
     if "udev" in args.only:

@@ -1,0 +1,213 @@
+"""Many agents sharing devices (issue 28): N agent processes, one node name each, in cluster
+mode against the API-server double, one debugEcho Configuration of shared devices.
+
+Per N (10, 25, 50 by default):
+
+* **join**: all N agents start together; the time until every Instance lists every node, the
+  API requests the agents made (in total, per agent, by verb), Instance conflicts (409) per
+  successful Instance write, writes given up (``RetriesExhaustedError``/``gave up`` log
+  lines), watch events the API server sent, and the agents' CPU seconds and RSS;
+* **loss**: half the agents stop seeing the devices (``--shared-offline-grace`` short, so the
+  departure is measured, not the grace); the same figures until every Instance lists only
+  the other half.
+
+The agents are separate processes as in production; they share the host's two cores, so the
+times include waiting for a core (the runqueue wait is reported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from benchmarks.harness import (
+    AgentOptions,
+    ApiServer,
+    Node,
+    RunqueueWindow,
+    cpu_seconds,
+    debug_echo_configuration,
+    log,
+    rss_mb,
+    start_node,
+    wait_until,
+)
+
+CONFIGURATION = "many"
+
+
+@dataclass(frozen=True)
+class ManyAgentsPlan:
+    agents: tuple[int, ...] = (10, 25, 50)
+    devices: int = 5
+    capacity: int = 10
+    offline_grace: float = 1.0  # seconds a node keeps a lost shared device (default: 300)
+    within: float = 300.0  # bound on each convergence wait
+
+
+def _instance_writes(requests: Sequence[Any]) -> dict[str, int]:
+    instances = [r for r in requests if r.resource == "instances" and r.verb != "watch"]
+    writes = [r for r in instances if r.verb in ("create", "update", "patch", "delete")]
+    return {
+        "writes_ok": sum(1 for r in writes if r.status < 300),
+        # a stale resourceVersion (or uid) precondition: the write is decided again
+        "conflicts": sum(1 for r in writes if r.status == 409 and r.verb != "create"),
+        # two nodes creating one Instance at once: the loser joins it (AlreadyExists)
+        "create_races": sum(1 for r in writes if r.status == 409 and r.verb == "create"),
+        "applies": sum(1 for r in writes if r.verb == "patch" and r.status < 300),
+    }
+
+
+def _phase(
+    api: ApiServer,
+    nodes: Sequence[Node],
+    mark: int,
+    events_before: int,
+    cpu_before: dict[int, float],
+    seconds: float,
+    runqueue: dict[str, float | None],
+) -> dict[str, Any]:
+    requests = [r for r in api.requests_since(mark) if r.verb != "watch"]
+    by_verb = Counter(f"{r.verb} {r.resource} {r.status}" for r in requests)
+    writes = _instance_writes(requests)
+    agents = [n.agent for n in nodes if n.agent is not None]
+    cpu = [cpu_seconds(a.pid) - cpu_before[a.pid] for a in agents]
+    rss = [rss_mb(a.pid) for a in agents]
+    n = len(agents)
+    return {
+        "seconds": round(seconds, 2),
+        "requests": len(requests),
+        "requests_per_agent": round(len(requests) / n, 2),
+        "requests_by_verb": dict(sorted(by_verb.items())),
+        "instance_writes_ok": writes["writes_ok"],
+        "instance_applies_ok": writes["applies"],
+        "conflicts": writes["conflicts"],
+        "create_races": writes["create_races"],
+        "conflicts_per_successful_write": (
+            round(writes["conflicts"] / writes["writes_ok"], 3) if writes["writes_ok"] else None
+        ),
+        "retries_exhausted": sum(
+            len(a.log_lines("gave up updating")) + len(a.log_lines("could not take"))
+            for a in agents
+        ),
+        "watch_events_sent": sum(api.api.watch_events_sent.values()) - events_before,
+        "agent_cpu_seconds_mean": round(sum(cpu) / n, 3),
+        "agent_cpu_seconds_max": round(max(cpu), 3),
+        "agent_rss_mb_mean": round(sum(rss) / n, 1),
+        "agent_rss_mb_max": round(max(rss), 1),
+        "runqueue_wait_percent": runqueue,
+    }
+
+
+def _nodes_of_every_instance(api: ApiServer) -> list[set[str]]:
+    return [set(obj["spec"].get("nodes") or []) for obj in api.instances(CONFIGURATION)]
+
+
+async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict[str, Any]:
+    api = ApiServer()
+    api.start()
+    nodes: list[Node] = []
+    try:
+        options = replace(options, shared_offline_grace=plan.offline_grace)
+        api.api.create(
+            debug_echo_configuration(
+                CONFIGURATION, [f"cam{i}" for i in range(plan.devices)], plan.capacity
+            )
+        )
+        nodes = [await start_node(api, f"node-{i:03d}", options) for i in range(n)]
+        names = {node.name for node in nodes}
+        mark = api.request_mark()
+        events = sum(api.api.watch_events_sent.values())
+        started = time.monotonic()
+        for node in nodes:
+            node.start_agent()
+        pids = {node.name: node.agent.pid for node in nodes if node.agent is not None}
+        window = RunqueueWindow({**pids})
+        cpu_before = {pid: 0.0 for pid in pids.values()}  # from their start
+
+        def joined() -> bool:
+            for node in nodes:
+                assert node.agent is not None
+                node.agent.check_running()
+            found = _nodes_of_every_instance(api)
+            return len(found) == plan.devices and all(nodes_ == names for nodes_ in found)
+
+        await wait_until(joined, within=plan.within, what=f"{n} nodes in every Instance")
+        join_s = time.monotonic() - started
+        runqueue = window.result()
+        join = _phase(api, nodes, mark, events, cpu_before, join_s, _summary(runqueue))
+        log(
+            f"many agents N={n}: joined in {join_s:.1f}s, {join['requests_per_agent']} "
+            f"requests/agent, {join['conflicts']} conflicts"
+        )
+        await _quiet(api, 2.0, within=60)
+
+        # half the agents lose the devices
+        leaving = nodes[: n // 2]
+        staying = {node.name for node in nodes[n // 2 :]}
+        mark = api.request_mark()
+        events = sum(api.api.watch_events_sent.values())
+        cpu_before = {
+            node.agent.pid: cpu_seconds(node.agent.pid) for node in nodes if node.agent is not None
+        }
+        window = RunqueueWindow({**pids})
+        started = time.monotonic()
+        for node in leaving:
+            node.set_available(False)
+
+        def left() -> bool:
+            found = _nodes_of_every_instance(api)
+            return len(found) == plan.devices and all(nodes_ == staying for nodes_ in found)
+
+        await wait_until(left, within=plan.within, what=f"{len(leaving)} nodes gone")
+        loss_s = time.monotonic() - started
+        loss = _phase(api, nodes, mark, events, cpu_before, loss_s, _summary(window.result()))
+        log(
+            f"many agents N={n}: half left in {loss_s:.1f}s (grace {plan.offline_grace}s "
+            f"included), {loss['conflicts']} conflicts"
+        )
+        problems = [line for node in nodes if node.agent for line in node.agent.problems()]
+        return {
+            "agents": n,
+            "join": join,
+            "loss_of_half": loss,
+            "offline_grace_s": plan.offline_grace,
+            "agent_problems": problems[:5],
+        }
+    finally:
+        await asyncio.gather(*(node.close(grace=5.0) for node in nodes))
+        api.stop()
+
+
+def _summary(runqueue: dict[str, float | None] | Any) -> dict[str, float | None]:
+    if not isinstance(runqueue, dict):
+        return {}
+    values = [v for v in runqueue.values() if isinstance(v, int | float)]
+    if not values:
+        return {}
+    return {"mean": round(sum(values) / len(values), 1), "max": round(max(values), 1)}
+
+
+async def _quiet(api: ApiServer, quiet: float, within: float) -> bool:
+    """Wait until no request (but watches) came for ``quiet`` seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        mark = api.request_mark()
+        await asyncio.sleep(quiet)
+        if not [r for r in api.requests_since(mark) if r.verb != "watch"]:
+            return True
+    return False
+
+
+async def run_many_agents(plan: ManyAgentsPlan, options: AgentOptions) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for n in plan.agents:
+        try:
+            results[str(n)] = await measure_n(n, plan, options)
+        except Exception as exc:  # one N failing still reports the others
+            results[str(n)] = {"error": f"{type(exc).__name__}: {str(exc)[:1000]}"}
+    return results
