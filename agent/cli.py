@@ -378,10 +378,10 @@ def _status(args: argparse.Namespace) -> int:
         return EXIT_CORRUPT_STATE
     if args.output == "json":
         return _print(to_json(instances))
-    from agent.node.discovery.budget import budget_lines, read_budget_records
+    from agent.node.local_notes import note_lines, read_notes
 
-    # a local agent's Instance budget (local mode has no Events to read it from)
-    return _print("\n".join([to_table(instances), *budget_lines(read_budget_records(state_dir))]))
+    # what local agents say about budgets and refusals (local mode has no Events)
+    return _print("\n".join([to_table(instances), *note_lines(read_notes(state_dir))]))
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:

@@ -12,12 +12,13 @@ from agent.core.aio.events import Subscription
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent
 from agent.node.activity_log import log_instance_changes
-from agent.node.discovery.budget import ensure_fd_limit, record_budget
+from agent.node.discovery.budget import ensure_fd_limit
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
 from agent.node.kubelet.evidence import NodeEvidence
 from agent.node.kubelet.state import CHECKPOINT_FILE, KubeletState
+from agent.node.local_notes import record_notes
 from agent.ops.gc_tuning import freeze_long_lived, freeze_when_settled
 from agent.ops.loop_monitor import LoopMonitor
 
@@ -153,9 +154,7 @@ class Agent:
         )
         if settings.local:
             # local mode has no Events: `akri status --state-dir` reads this file instead
-            self.discovery.budget_listeners.append(
-                lambda: record_budget(settings.state_dir, node, self.discovery.budget)
-            )
+            self.discovery.notes_listeners.append(self._record_notes)
         self._activity: asyncio.Task[None] | None = None
         self._finalizers: asyncio.Task[None] | None = None
         self.plugins: DevicePluginManager | None = None
@@ -282,8 +281,8 @@ class Agent:
         self._loop_monitor_task = asyncio.create_task(self.loop_monitor.run(), name="loop-lag")
         # before the first plugin: every served Instance holds two descriptors
         ensure_fd_limit(self.settings.max_instances)
-        if self.settings.local:  # nothing is left out yet: no stale record of a last run
-            record_budget(self.settings.state_dir, self.settings.node_name, self.discovery.budget)
+        if self.settings.local:  # nothing to say yet: no stale notes of a last run
+            self._record_notes()
         if self.settings.health_port:
             # first: /healthz must answer while the store waits for the API and the CRDs (up
             # to 300 s), or the liveness probe restarts a starting agent; /readyz says
@@ -352,6 +351,16 @@ class Agent:
             self.settings.node_name,
             ", ".join(self.handlers.names()) or "none",
             len(self.store.configurations()),
+        )
+
+    def _record_notes(self) -> None:
+        """Local mode: the budget's left-out devices and the refused Configurations, for
+        ``akri status --state-dir`` (:mod:`agent.node.local_notes`)."""
+        record_notes(
+            self.settings.state_dir,
+            self.settings.node_name,
+            self.discovery.budget,
+            self.discovery.refusals(),
         )
 
     def readiness(self) -> list[str]:

@@ -25,6 +25,7 @@ from agent.core.model.keys import ObjectKey
 from agent.node.discovery.ownership import NameUser, decide_names
 from agent.node.status import configurations_table
 from tests.doubles.apiserver import ApiServerDouble
+from tests.harness.agent_process import AgentProcess, poll_until, read_status, run_status
 from tests.harness.dp_nodes import DpNode, start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
 
@@ -202,3 +203,41 @@ def test_same_name_in_two_namespaces_keeps_the_namespace_rules() -> None:
     assert decide_names([NameUser(key("cam", "b")), NameUser(key("cam", "a"))]).owners == {
         "cam": "a"
     }
+
+
+def test_a_local_agent_shows_the_refusal_in_akri_status(tmp_path: Path) -> None:
+    """Local mode has no Events: ``akri status --state-dir`` says which Configuration is
+    refused and why, and stops saying it once the other name is gone."""
+    state = tmp_path / "state"
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    body = (
+        "apiVersion: akri.sh/v0\nkind: Configuration\nmetadata:\n  name: {name}\nspec:\n"
+        "  discoveryHandler:\n    name: debugEcho\n    discoveryDetails: |+\n"
+        '      descriptions: ["{device}"]\n  capacity: 1\n'
+    )
+    (configs / "cam.yaml").write_text(body.format(name="cam", device="d0"))
+    (configs / "other.yaml").write_text(body.format(name="cam-17ff2a", device="d1"))
+    agent = AgentProcess(
+        ["--local", "--state-dir", str(state), "--config", str(configs), "--node-name", "lab",
+         "--debug-echo-availability-file", str(tmp_path / "avail"), "--poll-interval", "0.2"],
+    )  # fmt: skip
+    try:
+
+        def table() -> str:
+            done = run_status(state, output="table")
+            assert done.returncode in (0, 1), done.stderr
+            return done.stdout
+
+        line = "refused on lab: default/cam-17ff2a: akri.sh/cam-17ff2a has the shape of an"
+        poll_until(lambda: line in table(), timeout=60, message=lambda: table() + agent.log_text())
+        names = {item["metadata"]["name"] for item in read_status(state)}
+        assert names == {CAM_D0}  # cam's Instance only
+        (configs / "cam.yaml").unlink()  # the other name goes: cam-17ff2a may run
+        poll_until(
+            lambda: "refused" not in table() and "cam-17ff2a-" in table(),
+            timeout=60,
+            message=lambda: table() + agent.log_text(),
+        )
+    finally:
+        agent.cleanup()

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
-from urllib.parse import quote
 
 from agent.core.model.keys import ObjectKey
 from discovery_handlers.base import Device
@@ -186,74 +184,3 @@ def ensure_fd_limit(limit: int | None) -> int:
     if warning is not None:
         log.warning("%s", warning)
     return target
-
-
-# -- local mode: what `akri status --state-dir` shows --------------------------------------
-# Local mode has no Events, so a local agent keeps its budget's state beside its Instances
-# (one small file per node: several simulated nodes may share a state directory).
-BUDGET_FILE_PREFIX = "budget-"
-
-
-def budget_file(state_dir: Path, node: str) -> Path:
-    """Where a local agent on ``node`` records its budget (``akri status`` reads it)."""
-    return state_dir / f"{BUDGET_FILE_PREFIX}{quote(node, safe='')}.json"
-
-
-def budget_record(node: str, budget: InstanceBudget) -> dict[str, object]:
-    """The JSON a local agent writes: node, limit, and devices left out per Configuration."""
-    return {
-        "node": node,
-        "limit": budget.limit,
-        "left_out": {
-            str(key): {"left_out": left, "reported": len(budget.reported(key))}
-            for key, left in sorted(budget.left_out.items())
-        },
-    }
-
-
-def budget_lines(records: Sequence[Mapping[str, object]]) -> list[str]:
-    """``akri status`` lines for the budget records of a state directory (pure)."""
-    lines = []
-    for record in records:
-        left_out = record.get("left_out")
-        if not isinstance(left_out, Mapping):
-            continue
-        for configuration, counts in sorted(left_out.items()):
-            if not isinstance(counts, Mapping):
-                continue
-            lines.append(
-                f"over budget on {record.get('node')}: {counts.get('left_out')} of the "
-                f"{counts.get('reported')} devices of {configuration} are not served (at most "
-                f"{record.get('limit')} instances, --max-instances)"
-            )
-    return lines
-
-
-def record_budget(state_dir: Path, node: str, budget: InstanceBudget) -> None:
-    """Write (or, with nothing left out, remove) this node's budget file in a local state
-    directory. A failure is logged, never raised: it only feeds ``akri status``."""
-    from agent.core.store.files import atomic_write_json
-
-    path = budget_file(state_dir, node)
-    try:
-        if budget.left_out:
-            atomic_write_json(path, budget_record(node, budget), durable=False)
-        else:
-            path.unlink(missing_ok=True)
-    except OSError as error:
-        log.warning("could not record the instance budget in %s: %s", path, error)
-
-
-def read_budget_records(state_dir: Path) -> list[dict[str, object]]:
-    """The budget files of a local state directory (unreadable ones skipped)."""
-    import json
-
-    records = []
-    for path in sorted(state_dir.glob(f"{BUDGET_FILE_PREFIX}*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            records.append(data)
-    return records

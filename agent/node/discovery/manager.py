@@ -70,7 +70,9 @@ class DiscoveryManager:
         self.store = store
         # at most this many devices become Instances on this node (None: no limit)
         self.budget = InstanceBudget(max_instances, self._over_budget)
-        self.budget_listeners: list[Callable[[], None]] = []  # called when left_out changes
+        # called when the budget's left-out devices or the refused Configurations change
+        self.notes_listeners: list[Callable[[], None]] = []
+        self._refusals: dict[ObjectKey, str] = {}
         self.handlers = handlers
         self.node = node
         self.grace = grace
@@ -350,7 +352,8 @@ class DiscoveryManager:
             return
         assert key is not None
         if event.type is EventType.DELETED:
-            self.refused.pop(key, None)
+            if self.refused.pop(key, None) is not None:
+                self._notes_changed()
             self.waiting_for_handler.pop(key, None)
             self._noticed.pop(key, None)
             runner = self.runners.pop(key, None)
@@ -370,7 +373,8 @@ class DiscoveryManager:
         if not self.ownership.owns(key):
             await self._refuse(configuration)
             return
-        self.refused.pop(key, None)
+        if self.refused.pop(key, None) is not None:
+            self._notes_changed()
         self._noticed.pop(key, None)
         problem, warnings = self._check(configuration)
         self.waiting_for_handler.pop(key, None)
@@ -419,10 +423,17 @@ class DiscoveryManager:
         self.runners[key] = runner
         runner.start()
 
+    def refusals(self) -> dict[ObjectKey, str]:
+        """The Configurations refused here (another has their kubelet names), with why."""
+        return {key: self._refusals.get(key, "refused") for key in sorted(self.refused)}
+
+    def _notes_changed(self) -> None:
+        for listener in self.notes_listeners:
+            listener()
+
     def _over_budget(self, key: ObjectKey, left_out: int, reported: int, limit: int) -> None:
         """Record on the Configuration that devices of it are left out (or none any more)."""
-        for listener in self.budget_listeners:
-            listener()
+        self._notes_changed()
         runner = self.runners.get(key)
         if runner is None:
             return
@@ -472,6 +483,8 @@ class DiscoveryManager:
             f"Configuration and its instances are gone"
         )
         self.refused[key] = configuration
+        self._refusals[key] = reason
+        self._notes_changed()
         if self._noticed.get(key) == message:
             return
         self._noticed[key] = message

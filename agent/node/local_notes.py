@@ -1,0 +1,95 @@
+"""What a local agent records for ``akri status --state-dir``.
+
+In a cluster the agent's notices are Events (``OverBudget``, ``NameConflict``) and ``akri
+status`` reads them. Local mode has no Events, so a local agent keeps the standing ones in
+its state directory, one small file per node (several simulated nodes may share a state
+directory): ``STATE_DIR/notes-<node>.json`` with the devices its Instance budget leaves out
+(:mod:`agent.node.discovery.budget`) and the Configurations it refuses because another has
+their kubelet names (:mod:`agent.node.discovery.ownership`). The file is rewritten when one
+of them changes, removed when there is nothing to say, and cleared at start.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import quote
+
+from agent.core.model.keys import ObjectKey
+from agent.core.store.files import atomic_write_json
+from agent.node.discovery.budget import InstanceBudget
+
+log = logging.getLogger(__name__)
+NOTES_PREFIX = "notes-"
+
+
+def notes_file(state_dir: Path, node: str) -> Path:
+    """Where a local agent on ``node`` keeps its notes."""
+    return state_dir / f"{NOTES_PREFIX}{quote(node, safe='')}.json"
+
+
+def notes_record(
+    node: str, budget: InstanceBudget, refused: Mapping[ObjectKey, str]
+) -> dict[str, object]:
+    """The JSON of one node's notes (pure)."""
+    return {
+        "node": node,
+        "limit": budget.limit,
+        "left_out": {
+            str(key): {"left_out": left, "reported": len(budget.reported(key))}
+            for key, left in sorted(budget.left_out.items())
+        },
+        "refused": {str(key): reason for key, reason in sorted(refused.items())},
+    }
+
+
+def record_notes(
+    state_dir: Path, node: str, budget: InstanceBudget, refused: Mapping[ObjectKey, str]
+) -> None:
+    """Write (or, with nothing to say, remove) this node's notes. A failure is logged, never
+    raised: the file only feeds ``akri status``."""
+    path = notes_file(state_dir, node)
+    try:
+        if budget.left_out or refused:
+            atomic_write_json(path, notes_record(node, budget, refused), durable=False)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not record this node's notes in %s: %s", path, error)
+
+
+def read_notes(state_dir: Path) -> list[dict[str, object]]:
+    """The notes files of a local state directory (unreadable ones skipped)."""
+    records = []
+    for path in sorted(state_dir.glob(f"{NOTES_PREFIX}*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            records.append(data)
+    return records
+
+
+def note_lines(records: Sequence[Mapping[str, object]]) -> list[str]:
+    """``akri status`` lines for the notes of a state directory (pure)."""
+    lines = []
+    for record in records:
+        node = record.get("node")
+        refused = record.get("refused")
+        if isinstance(refused, Mapping):
+            for configuration, reason in sorted(refused.items()):
+                lines.append(f"refused on {node}: {configuration}: {reason}")
+        left_out = record.get("left_out")
+        if isinstance(left_out, Mapping):
+            for configuration, counts in sorted(left_out.items()):
+                if not isinstance(counts, Mapping):
+                    continue
+                lines.append(
+                    f"over budget on {node}: {counts.get('left_out')} of the "
+                    f"{counts.get('reported')} devices of {configuration} are not served (at "
+                    f"most {record.get('limit')} instances, --max-instances)"
+                )
+    return lines
