@@ -317,13 +317,45 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
             name = (obj.get("metadata") or {}).get("name", "?")
             print(f"akri status: skipping Instance {name}: {error}", file=sys.stderr)
     instances.sort(key=lambda i: (i.namespace, i.name))
+    paths = _extended_paths(kubeconfig)
     if args.output == "json":
-        text = cluster_json(configurations, instances)
+        import json
+
+        body = json.loads(cluster_json(configurations, instances))
+        body["extendedResourcePaths"] = paths  # node -> "dra" | "device-plugins" (None: unread)
+        text = json.dumps(body, indent=2, sort_keys=True)
     else:
+        from agent.node.dra.extended import paths_table
+
         text = (
-            configurations_table(configurations, instances, events) + "\n\n" + to_table(instances)
+            configurations_table(configurations, instances, events)
+            + "\n\n"
+            + to_table(instances)
+            + "\n\n"
+            + paths_table(paths)
         )
     return _print(text)
+
+
+def _extended_paths(kubeconfig: str | None) -> dict[str, str] | None:
+    """Which path serves ``akri.sh/<name>`` limits on each node, as the scheduler sees it
+    (docs/dra.md): None when the Nodes or ResourceSlices cannot be read."""
+    import asyncio
+
+    from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
+    from agent.node.dra.extended import read_observed_paths
+
+    async def read() -> dict[str, str] | None:
+        client = make_kube_client(kubeconfig)
+        try:
+            return await read_observed_paths(client)
+        finally:
+            await client.close()
+
+    try:
+        return asyncio.run(read())
+    except (ApiError, ConfigError, TransportError, OSError):
+        return None
 
 
 def _print(text: str) -> int:

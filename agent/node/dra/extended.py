@@ -164,3 +164,33 @@ def observed_paths(
         elif name in publishing:
             paths[name] = DRA
     return paths
+
+
+async def read_observed_paths(client: KubeClient) -> dict[str, str] | None:
+    """:func:`observed_paths` from the cluster (Nodes, ``akri.sh`` ResourceSlices), or None
+    when they may not be read (RBAC) or DRA is not served."""
+    try:
+        nodes, _ = await client.list_all(resource_path("", "v1", "nodes"))
+        slices, _ = await client.list_all(
+            resource_path("resource.k8s.io", "v1", "resourceslices"),
+            params={"fieldSelector": "spec.driver=akri.sh"},
+        )
+    except ApiError as error:
+        if error.status in (401, 403, 404):
+            return None
+        raise
+    return observed_paths(nodes, slices)
+
+
+def paths_table(paths: Mapping[str, str] | None) -> str:
+    """The ``akri status`` section: which path serves ``akri.sh/<name>`` limits per node."""
+    if paths is None:
+        return "Extended resources (akri.sh/<name> limits): Nodes or ResourceSlices not readable"
+    if not paths:
+        return "Extended resources (akri.sh/<name> limits): no node serves any yet"
+    width = max(len("NODE"), *(len(n) for n in paths))
+    lines = [f"{'NODE':<{width}}  EXTENDED RESOURCES"]
+    for node, path in sorted(paths.items()):
+        shown = "DRA (ResourceSlices)" if path == DRA else "device plugins"
+        lines.append(f"{node:<{width}}  {shown}")
+    return "\n".join(lines)

@@ -204,3 +204,50 @@ async def test_switching_paths_keeps_held_slots(api: ApiServerDouble, tmp_path: 
         if kubelet is not None:
             await kubelet.stop()
         await node.stop()
+
+
+def test_paths_table() -> None:
+    from agent.node.dra.extended import paths_table
+
+    table = paths_table({"node-b": DEVICE_PLUGINS, "node-a": DRA})
+    assert table.splitlines() == [
+        "NODE    EXTENDED RESOURCES",
+        "node-a  DRA (ResourceSlices)",
+        "node-b  device plugins",
+    ]
+    assert "not readable" in paths_table(None)
+
+
+async def test_akri_status_says_which_path_each_node_is_on(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    import json
+
+    from tests.node.test_cluster_status import akri
+
+    for name, allocatable in (("node-a", {}), ("node-b", {"akri.sh/cam": "2"})):
+        api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+        node = api.get("nodes", name) or {}
+        api.store.update(
+            api.resource("nodes"), "v1", None, name,
+            {**node, "status": {"allocatable": allocatable}}, subresource="status",
+        )  # fmt: skip
+        api.create(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {"name": f"akri.sh-{name}"},
+                "spec": {
+                    "driver": "akri.sh",
+                    "nodeName": name,
+                    "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+                },
+            }
+        )
+    kubeconfig = str(api.write_kubeconfig(tmp_path / "kubeconfig"))
+    code, out, err = await akri("status", "--kubeconfig", kubeconfig)
+    assert code == 0, err
+    assert "node-a  DRA (ResourceSlices)" in out and "node-b  device plugins" in out
+    code, out, err = await akri("status", "--kubeconfig", kubeconfig, "-o", "json")
+    assert code == 0, err
+    assert json.loads(out)["extendedResourcePaths"] == {"node-a": DRA, "node-b": DEVICE_PLUGINS}
