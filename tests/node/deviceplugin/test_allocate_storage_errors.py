@@ -252,3 +252,64 @@ async def test_read_only_state_dir_refuses_then_recovers(
         admitted = await node.kubelet.admit_pod("default", "rw", [("c", {IL: 1})])
         assert admitted.admitted, admitted.message
         assert list(node.stored().values()).count(NODE) == 1
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    if _root_problem() is not None:
+        pytest.skip(_root_problem() or "")
+    mountpoint = tmp_path / "tmpfs"
+    mountpoint.mkdir()
+    try:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mountpoint)], check=True
+        )
+    except (OSError, subprocess.CalledProcessError) as error:
+        pytest.skip(f"cannot mount a tmpfs here: {error}")
+    try:
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", "-l", str(mountpoint)], check=False)
+
+
+def _fill(directory: Path) -> list[Path]:
+    chunks: list[Path] = []
+    while True:
+        chunk = directory / f"filler-{len(chunks)}"
+        try:
+            chunk.write_bytes(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+            chunk.unlink(missing_ok=True)
+            return chunks
+        chunks.append(chunk)
+
+
+async def test_the_reviews_full_tmpfs_scenario(tmpfs: Path) -> None:
+    """The review's scenario end to end: Allocates against a local agent whose state dir is a
+    full 256 KiB tmpfs. Every pod kubelet admitted has its slot on disk, every refused one
+    has nothing there and was told why; after freeing the space the same agent grants again,
+    and a restart finds every grant (it used to exit 3 with the slot gone)."""
+    state = tmpfs / "state"
+    admitted: list[str] = []
+    async for node in _start(state):
+        chunks = _fill(tmpfs)
+        refusals = []
+        for index in range(3):
+            pod = await node.kubelet.admit_pod("default", f"p{index}", [("c", {IL: 1})])
+            if pod.admitted:
+                admitted.append(pod.container("c").all_devices()[0])
+            else:
+                refusals.append(pod.message or "")
+        assert refusals, "a full disk refused nothing"
+        assert all("No space left on device (ENOSPC)" in m for m in refusals), refusals
+        held = {slot for slot, value in node.stored().items() if value == NODE}
+        assert held == set(admitted)  # nothing granted that is not recorded, nor the reverse
+        for chunk in chunks:
+            chunk.unlink()
+        late = await node.kubelet.admit_pod("default", "late", [("c", {IL: 1})])
+        assert late.admitted, late.message
+        admitted.append(late.container("c").all_devices()[0])
+    async for node in _start(state):  # a restart (same state, new agent and kubelet)
+        held = {slot for slot, value in node.stored().items() if value == NODE}
+        assert held == set(admitted)
