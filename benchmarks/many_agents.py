@@ -3,10 +3,16 @@ mode against the API-server double, one debugEcho Configuration of shared device
 
 Per N (10, 25, 50 by default):
 
-* **join**: all N agents start together; the time until every Instance lists every node, the
-  API requests the agents made (in total, per agent, by verb), Instance conflicts (409) per
-  successful Instance write, writes given up (``RetriesExhaustedError``/``gave up`` log
-  lines), watch events the API server sent, and the agents' CPU seconds and RSS;
+* **start**: all N agents start together while the devices are offline (the startup of N
+  Python processes on the host's cores is measured apart from the join);
+* **join**: the devices come online on every node at once; the time until every Instance
+  lists every node, the API requests the agents made (in total, per agent, by verb),
+  Instance conflicts (409 on a checked write or apply) per successful Instance write (two
+  nodes creating one Instance at once, AlreadyExists, counted apart), writes given up
+  (``gave up updating`` / ``could not take`` log lines), watch events the API server sent,
+  and the agents' CPU seconds and RSS;
+* **edit**: the Configuration's capacity changes; the same figures until every Instance has
+  it (one write per Instance expected: the node that sorts first writes it);
 * **loss**: half the agents stop seeing the devices (``--shared-offline-grace`` short, so the
   departure is measured, not the grace); the same figures until every Instance lists only
   the other half.
@@ -119,41 +125,85 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             )
         )
         nodes = [await start_node(api, f"node-{i:03d}", options) for i in range(n)]
+        for node in nodes:
+            node.set_available(False)
         names = {node.name for node in nodes}
-        mark = api.request_mark()
-        events = sum(api.api.watch_events_sent.values())
         started = time.monotonic()
         for node in nodes:
             node.start_agent()
         pids = {node.name: node.agent.pid for node in nodes if node.agent is not None}
-        window = RunqueueWindow({**pids})
-        cpu_before = {pid: 0.0 for pid in pids.values()}  # from their start
 
-        def joined() -> bool:
+        def all_started() -> bool:
             for node in nodes:
                 assert node.agent is not None
                 node.agent.check_running()
+            return all(
+                node.agent is not None and node.agent.log_lines("agent started on node")
+                for node in nodes
+            )
+
+        await wait_until(all_started, within=plan.within, what=f"{n} agents started", interval=0.1)
+        start_s = time.monotonic() - started
+        await _quiet(api, 2.0, within=60)
+
+        # every node sees the devices at once
+        mark = api.request_mark()
+        events = sum(api.api.watch_events_sent.values())
+        cpu_before = _cpu(nodes)
+        window = RunqueueWindow({**pids})
+        started = time.monotonic()
+        for node in nodes:
+            node.set_available(True)
+
+        def joined() -> bool:
             found = _nodes_of_every_instance(api)
             return len(found) == plan.devices and all(nodes_ == names for nodes_ in found)
 
         await wait_until(joined, within=plan.within, what=f"{n} nodes in every Instance")
         join_s = time.monotonic() - started
-        runqueue = window.result()
-        join = _phase(api, nodes, mark, events, cpu_before, join_s, _summary(runqueue))
+        join = _phase(api, nodes, mark, events, cpu_before, join_s, _summary(window.result()))
         log(
-            f"many agents N={n}: joined in {join_s:.1f}s, {join['requests_per_agent']} "
+            f"many agents N={n}: joined in {join_s:.2f}s, {join['requests_per_agent']} "
             f"requests/agent, {join['conflicts']} conflicts"
         )
         await _quiet(api, 2.0, within=60)
+
+        # a Configuration edit: the capacity of every Instance changes
+        mark = api.request_mark()
+        events = sum(api.api.watch_events_sent.values())
+        cpu_before = _cpu(nodes)
+        window = RunqueueWindow({**pids})
+        started = time.monotonic()
+        edited = debug_echo_configuration(
+            CONFIGURATION, [f"cam{i}" for i in range(plan.devices)], plan.capacity + 2
+        )
+        api.api.apply(edited)
+
+        def resized() -> bool:
+            found = api.instances(CONFIGURATION)
+            return len(found) == plan.devices and all(
+                obj["spec"].get("capacity") == plan.capacity + 2 for obj in found
+            )
+
+        await wait_until(resized, within=plan.within, what="every Instance resized")
+        await _quiet(api, 1.0, within=60)  # the nodes that had nothing to write: nothing
+        edit = _phase(
+            api,
+            nodes,
+            mark,
+            events,
+            cpu_before,
+            time.monotonic() - started,
+            _summary(window.result()),
+        )
+        log(f"many agents N={n}: edit applied with {edit['instance_writes_ok']} writes")
 
         # half the agents lose the devices
         leaving = nodes[: n // 2]
         staying = {node.name for node in nodes[n // 2 :]}
         mark = api.request_mark()
         events = sum(api.api.watch_events_sent.values())
-        cpu_before = {
-            node.agent.pid: cpu_seconds(node.agent.pid) for node in nodes if node.agent is not None
-        }
+        cpu_before = _cpu(nodes)
         window = RunqueueWindow({**pids})
         started = time.monotonic()
         for node in leaving:
@@ -173,7 +223,9 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
         problems = [line for node in nodes if node.agent for line in node.agent.problems()]
         return {
             "agents": n,
+            "start_s": round(start_s, 2),
             "join": join,
+            "edit": edit,
             "loss_of_half": loss,
             "offline_grace_s": plan.offline_grace,
             "agent_problems": problems[:5],
@@ -181,6 +233,10 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
     finally:
         await asyncio.gather(*(node.close(grace=5.0) for node in nodes))
         api.stop()
+
+
+def _cpu(nodes: Sequence[Node]) -> dict[int, float]:
+    return {n.agent.pid: cpu_seconds(n.agent.pid) for n in nodes if n.agent is not None}
 
 
 def _summary(runqueue: dict[str, float | None] | Any) -> dict[str, float | None]:
