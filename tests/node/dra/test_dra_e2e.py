@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -346,16 +347,21 @@ async def test_removed_registration_socket_is_served_again(
     node, kubelet = await dra_node(api, "node-a", tmp_path)
     try:
         assert node.dra is not None
+        removed_at = time.monotonic()
         node.dra.registration_socket.unlink()
-        # generous bounds: on a loaded machine (CI runs beside other work) the re-serve, the
-        # double's 1 s GetInfo and its 0.5 s doubling backoff can take several seconds
-        await eventually(
-            lambda: node.dra is not None and node.dra.re_registrations == 1, within=30
+        await eventually(lambda: node.dra is not None and node.dra.re_registrations == 1)
+        await eventually(lambda: node.dra is not None and node.dra.registration_socket.exists())
+        # wait for the *new* registration. The old one may still be listed when the agent has
+        # already re-served (the double polls its registry): a prepare sent then went out on
+        # the old registration's channel, which the double's next poll closed under the call
+        # (it forgets the old registration before it registers the new one), and grpc.aio
+        # ends a call whose channel is closed with CancelledError: the flake under load
+        await kubelet.wait_for(
+            lambda: (reg := kubelet.registration("akri.sh")) is not None
+            and reg.registered_at > removed_at,
+            timeout=30,
+            what="akri.sh to register again",
         )
-        await eventually(
-            lambda: node.dra is not None and node.dra.registration_socket.exists(), within=30
-        )
-        await kubelet.wait_for_registration("akri.sh", timeout=30)
         await eventually(
             lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"], within=30
         )
