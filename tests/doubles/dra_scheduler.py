@@ -654,7 +654,7 @@ def release_claim(
         status["reservedFor"] = reserved
     else:
         status.pop("reservedFor", None)
-        status.pop("allocation", None)
+        status.pop("allocation", None)  # the API server drops the stale status.devices
     return _write_status(api, claim, status)
 
 

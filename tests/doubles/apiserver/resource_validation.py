@@ -1085,4 +1085,39 @@ def validate_resource(group: str, plural: str, new: JSON, old: JSON | None) -> l
         if old is not None:  # stored objects are defaulted already; objects from tests may not be
             old = copy.deepcopy(old)
             default_resource_claim(old)
+            drop_deallocated_status_devices(new, old)
     return validator(new, old)
+
+
+def _shared_device_ids(entries: Any) -> set[tuple[Any, Any, Any, Any]]:
+    return {
+        (e.get("driver"), e.get("pool"), e.get("device"), e.get("shareID"))
+        for e in entries or []
+        if isinstance(e, dict)
+    }
+
+
+def drop_deallocated_status_devices(new: JSON, old: JSON) -> None:
+    """``dropDeallocatedStatusDevices`` (pkg/registry/resource/resourceclaim/strategy.go):
+    a status update that removes devices from the allocation also removes their
+    ``status.devices`` entries, so a client deallocating a claim need not know the drivers'
+    entries (before validation, which accepts entries of allocated devices only)."""
+    new_status = new.get("status")
+    if not isinstance(new_status, dict) or not new_status.get("devices"):
+        return
+
+    def results(claim: JSON) -> Any:
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        return (allocation.get("devices") or {}).get("results")
+
+    gone = _shared_device_ids(results(old)) - _shared_device_ids(results(new))
+    kept = [
+        d
+        for d in new_status["devices"]
+        if not isinstance(d, dict)
+        or (d.get("driver"), d.get("pool"), d.get("device"), d.get("shareID")) not in gone
+    ]
+    if kept:
+        new_status["devices"] = kept
+    else:
+        del new_status["devices"]

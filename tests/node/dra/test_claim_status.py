@@ -299,3 +299,24 @@ async def test_prepare_through_kubelet_fills_the_claim_status(
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+async def test_deallocation_drops_the_status_entries(api: ApiServerDouble, tmp_path: Path) -> None:
+    """The API server removes status.devices of devices leaving the allocation
+    (dropDeallocatedStatusDevices): deallocating needs no knowledge of the drivers' entries."""
+    from tests.doubles.dra_scheduler import release_claim
+
+    uid, stored = await allocated_claim(api, "c3")
+    result = stored["status"]["allocation"]["devices"]["results"][0]
+    client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")))
+    writer = ClaimStatusWriter(client, lambda: [camera()])
+    try:
+        writer.prepared(
+            prepared(uid, "c3", (result["pool"], result["device"], "cam-123456", "cam-123456-0"))
+        )
+        await writer.wait()
+    finally:
+        await client.close()
+    assert (api.get(CLAIMS, "c3", "default") or {})["status"]["devices"]
+    claim = release_claim(api, "default", "c3")
+    assert "devices" not in claim["status"] and "allocation" not in claim["status"]
