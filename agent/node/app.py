@@ -528,6 +528,7 @@ class Agent:
         if self.plugins is not None:
             await self.plugins.close()
         await self.discovery.close()
+        await self.ledger.close()
         for task in (self._activity, self._finalizers):
             if task is not None:
                 task.cancel()

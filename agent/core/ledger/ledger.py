@@ -717,6 +717,17 @@ class SlotLedger:
                 + (f"; slot {sent[-1][0]} is held back until the outcome is known" if sent else "")
             ) from error
 
+    async def close(self) -> None:
+        """Stop settling unknown writes (the agent stops; their slots stay reserved only in
+        this process, which ends)."""
+        tasks = list(self._settling.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._settling.clear()
+
     def unsettled(self, key: ObjectKey) -> frozenset[str]:
         """Slots of ``key`` with a claim write whose outcome is not known yet."""
         return frozenset(self._unsettled.get(key, {}))
