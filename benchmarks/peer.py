@@ -102,8 +102,13 @@ class Plugin:
     def command(self, plan: PeerPlan) -> list[str]:
         raise NotImplementedError
 
-    def env(self) -> dict[str, str] | None:
+    @classmethod
+    def env(cls) -> dict[str, str] | None:
         return None
+
+    @classmethod
+    def version_command(cls) -> tuple[list[str], dict[str, str] | None]:
+        raise NotImplementedError
 
     def resource(self) -> str:
         """The resource whose devices are measured (registered by now)."""
@@ -190,8 +195,13 @@ class Ours(Plugin):
             "--reclaim-grace", "3600",
         ]  # fmt: skip
 
-    def env(self) -> dict[str, str]:
+    @classmethod
+    def env(cls) -> dict[str, str]:
         return ENV[0]
+
+    @classmethod
+    def version_command(cls) -> tuple[list[str], dict[str, str] | None]:
+        return [str(Path(sys.executable).parent / "akri"), "--version"], cls.env()
 
     def counts(self, resource: str) -> bool:
         # the configuration-level resource lists every device; an instance-level one, one
@@ -225,6 +235,35 @@ class Peer(Plugin):
     def resource(self) -> str:
         return f"{PEER_DOMAIN}/bench"
 
+    @classmethod
+    def version_command(cls) -> tuple[list[str], dict[str, str] | None]:
+        return [str(cls.binary), "--version"], None
+
+
+class Baseline(Ours):
+    """Our agent from another source tree (``--baseline-tree``, e.g. ``git archive`` of an
+    older commit): a before/after in the same alternating rounds as the peer."""
+
+    name = "baseline"
+    tree = Path()
+
+    @classmethod
+    def env(cls) -> dict[str, str]:
+        # the agent runs outside the checkout (cwd: its temp dir), so PYTHONPATH wins over
+        # this checkout's editable install
+        return {**ENV[0], "PYTHONPATH": str(cls.tree)}
+
+    @classmethod
+    def prepare(cls, tree: Path) -> None:
+        """Use ``tree``, its bytecode compiled like an installed agent's."""
+        if not (tree / "agent" / "cli.py").is_file():
+            raise RuntimeError(f"--baseline-tree {tree} has no agent/cli.py")
+        cls.tree = tree.resolve()
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", "agent", "discovery_handlers"],
+            cwd=tree, env=ENV[0], check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
 
 ENV: list[dict[str, str]] = []  # our agent's environment (bytecode compiled once)
 
@@ -234,8 +273,10 @@ def _plugins(binary: Path) -> tuple[type[Ours], type[Peer]]:
     return Ours, Peer
 
 
-def _order(round_: int) -> tuple[str, str]:
-    return ("ours", "peer") if round_ % 2 == 0 else ("peer", "ours")
+def _order(round_: int, sides: tuple[str, ...] = ("ours", "peer")) -> tuple[str, ...]:
+    """Who goes first rotates with the round."""
+    shift = round_ % len(sides)
+    return sides[shift:] + sides[:shift]
 
 
 async def _allocate(stub: Any, device: str) -> float:
@@ -320,10 +361,7 @@ async def _large_round(kind: type[Plugin], plan: PeerPlan, out: dict[str, list[f
 
 
 def _version_round(kind: type[Plugin], plan: PeerPlan, out: dict[str, list[float]]) -> None:
-    if kind is Ours:
-        command, env = [str(Path(sys.executable).parent / "akri"), "--version"], ENV[0]
-    else:
-        command, env = [str(Peer.binary), "--version"], None
+    command, env = kind.version_command()
     for _ in range(plan.versions):
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, env=env, timeout=30, cwd="/tmp")
@@ -352,8 +390,11 @@ def _ratio(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None
     return {"p50": div("p50"), "p99": div("p99")}
 
 
-async def run_peer(binary: Path | None, plan: PeerPlan) -> dict[str, Any]:
-    """Every side-by-side figure, or ``{"skipped": why}`` without a peer binary."""
+async def run_peer(
+    binary: Path | None, plan: PeerPlan, baseline: Path | None = None
+) -> dict[str, Any]:
+    """Every side-by-side figure, or ``{"skipped": why}`` without a peer binary. With
+    ``baseline`` (a source tree of the agent), that agent is a third side."""
     if binary is None:
         return {"skipped": "no --peer-bin given (docs/performance.md: how to build the peer)"}
     if not os.access(binary, os.X_OK):
@@ -361,10 +402,14 @@ async def run_peer(binary: Path | None, plan: PeerPlan) -> dict[str, Any]:
     ours_kind, peer_kind = _plugins(binary)
     if not ENV:
         ENV.append(compiled_env())
-    samples: dict[str, dict[str, list[float]]] = {
-        side: {figure: [] for figure in FIGURES} for side in ("ours", "peer")
-    }
     kinds: dict[str, type[Plugin]] = {"ours": ours_kind, "peer": peer_kind}
+    if baseline is not None:
+        Baseline.prepare(baseline)
+        kinds["baseline"] = Baseline
+    sides = tuple(kinds)
+    samples: dict[str, dict[str, list[float]]] = {
+        side: {figure: [] for figure in FIGURES} for side in sides
+    }
     loads: list[float] = []
     steps: list[Callable[[type[Plugin], PeerPlan, dict[str, list[float]]], Awaitable[None]]] = [
         _small_round,
@@ -373,21 +418,24 @@ async def run_peer(binary: Path | None, plan: PeerPlan) -> dict[str, Any]:
     for round_ in range(plan.rounds):
         loads.append(round(os.getloadavg()[0], 2))
         log(f"peer: round {round_ + 1}/{plan.rounds} (load average {loads[-1]:.2f})")
-        for side in _order(round_):
+        for side in _order(round_, sides):
             _version_round(kinds[side], plan, samples[side])
         for step in steps:
-            for side in _order(round_):
+            for side in _order(round_, sides):
                 await step(kinds[side], plan, samples[side])
     figures: dict[str, Any] = {}
     for figure in FIGURES:
         digits = 3 if figure in ("idle_cpu_percent", "allocate_regrant_ms") else 2
-        ours = summarize(samples["ours"][figure], digits)
-        peer = summarize(samples["peer"][figure], digits)
-        figures[figure] = {"ours": ours, "peer": peer, "ratio": _ratio(ours, peer)}
+        entry = {side: summarize(samples[side][figure], digits) for side in sides}
+        entry["ratio"] = _ratio(entry["ours"], entry["peer"])
+        if baseline is not None:
+            entry["ratio_to_baseline"] = _ratio(entry["ours"], entry["baseline"])
+        figures[figure] = entry
     return {
         **figures,
         "load_average_per_round": loads,
         "peer_binary": str(binary),
+        "baseline_tree": str(baseline) if baseline is not None else None,
         "plan": {k: getattr(plan, k) for k in plan.__dataclass_fields__},
     }
 
@@ -405,6 +453,12 @@ def table(result: dict[str, Any]) -> str:
             f"peer p50 {peer.get('p50')} p99 {peer.get('p99')} (n {peer.get('n')}) | "
             f"ratio p50 {ratio['p50']} p99 {ratio['p99']}"
         )
+        if "baseline" in entry:
+            base, change = entry["baseline"], entry["ratio_to_baseline"]
+            lines.append(
+                f"{'':32} baseline p50 {base.get('p50')} p99 {base.get('p99')} | "
+                f"ours / baseline p50 {change['p50']} p99 {change['p99']}"
+            )
     return "\n".join(lines)
 
 
@@ -414,10 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=PeerPlan.rounds)
     parser.add_argument("--idle-seconds", type=float, default=PeerPlan.idle_seconds)
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also run our agent from this source tree (git archive of an older commit)",
+    )
     args = parser.parse_args(argv)
     plan = PeerPlan(rounds=args.rounds, idle_seconds=args.idle_seconds)
     try:
-        result = asyncio.run(run_peer(args.peer_bin, plan))
+        result = asyncio.run(run_peer(args.peer_bin, plan, args.baseline_tree))
     finally:
         PROCESSES.kill_all()
     print(table(result), file=sys.stderr)

@@ -34,4 +34,6 @@ def test_rounds_alternate_who_goes_first() -> None:
         ("peer", "ours"),
         ("ours", "peer"),
     ]
+    three = ("ours", "peer", "baseline")
+    assert [_order(r, three)[0] for r in range(4)] == ["ours", "peer", "baseline", "ours"]
     assert "version_ms" in FIGURES and "allocate_regrant_ms" in FIGURES
