@@ -47,6 +47,7 @@ from agent.core.store.informer import Obj, RawEvent
 log = logging.getLogger("agent.controller")
 
 COALESCE = 0.02  # seconds: a burst of watch events makes one pass
+EVICT = "evict"  # the akri_slot_writes_total operation of the dead-node writes
 OBSERVED_MEMO = 50_000  # broker Pods/Jobs versions remembered (about 2.5 per cached Pod)
 
 
@@ -362,17 +363,17 @@ class Reconciler:
                     self.stats.instances_deleted += 1
                 else:
                     await self.store.update(eviction.instance)
-                STATS.writes += 1
+                STATS.record(EVICT, writes=1)
             except NotFoundError:
                 return None
             except ConflictError:
-                STATS.conflicts += 1
+                STATS.record(EVICT, conflicts=1)
                 await asyncio.sleep(DEFAULT_RETRY.delay(attempt))
                 current = None
                 continue
             await self._record_eviction(current, node, eviction)
             return eviction
-        STATS.gave_up += 1
+        STATS.record(EVICT, gave_up=1)
         log.warning("instance %s: gave up removing dead node %s (conflicts)", key.name, node)
         return None
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from agent.controller.reconcile import Reconciler
 from agent.core.model.naming import SLOTS_FINALIZER
+from agent.core.store.cas import STATS
 from tests.controller.conftest import (
     FakeClock,
     add_node,
@@ -84,6 +85,7 @@ async def test_flapping_node_keeps_everything_until_not_ready_for_the_whole_grac
         }
         assert reconciler.stats.nodes_cleaned == 1
         assert reconciler.stats.slots_freed == 2
+        assert STATS.per_operation()["evict"].writes >= 1
         # node-a comes back: the controller writes nothing (its agent re-joins by itself)
         version = stored["metadata"]["resourceVersion"]
         set_ready(api, "node-a", True)
