@@ -85,7 +85,7 @@ def _phase(
     rss = [rss_mb(a.pid) for a in agents]
     n = len(agents)
     return {
-        "seconds": round(seconds, 2),
+        "seconds": round(seconds, 2),  # until the state converged (not the settling after)
         "requests": len(requests),
         "requests_per_agent": round(len(requests) / n, 2),
         "requests_by_verb": dict(sorted(by_verb.items())),
@@ -161,6 +161,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
 
         await wait_until(joined, within=plan.within, what=f"{n} nodes in every Instance")
         join_s = time.monotonic() - started
+        await _settled(api)
         join = _phase(api, nodes, mark, events, cpu_before, join_s, _summary(window.result()))
         log(
             f"many agents N={n}: joined in {join_s:.2f}s, {join['requests_per_agent']} "
@@ -186,7 +187,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             )
 
         await wait_until(resized, within=plan.within, what="every Instance resized")
-        await _quiet(api, 1.0, within=60)  # the nodes that had nothing to write: nothing
+        await _settled(api)  # the nodes that had nothing to write: nothing
         edit = _phase(
             api,
             nodes,
@@ -215,6 +216,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
 
         await wait_until(left, within=plan.within, what=f"{len(leaving)} nodes gone")
         loss_s = time.monotonic() - started
+        await _settled(api)
         loss = _phase(api, nodes, mark, events, cpu_before, loss_s, _summary(window.result()))
         log(
             f"many agents N={n}: half left in {loss_s:.1f}s (grace {plan.offline_grace}s "
@@ -246,6 +248,19 @@ def _summary(runqueue: dict[str, float | None] | Any) -> dict[str, float | None]
     if not values:
         return {}
     return {"mean": round(sum(values) / len(values), 1), "max": round(max(values), 1)}
+
+
+async def _settled(api: ApiServer) -> None:
+    """After a phase converged: until no request came and no watch event was sent for a
+    second, so that its requests and the watch events it caused (still being written to slow,
+    CPU-starved agents when the state converged) are all counted in it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        mark, events = api.request_mark(), sum(api.api.watch_events_sent.values())
+        await asyncio.sleep(1.0)
+        quiet = not [r for r in api.requests_since(mark) if r.verb != "watch"]
+        if quiet and sum(api.api.watch_events_sent.values()) == events:
+            return
 
 
 async def _quiet(api: ApiServer, quiet: float, within: float) -> bool:
