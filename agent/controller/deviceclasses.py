@@ -59,8 +59,11 @@ class DeviceClassReconciler:
         ]
         try:
             while True:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
+                # that arrives as the event is set (the leader's stop then never ends)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), self.resync)
+                    async with asyncio.timeout(self.resync):
+                        await self.wake.wait()
                 self.wake.clear()
                 try:
                     await self.sync()

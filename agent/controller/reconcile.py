@@ -261,11 +261,14 @@ class Reconciler:
             timeout = self.settings.resync_interval
             if next_at is not None:
                 timeout = min(timeout, max(0.05, next_at - self._monotonic()))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation that
+            # arrives as the event is set, and the leader's stop would then wait forever
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout)
-                await asyncio.sleep(COALESCE)
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
             except TimeoutError:
-                pass
+                continue
+            await asyncio.sleep(COALESCE)
 
     async def reconcile_once(self) -> float | None:
         """One pass; returns when (monotonic) the next grace period ends, if any."""

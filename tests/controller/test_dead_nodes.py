@@ -251,3 +251,23 @@ async def test_nothing_is_freed_while_the_node_watch_is_down(
         reconciler.node_cache.informer.connected.set()
         await reconciler.reconcile_once()
         assert (_stored(api) or {})["spec"]["nodes"] == ["node-a"]
+
+
+async def test_the_reconcile_loop_stops_when_cancelled_as_it_is_woken(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Python 3.11's asyncio.wait_for swallows a cancellation that arrives together with the
+    event it waits for: the leader's stop (or a lost Lease) then never ended."""
+    import asyncio
+
+    import pytest
+
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock) as reconciler:
+        task = asyncio.create_task(reconciler.run())
+        await eventually(lambda: reconciler.stats.passes >= 1, "a first pass")
+        await asyncio.sleep(0.1)  # waiting for the next wake-up now
+        reconciler.wake.set()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 10)
