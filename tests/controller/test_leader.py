@@ -4,6 +4,7 @@ at once — and the elector's Lease writes themselves."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ def _holder(api: ApiServerDouble) -> str:
     return str((lease.get("spec") or {}).get("holderIdentity") or "")
 
 
-def _start(api_url_kubeconfig: Path, identity: str) -> AgentProcess:
+def _start(api_url_kubeconfig: Path, identity: str, *extra: str) -> AgentProcess:
     return AgentProcess(
         [
             "--kubeconfig",
@@ -42,6 +43,7 @@ def _start(api_url_kubeconfig: Path, identity: str) -> AgentProcess:
             "--health-port",
             "0",
             *LEASE,
+            *extra,
         ],
         command="controller",
         label=identity,
@@ -94,7 +96,7 @@ def test_a_released_lease_is_taken_by_the_next_process_at_once(tmp_path: Path) -
         first = _start(kubeconfig, "ctl-1")
         try:
             poll_until(lambda: _holder(api) == "ctl-1", timeout=WITHIN, message=first.describe)
-            second = _start(kubeconfig, "ctl-2")
+            second = _start(kubeconfig, "ctl-2", "--log-format", "json")
             try:
                 second.wait_for_log("ready; campaigning", timeout=WITHIN)
                 assert first.stop(timeout=WITHIN) == 0
@@ -104,6 +106,11 @@ def test_a_released_lease_is_taken_by_the_next_process_at_once(tmp_path: Path) -
                     timeout=WITHIN,
                     message=lambda: describe_all([first, second]),
                 )
+                second.wait_for_log("now leads", timeout=WITHIN)
+                # the Deployment's --log-format json: one object per line
+                entries = [json.loads(line) for line in second.lines if line.strip()]
+                assert {"time", "level", "logger", "message"} <= entries[0].keys()
+                assert any(e["logger"] == "agent.controller.leader" for e in entries)
             finally:
                 second.cleanup()
         finally:
