@@ -240,3 +240,46 @@ async def test_a_leader_that_cannot_renew_stops_leading_by_its_deadline(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await client.close()
+
+
+def test_health_readiness_and_metrics_of_a_controller_process(tmp_path: Path) -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    def get(port: int, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+        except OSError:
+            return 0, ""
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with ThreadedApiServer(crds=CRDS) as api:
+        add_node(api, "node-a")
+        api.create(configuration(pod_spec=broker_pod_spec()))
+        instance(api, "cams-8120fe", ["node-a"], shared=False)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        process = _start(kubeconfig, "ctl-1", "--health-port", str(port),
+                         "--health-address", "127.0.0.1")  # fmt: skip
+        try:
+            poll_until(lambda: get(port, "/healthz")[0] == 200, timeout=WITHIN,
+                       message=process.describe)  # fmt: skip
+            poll_until(lambda: get(port, "/readyz") == (200, "ready\n"), timeout=WITHIN,
+                       message=process.describe)  # fmt: skip
+            poll_until(lambda: broker_pods(api), timeout=WITHIN, message=process.describe)
+
+            def scraped() -> str:
+                status, text = get(port, "/metrics")
+                counted = 'akri_broker_pod_count{configuration="cams",node="node-a"} 1.0'
+                return text if status == 200 and counted in text else ""
+
+            text = poll_until(scraped, timeout=WITHIN, message=process.describe)
+            assert "akri_controller_leader 1.0" in text
+            assert "akri_slot_writes_total" in text  # the process-wide metrics too
+        finally:
+            process.cleanup()
