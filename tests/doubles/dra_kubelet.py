@@ -53,6 +53,14 @@ driven exactly as the kubelet would drive it (reference ``k8s-device-apis.md`` Â
   ``status.resourceClaimStatuses``, like the kubelet. With an API double the pod status is
   also written through the ``pods/status`` subresource when it changes.
 
+* **Pods and the extended-resource claim** (KEP-5004): :meth:`DraKubeletDouble.pod_claims`
+  lists what kubelet prepares for a Pod object â€” its ``spec.resourceClaims`` (named through
+  ``status.resourceClaimStatuses``) and the special claim the scheduler created for extended
+  resources backed by DRA (``status.extendedResourceClaimStatus.resourceClaimName``);
+  :meth:`DraKubeletDouble.prepare_pod` prepares them; :meth:`DraKubeletDouble.
+  container_cdi_devices` gives each container the CDI ids of its claims and of the requests
+  ``requestMappings`` maps to it.
+
 Not emulated: the periodic ``GetInfo`` health probing of newer plugin watchers, the gRPC
 connection monitoring (a registered instance counts as connected until its socket goes away),
 CDI hand-off to a runtime, and the claim tombstones.

@@ -23,6 +23,10 @@ An already allocated claim is only reserved for the additional pod (shared claim
 :func:`release_claim` is the resource-claim controller's counterpart: it removes a pod from
 ``reservedFor`` and deallocates the claim when nobody is left.
 
+**Extended resources** (KEP-5004): :func:`schedule_extended_resources` turns a pod's
+``akri.sh/<name>`` limits into the special ResourceClaim on a node that does not advertise
+them, allocated through the backing DeviceClass's selectors (:func:`class_selector`).
+
 **Taints and tolerations** (KEP-5055): a device with a ``NoSchedule``/``NoExecute`` taint is
 skipped unless the request's ``exactly.tolerations`` (or ``tolerations=``) tolerate it
 (:func:`tolerates`); the tolerations are copied into the result. **Consumable capacity**
