@@ -309,3 +309,44 @@ async def test_a_failing_pass_is_retried_and_the_leader_keeps_working(
         await eventually(lambda: broker_pods(api), "a broker after the failed pass", within=30)
         assert failures == [1]
         assert running.controller.reconciler.stats.pass_failures == 1
+
+
+async def test_a_pass_over_many_instances_lets_the_event_loop_turn(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """The health server and the watches run during a long pass (every YIELD_EVERY
+    Instances), not only after it: counted with a task that runs whenever the loop turns."""
+    import asyncio
+
+    from agent.controller.reconcile import YIELD_EVERY
+    from tests.controller.conftest import FakeClock, reconciler_for
+
+    add_node(api, "node-a")
+    api.create(configuration(capacity=1))  # no broker: a pass with nothing to write
+    count = 3 * YIELD_EVERY + 1
+    for index in range(count):
+        instance(api, f"cams-{index:06x}", ["node-a"], capacity=1)
+    async with reconciler_for(api, tmp_path, FakeClock()) as reconciler:
+        await eventually(lambda: len(reconciler.store.list_cached()) == count, "cached")
+        turns = 0
+        running = True
+
+        async def ticker() -> None:
+            nonlocal turns
+            while running:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)  # the ticker has started
+        before = turns
+        await reconciler._reconcile_brokers(  # the planning part of a pass, nothing to write
+            {c.key: c for c in reconciler.store.configurations()},
+            reconciler.store.list_cached(),
+            0.0,
+            [],
+        )
+        during = turns - before
+        running = False
+        await task
+    assert during >= 3
