@@ -368,3 +368,34 @@ async def test_slice_size_figures_are_reproducible() -> None:
     assert [len(s["devices"]) for s in per_slot.slice_specs()] == [128] * 7 + [104]
     assert [len(s["devices"]) for s in consumable.slice_specs()] == [1]
     assert isinstance(per_slot, Pool) and isinstance(instance, Instance)
+
+
+async def test_evict_option_keeps_held_slots_tainted_no_execute_after_the_grace(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """akri.sh/dra-offline-evict: once the grace is over and the node only drains, the slot a
+    claim holds stays in the slice tainted NoExecute (its pods get evicted); the free one goes.
+    Without the option both leave (test_pools_local_and_shared_with_single_publisher)."""
+    api.create(annotated("cam", 2, **{"akri.sh/dra-offline-evict": "true"}))
+    node, kubelet = await start(api, tmp_path, GraceSettings(local=0, shared=0))
+    try:
+        await eventually(lambda: len(pool_devices(api, "cam-8120fe")) == 2)
+        claim = create_claim(api, "default", "held")
+        allocate_claim(api, "default", "held", "node-a", pod_name="ph", pod_uid="ph")
+        await kubelet.prepare("ph", [("default", claim["metadata"]["uid"], "held")])
+        held = next(
+            slot for slot, value in api_instances(api)["cam-8120fe"].device_usage.items() if value
+        )
+        node.offline()
+        await eventually(
+            lambda: (
+                [(d["name"], d.get("taints")) for d in pool_devices(api, "cam-8120fe")]
+                == [(held, [{"key": "akri.sh/offline", "value": "node-a", "effect": "NoExecute"}])]
+            ),
+            within=10,
+            what="only the held slot, tainted NoExecute",
+        )
+        assert "node-a" in api_instances(api)["cam-8120fe"].draining_nodes
+    finally:
+        await kubelet.stop()
+        await node.stop()
