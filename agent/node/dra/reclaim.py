@@ -18,10 +18,11 @@ DRA checkpoint and, when needed, the ResourceClaim in the API:
   the slot holds only the claim's uid, a ``GET`` needs its namespace and name (which only
   the lost checkpoint had), and the claims the agent follows (``allocated.py``) are used only
   to reserve slots: a uid missing from them is no proof (a claim created after the list, a
-  watch that fell behind). Freeing on a guess could give a device in use to a second claim. kubelet still frees most of them:
-  it keeps its own record and calls ``NodeUnprepareResources`` when the claim's pod ends,
-  and :meth:`DraState.unprepare` frees every ``D:<uid>:<node>`` slot of a claim the
-  checkpoint does not know (docs/dra.md, "Slots nobody uses any more").
+  watch that fell behind). Freeing on a guess could give a device in use to a second claim.
+  kubelet still frees most of them: it keeps its own record and calls
+  ``NodeUnprepareResources`` when the claim's pod ends, and :meth:`DraState.unprepare` frees
+  every ``D:<uid>:<node>`` slot of a claim the checkpoint does not know (docs/dra.md, "Slots
+  nobody uses any more").
 
 A stale slot is freed once it has been seen stale for ``grace`` seconds (two looks, like the
 device-plugin reclaimer) and was not granted again meanwhile; the claim's *preparing* record
