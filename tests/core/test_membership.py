@@ -170,3 +170,67 @@ async def test_a_recreated_instance_is_not_joined_by_membership(
         assert api.get("instances.akri.sh", KEY.name, "default")["spec"]["nodes"] == ["n2"]
     finally:
         await store.close()
+
+
+async def test_a_configuration_edit_is_written_once_per_shared_instance(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Every node learns of an edit at once; before, each wrote it (N-1 conflicts and re-reads
+    per Instance). Now the node that sorts first in ``nodes`` writes it, the others find it
+    done in their cache."""
+    from tests.harness.k8s_nodes import (
+        debug_echo_configuration,
+        edited,
+        eventually,
+        instances,
+        start_node,
+        summary,
+    )
+
+    config = debug_echo_configuration()
+    api.create(config)
+    names = ("node-a", "node-b", "node-c", "node-d")
+    nodes = [await start_node(api, name, tmp_path) for name in names]
+    try:
+        await eventually(
+            lambda: summary(api) == {n: list(names) for n in ("echo-8120fe", "echo-a19705")},
+            what="every node in both Instances",
+        )
+        api.clear_requests()
+        join = counted("join")  # discovery's writes of an Instance it is in count as joins
+        api.apply(edited(config, capacity=3))
+        await eventually(
+            lambda: all(o["spec"]["capacity"] == 3 for o in instances(api)), what="resized"
+        )
+        # every node has seen the edit and had its chance to write
+        for node in nodes:
+            runner = node.manager.runners[ObjectKey("default", "echo")]
+            await eventually(lambda r=runner: r.configuration.capacity == 3, what="edit seen")
+        await asyncio.sleep(0.5)
+        writes = api.requests_for(verb="update", resource="instances")
+        assert len(writes) == 2 and all(r.status == 200 for r in writes)
+        assert delta(join, "join") == OperationStats(writes=2, conflicts=0, gave_up=0)
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def test_a_conflict_of_a_leave_is_counted(api: ApiServerDouble, tmp_path: Path) -> None:
+    """Before, the leave loop's conflicts reached no metric (only the API error counter)."""
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings("n1"))
+    await store.start()
+    try:
+        ledger = SlotLedger(store, "n1")
+        await ledger.create_instance(
+            Instance(
+                name=KEY.name, configuration_name="cam", capacity=1, shared=True, nodes=("n1",)
+            )
+        )
+        leave = counted("leave")
+        api.fail(409, verb="delete", resource="instances", times=1)
+        assert (await ledger.leave(KEY)).left  # the last node: a checked delete, retried
+        assert delta(leave, "leave").conflicts == 1
+        assert api.get("instances.akri.sh", KEY.name, "default") is None
+    finally:
+        await store.close()
