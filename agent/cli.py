@@ -37,11 +37,13 @@ HANDLER_FLAGS = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; the flags of ``akri controller`` only when ``command`` is
+    ``controller``: they come from the controller's modules (broker, Lease and node
+    settings, the Kubernetes client: 20-70 ms of imports) that no other command needs."""
     import argparse
     from pathlib import Path
 
-    from agent.controller.settings import add_flags
     from agent.node.settings import AGENT_OPTIONS, add_options
 
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
@@ -57,7 +59,10 @@ def _parser() -> argparse.ArgumentParser:
         "dead nodes' slots given back. Run two or more replicas: one holds the Lease and "
         "works, the others wait warm (docs/controller.md).",
     )
-    add_flags(controller)
+    if command == "controller":
+        from agent.controller.settings import add_flags
+
+        add_flags(controller)
     handler = commands.add_parser(
         "handler",
         help="run one of the embedded discovery handlers as an external handler process",
@@ -462,7 +467,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve,
     )
 
-    args = _parser().parse_args(arguments)
+    # the first word that is not an option names the command (`akri` itself has no option
+    # that takes a value)
+    command = next((word for word in arguments if not word.startswith("-")), None)
+    args = _parser(command).parse_args(arguments)
     if args.command == "version":
         print(f"akri {__version__}")
         return 0
