@@ -96,3 +96,25 @@ async def test_a_slot_allocated_to_a_claim_goes_to_the_claim(
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+async def test_without_rbac_to_list_claims_the_agent_runs_without_reservations(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older deploy/base/rbac.yaml (resourceclaims: get only): one warning, no crash, the
+    device plugins and the DRA driver work as before (the CAS alone arbitrates)."""
+    import logging
+
+    api.fail(403, verb="list", resource="resourceclaims", times=None)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    with caplog.at_level(logging.WARNING, logger="agent.node.dra.allocated"):
+        node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    try:
+        claims = node.agent.allocated_claims
+        assert claims is not None and not claims.available
+        assert any("cannot be followed" in r.getMessage() for r in caplog.records)
+        await node.kubelet.wait_registered(IL, timeout=10)
+        await eventually(lambda: node.kubelet.allocatable(IL) == 2, 10)
+        assert (await node.kubelet.admit_pod("default", "il", [("c", {IL: 1})])).admitted
+    finally:
+        await node.stop()
