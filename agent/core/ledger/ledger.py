@@ -704,10 +704,13 @@ class SlotLedger:
         if not self.claim_timeout:
             return await claim
         started = self._now()
+        deadline = asyncio.timeout(self.claim_timeout)
         try:
-            async with asyncio.timeout(self.claim_timeout):
+            async with deadline:
                 return await claim
         except TimeoutError as error:
+            if not deadline.expired():
+                raise  # a TimeoutError of the claim's own, not the deadline
             if sent:
                 slot, value, version = sent[-1]
                 self._unsettle(key, slot, value, version, started)
