@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from agent.core.ledger.decisions import Owner, SlotConflict, SlotsInUse, held_count
-from agent.core.ledger.ledger import SlotLedger, SlotRefusedError
+from agent.core.ledger.ledger import SlotLedger, SlotRefusedError, SlotWriteTimeoutError
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import ConflictError
@@ -492,3 +492,48 @@ async def test_evidence_parses_an_unchanged_checkpoint_once(
         Instance(name="cam-8120fe", configuration_name="cam", capacity=1), 0.0
     )
     assert len(parsed) == 2 and again.anywhere == ("C:cam-1:node-a",)
+
+
+class _HangingStore(LocalInstanceStore):
+    """Its next ``update`` never answers (and is never applied): a write lost in a hang."""
+
+    hang_next = False
+
+    async def update(self, instance: Instance) -> Instance:
+        if self.hang_next:
+            self.hang_next = False
+            await asyncio.Future()
+        return await super().update(instance)
+
+
+async def test_a_timed_out_claim_that_never_lands_is_settled_without_a_write(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 (3): the claim fails at the deadline and its slot is held back (reserved)
+    until a re-read settles it: here the write never landed and the Instance moved on (another
+    node's claim), so the slot is simply offered again."""
+    store = _HangingStore(tmp_path, poll_interval=0.05)
+    await store.start()
+    try:
+        await store.create(make(capacity=3))
+        a = SlotLedger(store, "node-a", claim_timeout=0.2)
+        b = SlotLedger(store, "node-b")
+        store.hang_next = True
+        with pytest.raises(SlotWriteTimeoutError):
+            await a.claim(KEY, f"{NAME}-0", Owner.instance_level("node-a"))
+        assert a.unsettled(KEY) == {f"{NAME}-0"}
+        assert a.reservations.slots(KEY) == {f"{NAME}-0"}
+        # a device plugin of this node may not take it meanwhile
+        with pytest.raises(SlotRefusedError) as refused:
+            await a.claim(KEY, f"{NAME}-0", Owner.instance_level("node-a"))
+        assert refused.value.reason == "Reserved"
+        await b.claim(KEY, f"{NAME}-1", Owner.instance_level("node-b"))  # a newer version
+        for _ in range(200):
+            if not a.unsettled(KEY):
+                break
+            await asyncio.sleep(0.05)
+        assert not a.unsettled(KEY) and not a.reservations.slots(KEY)
+        assert (await store.get(KEY)).device_usage[f"{NAME}-0"] == ""
+        await a.close()
+    finally:
+        await store.close()
