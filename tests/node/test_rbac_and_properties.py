@@ -284,6 +284,22 @@ async def test_every_agent_request_is_allowed_by_rbac(tmp_path: Path) -> None:
         api.create(bad)
         api.clear_requests()
         node = await start_node(api, "node-a", tmp_path, extra_handlers=(RecordingHandler(),))
+        # a second node joins the shared Instances (server-side apply) and leaves them again
+        other = await start_node(api, "node-b", tmp_path)
+        try:
+            await eventually(
+                lambda: sum(len(o["spec"]["nodes"]) == 2 for o in instances(api)) == 2,
+                what="node-b joined the shared Instances",
+            )
+            await other.stop()
+            other.offline()
+            other = await start_node(api, "node-b", tmp_path)
+            await eventually(
+                lambda: all(o["spec"]["nodes"] == ["node-a"] for o in instances(api)),
+                what="node-b left them",
+            )
+        finally:
+            await other.stop()
         try:
             await eventually(lambda: len(instances(api)) == 3)
             await eventually(lambda: any(e["reason"] for e in api.list("events")))
@@ -305,5 +321,5 @@ async def test_every_agent_request_is_allowed_by_rbac(tmp_path: Path) -> None:
     assert denied == []
     verbs = {(group, resource, verb) for group, resource, verb, _ in used}
     assert ("akri.sh", "instances", "update") in verbs
-    assert ("akri.sh", "instances", "patch") not in verbs
+    assert ("akri.sh", "instances", "patch") in verbs  # membership applies
     assert ("", "secrets", "get") in verbs
