@@ -104,3 +104,34 @@ async def test_deleted_instance_without_held_slots_goes_at_once(
         )
     finally:
         await node.stop()
+
+
+async def test_deleted_instance_with_a_held_slot_drains_then_is_created_again(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """``kubectl delete instance`` while a pod uses a slot: before, the record went at once
+    (the slot's holder with it); now the Instance stays terminating until the pod ends, then
+    goes, and discovery (its device is still there) creates it again."""
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path)
+    il = f"akri.sh/{INSTANCE}"
+    try:
+        await node.kubelet.wait_registered(il, timeout=10)
+        await eventually(lambda: node.kubelet.allocatable(il) == 2, 10)
+        assert (await node.kubelet.admit_pod("default", "il", [("c", {il: 1})])).admitted
+        first = api_instances(api)[INSTANCE]
+        api.delete("instances.akri.sh", INSTANCE)
+        terminating = api_instances(api)[INSTANCE]
+        assert terminating.deletion_timestamp is not None and held_count(terminating) == 1
+        await eventually(lambda: node.kubelet.allocatable(il) == 0, 10, "nothing offered")
+        await node.kubelet.delete_pod("default", "il")
+        await eventually(
+            lambda: (
+                INSTANCE in api_instances(api) and api_instances(api)[INSTANCE].uid != first.uid
+            ),
+            15,
+            "gone, then created again",
+        )
+        await eventually(lambda: node.kubelet.allocatable(il) == 2, 10, "offered again")
+    finally:
+        await node.stop()
