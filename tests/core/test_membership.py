@@ -234,3 +234,37 @@ async def test_a_conflict_of_a_leave_is_counted(api: ApiServerDouble, tmp_path: 
         assert api.get("instances.akri.sh", KEY.name, "default") is None
     finally:
         await store.close()
+
+
+async def test_a_cluster_without_patch_rights_falls_back_to_checked_writes(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RBAC deployed before 'patch' was granted: the apply is 403. The join still happens (a
+    checked write), the applies stop after the first refusal, one warning says why."""
+    import logging
+
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    stores = []
+    for node in ("n0", "n1"):
+        store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings(node))
+        await store.start()
+        stores.append(store)
+    try:
+        creator, joiner = SlotLedger(stores[0], "n0"), SlotLedger(stores[1], "n1")
+        await creator.create_instance(
+            Instance(
+                name=KEY.name, configuration_name="cam", capacity=1, shared=True, nodes=("n0",)
+            )
+        )
+        await stores[1].get(KEY)
+        api.fail(403, verb="patch", resource="instances", times=None)
+        with caplog.at_level(logging.WARNING, logger="agent.core.store.kubernetes"):
+            result = await joiner.join_instance(KEY, joined("n1"))
+            assert set(result.instance.nodes) == {"n0", "n1"}
+            assert (await joiner.leave(KEY)).left
+        assert (await stores[0].get(KEY)).nodes == ("n0",)
+        assert len(api.requests_for(verb="patch", resource="instances")) == 1
+        assert len([r for r in caplog.records if "refused a server-side apply" in r.message]) == 1
+    finally:
+        for store in stores:
+            await store.close()

@@ -387,6 +387,9 @@ class KubernetesInstanceStore(InstanceStore):
             return
         self._forget(key)
 
+    # why membership applies are not used (an API server refused one for good), or None
+    _membership_refused: str | None = None
+
     async def apply_membership(
         self, key: ObjectKey, node: str, member: bool, *, uid: str | None
     ) -> Instance | None:
@@ -394,7 +397,12 @@ class KubernetesInstanceStore(InstanceStore):
         :func:`membership_manager` (``nodes`` is ``x-kubernetes-list-type: set`` in the CRD:
         each element is owned by the managers that applied it, so concurrent joins and leaves
         merge instead of conflicting). A leave applies ``nodes: []``, which removes the entry
-        only if no other manager owns it too."""
+        only if no other manager owns it too. An apply refused for good (403: RBAC without
+        ``patch``, as deployed before it was granted; 405/415; 422 from an admission check)
+        turns them off for this process, with one warning: None, the caller writes the
+        membership with a checked write as before."""
+        if self._membership_refused is not None:
+            return None
         metadata: dict[str, Any] = {"name": key.name, "namespace": key.namespace}
         if uid:
             metadata["uid"] = uid  # a precondition: 409 if the Instance was re-created
@@ -414,10 +422,21 @@ class KubernetesInstanceStore(InstanceStore):
             )
         except Exception as error:
             translated = _translate(error, f"instance {key}")
-            if _status_of(error) == 422:
+            status = _status_of(error)
+            if status == 422:
                 # an apply creates a missing object, and one with only spec.nodes is invalid
                 # (spec.configurationName is required): tell "gone" from a real refusal
                 await self.get(key)  # raises NotFoundError when gone
+            if status in (403, 405, 415, 422):
+                self._membership_refused = f"HTTP {status}"
+                log.warning(
+                    "the API server refused a server-side apply of spec.nodes of %s (%s); "
+                    "joins and leaves are written with checked updates from now on (grant "
+                    "'patch' on instances.akri.sh: deploy/base/rbac.yaml)",
+                    key,
+                    str(translated)[:300],
+                )
+                return None
             if isinstance(translated, ConflictError | NotFoundError):
                 with contextlib.suppress(StoreError):
                     await self.get(key)
