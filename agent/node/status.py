@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agent.core.kube.kubeconfig import SERVICE_ACCOUNT_DIR
-from agent.core.ledger.decisions import node_slots
+from agent.core.ledger.decisions import held_count, node_slots
 from agent.core.model.instance import Instance
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
 
@@ -124,8 +124,13 @@ def cluster_json(configurations: Sequence[Mapping[str, Any]], instances: Sequenc
 def state(instance: Instance) -> str:
     """``ok``, or ``offline (node)`` for each node in its offline grace (its slots are
     Unhealthy there) and ``draining: N slots in use (node)`` for each node that stays in the
-    Instance only until its slots are released."""
-    parts = [f"offline ({node})" for node in instance.offline_nodes]
+    Instance only until its slots are released; ``terminating: N slots in use`` first for a
+    deleted Instance its ``akri.sh/slots`` finalizer keeps until those slots are freed."""
+    parts = []
+    if instance.deletion_timestamp is not None:
+        held = held_count(instance)
+        parts.append(f"terminating: {held} slot{'s' if held != 1 else ''} in use")
+    parts += [f"offline ({node})" for node in instance.offline_nodes]
     for node in instance.draining_nodes:
         count = len(node_slots(instance, node))
         parts.append(f"draining: {count} slot{'s' if count != 1 else ''} in use ({node})")

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from agent.core.ledger.decisions import held_count
+from agent.core.model.instance import Instance
 from agent.core.model.naming import SLOTS_FINALIZER
+from agent.node.status import state
 from tests.doubles.apiserver import ApiServerDouble
 from tests.doubles.dra_kubelet import DraKubeletDouble
 from tests.doubles.dra_scheduler import allocate_claim, create_claim
@@ -135,3 +137,17 @@ async def test_deleted_instance_with_a_held_slot_drains_then_is_created_again(
         await eventually(lambda: node.kubelet.allocatable(il) == 2, 10, "offered again")
     finally:
         await node.stop()
+
+
+def test_akri_status_says_terminating_with_the_slots_it_waits_for() -> None:
+    held = Instance(
+        "cam-8120fe",
+        "cam",
+        2,
+        nodes=("node-a",),
+        device_usage={"cam-8120fe-0": "node-a", "cam-8120fe-1": ""},
+        finalizers=(SLOTS_FINALIZER,),
+        deletion_timestamp="2026-01-01T00:00:00Z",
+    )
+    assert state(held) == "terminating: 1 slot in use"
+    assert state(held.evolve(deletion_timestamp=None)) == "ok"
