@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from agent.core.kube import make_kube_client
+from agent.core.kube.errors import TransportError
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
 from agent.core.store import kube_events
@@ -532,3 +533,31 @@ async def test_event_deduplication_forgets(monkeypatch: pytest.MonkeyPatch) -> N
     for i in range(kube_events.MAX_EVENT_KEYS + 500):
         await store.record_raw_configuration_event(CONFIG, "Bad", f"flood {i}")
     assert len(store._events.sent) <= kube_events.MAX_EVENT_KEYS
+
+
+async def test_the_informers_share_one_api_probe_per_second(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 30 (7): while a watch backs off it probes the API server (GET /version) to come
+    back within a second; the store's two informers share one probe's answer, and an API
+    server that does not answer makes both wait without a second request."""
+    client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")))
+    store = KubernetesInstanceStore(client, KubernetesSettings("node-a", request_timeout=5))
+    try:
+        api.clear_requests()
+        await store._probe()
+        await store._probe()  # the other informer, a moment later
+        assert len([r for r in api.requests if r.path == "/version"]) == 1
+        store._probed_at -= 1.0  # the answer is a second old: asked again
+        await api.stop()  # connections refused
+        with pytest.raises(TransportError):
+            await store._probe()
+        await api.start()
+        with pytest.raises(TransportError):
+            await store._probe()  # the same failed answer, not asked again yet
+        assert len([r for r in api.requests if r.path == "/version"]) == 1
+        store._probed_at -= 1.0
+        await store._probe()  # back
+        assert len([r for r in api.requests if r.path == "/version"]) == 2
+    finally:
+        await client.close()

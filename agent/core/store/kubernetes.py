@@ -68,6 +68,7 @@ INSTANCES = "instances"
 CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
 PROBE_TIMEOUT = 2.0  # seconds for the GET /version that tells a backing-off watch the API is back
+PROBE_REUSE = 0.9  # seconds one probe's answer serves both informers
 CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
 MAX_START_BACKOFF = 10.0
 TRANSIENT = (0, 429, 500, 502, 503, 504)
@@ -130,6 +131,8 @@ class KubernetesInstanceStore(InstanceStore):
             probe=self._probe,
         )
         self.request_count = 0
+        self._probed_at = -PROBE_REUSE  # the last probe of the API server (shared, see _probe)
+        self._probe_error: Exception | None = None
         self._events = EventRecorder(
             api_client, settings.node_name, settings.request_timeout, self._count_request
         )
@@ -183,9 +186,22 @@ class KubernetesInstanceStore(InstanceStore):
     # -- list / watch plumbing -------------------------------------------------------------
     async def _probe(self) -> None:
         """Does the API server answer? ``GET /version``: the cheapest request there is, allowed
-        to every client (``system:public-info-viewer``); raises while it does not."""
+        to every client (``system:public-info-viewer``); raises while it does not. The two
+        informers share one answer per :data:`PROBE_REUSE` seconds, so a node sends about
+        one probe a second during an outage."""
+        now = time.monotonic()
+        if now - self._probed_at < PROBE_REUSE:
+            if self._probe_error is not None:
+                raise self._probe_error
+            return
+        self._probed_at = now
         self.request_count += 1
-        await self._client.get("/version", request_timeout=PROBE_TIMEOUT)
+        try:
+            await self._client.get("/version", request_timeout=PROBE_TIMEOUT)
+        except Exception as error:
+            self._probe_error = error
+            raise
+        self._probe_error = None
 
     def _lister(self, plural: str) -> ListFn:
         path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
