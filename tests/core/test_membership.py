@@ -268,3 +268,30 @@ async def test_a_cluster_without_patch_rights_falls_back_to_checked_writes(
     finally:
         for store in stores:
             await store.close()
+
+
+async def test_joining_an_instance_without_the_slots_finalizer_adds_it(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """An Instance written by an older agent (or Akri) has no akri.sh/slots finalizer; a
+    node's first join writes it (a checked write: the membership apply would not)."""
+    api.create(
+        {
+            "apiVersion": "akri.sh/v0",
+            "kind": "Instance",
+            "metadata": {"name": KEY.name, "namespace": "default"},
+            "spec": {"configurationName": "cam", "capacity": 1, "shared": True, "nodes": ["n0"]},
+        }
+    )
+    kubeconfig = api.write_kubeconfig(tmp_path / "kc")
+    store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings("n1"))
+    await store.start()
+    try:
+        await store.get(KEY)
+        result = await SlotLedger(store, "n1").join_instance(KEY, joined("n1"))
+        assert set(result.instance.nodes) == {"n0", "n1"}
+        stored = api.get("instances.akri.sh", KEY.name, "default")
+        assert "akri.sh/slots" in stored["metadata"]["finalizers"]
+        assert api.requests_for(verb="patch", resource="instances") == []
+    finally:
+        await store.close()

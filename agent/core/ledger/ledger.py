@@ -313,8 +313,8 @@ class SlotLedger:
             return None
         changed = change(current)
         target = current if changed is None else decide_update(current, changed) or current
-        if not only_joins(current, target, self.node):
-            return None
+        if not only_joins(current, target, self.node) or settle_finalizer(target) != target:
+            return None  # more to write (the akri.sh/slots finalizer too): a checked write
         try:
             stored = await self.store.apply_membership(key, self.node, True, uid=current.uid)
         except ConflictError:
@@ -337,7 +337,10 @@ class SlotLedger:
         decision = decide_leave(current, self.node)
         if not isinstance(decision, Leave) or decision.delete:
             return None
-        if not only_joins(decision.instance, current, self.node):
+        if (
+            not only_joins(decision.instance, current, self.node)
+            or settle_finalizer(decision.instance) != decision.instance
+        ):
             return None
         try:
             stored = await self.store.apply_membership(key, self.node, False, uid=current.uid)
