@@ -280,7 +280,13 @@ async def test_joining_an_instance_without_the_slots_finalizer_adds_it(
             "apiVersion": "akri.sh/v0",
             "kind": "Instance",
             "metadata": {"name": KEY.name, "namespace": "default"},
-            "spec": {"configurationName": "cam", "capacity": 1, "shared": True, "nodes": ["n0"]},
+            "spec": {
+                "configurationName": "cam",
+                "capacity": 1,
+                "shared": True,
+                "nodes": ["n0"],
+                "deviceUsage": {f"{KEY.name}-0": ""},  # complete: only the finalizer is missing
+            },
         }
     )
     kubeconfig = api.write_kubeconfig(tmp_path / "kc")
