@@ -293,6 +293,8 @@ class Agent:
         self.ownership.refresh()
         if self.settings.dra:
             self._build_dra()
+        if self.publisher is not None:
+            await self._follow_allocated_claims()  # before the device plugins offer slots
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
@@ -315,18 +317,6 @@ class Agent:
             )
             await self.publisher.start()
             self.ownership.add_listener(lambda _names: self._wake_publisher())
-            from agent.core.store.kubernetes import KubernetesInstanceStore
-            from agent.node.dra.allocated import AllocatedClaims
-
-            assert isinstance(self.store, KubernetesInstanceStore)  # DRA runs on the API only
-            self.allocated_claims = AllocatedClaims(
-                self.store.api_client,
-                self.settings.node_name,
-                self.served.all,
-                self.ledger.reservations,
-            )
-            await self.allocated_claims.start()
-            self.allocated_claims.follow_instances(self.store.subscribe_instances())
             self._slice_events = asyncio.create_task(
                 self._trigger_publisher(self.store.subscribe_instances()), name="slice-trigger"
             )
@@ -488,6 +478,22 @@ class Agent:
             self.publisher.trigger()
         if self.dra_health is not None:
             self.dra_health.changed()
+
+    async def _follow_allocated_claims(self) -> None:
+        """Hold back from the device plugins the slots allocated to ResourceClaims not
+        prepared yet (agent/node/dra/allocated.py)."""
+        from agent.core.store.kubernetes import KubernetesInstanceStore
+        from agent.node.dra.allocated import AllocatedClaims
+
+        assert isinstance(self.store, KubernetesInstanceStore)  # DRA runs on the API only
+        self.allocated_claims = AllocatedClaims(
+            self.store.api_client,
+            self.settings.node_name,
+            self.served.all,
+            self.ledger.reservations,
+        )
+        await self.allocated_claims.start()
+        self.allocated_claims.follow_instances(self.store.subscribe_instances())
 
     async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
         async for _ in events:
