@@ -648,3 +648,44 @@ async def test_a_recreated_instance_this_node_does_not_discover_records_its_live
     finally:
         await manager.close()
         await store.close()
+
+
+class RacingStore(LocalInstanceStore):
+    """Another node creates every Instance just before this one does (all nodes see a shared
+    device at the same moment): ``create`` stores the other node's and answers
+    AlreadyExists, as the API server does to the loser. ``get`` calls are counted."""
+
+    gets = 0
+
+    async def create(self, instance: Instance) -> Instance:
+        from agent.core.store.base import AlreadyExistsError
+
+        await super().create(instance.evolve(nodes=("node-0",)))
+        raise AlreadyExistsError(str(instance.key))
+
+    async def get(self, key: ObjectKey) -> Instance:
+        self.gets += 1
+        return await super().get(key)
+
+
+async def test_losing_a_create_race_joins_from_the_cache(tmp_path: Path) -> None:
+    """Before: every node that lost the race to create a shared Instance read it back with a
+    GET (N-1 GETs per Instance when N nodes see a device at once); the created object is in
+    the cache already (here at once; on a cluster usually, by the watch)."""
+    store = RacingStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=0.3))
+    await manager.start()
+    try:
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+        )
+        await handler.queue.put([Device("d1")])
+        await until(lambda: [sorted(i.nodes) for i in instances(store)] == [["node-0", "node-a"]])
+        assert store.gets == 0
+    finally:
+        await manager.close()
+        await store.close()

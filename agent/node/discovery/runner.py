@@ -341,7 +341,10 @@ class ConfigurationRunner:
                     )
                     return None
                 except AlreadyExistsError:
-                    await self._refresh(key)
+                    # another node created it first (all nodes see a shared device at once):
+                    # its watch event is often here already, a GET only when it is not
+                    if self.store.get_cached(key) is None:
+                        await self._refresh(key)
                     continue
             before = self.store.get_cached(key)
             try:
