@@ -138,7 +138,7 @@ class Follower:
     def device(self, name: str) -> Device:
         return next(d for d in self.lists[-1] if d.properties["MDNS_NAME"] == name)
 
-    async def until(self, check: Callable[[], object], what: str, within: float = 15.0) -> None:
+    async def until(self, check: Callable[[], object], what: str, within: float = 60.0) -> None:
         deadline = time.monotonic() + within
         while not check():
             if self.task.done():

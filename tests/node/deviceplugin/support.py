@@ -45,4 +45,5 @@ async def registered(
     kubelet: KubeletDouble, resources: Sequence[str], after: float | None = None
 ) -> None:
     for resource in resources:
-        await kubelet.wait_registered(resource, timeout=20, after=after)
+        # generous: a loaded machine may take seconds; an idle one returns in milliseconds
+        await kubelet.wait_registered(resource, timeout=60, after=after)
