@@ -76,6 +76,7 @@ def _phase(
     cpu_before: dict[int, float],
     seconds: float,
     runqueue: dict[str, float | None],
+    gave_up_before: int,
 ) -> dict[str, Any]:
     requests = [r for r in api.requests_since(mark) if r.verb != "watch"]
     by_verb = Counter(f"{r.verb} {r.resource} {r.status}" for r in requests)
@@ -96,10 +97,7 @@ def _phase(
         "conflicts_per_successful_write": (
             round(writes["conflicts"] / writes["writes_ok"], 3) if writes["writes_ok"] else None
         ),
-        "retries_exhausted": sum(
-            len(a.log_lines("gave up updating")) + len(a.log_lines("could not take"))
-            for a in agents
-        ),
+        "retries_exhausted": _gave_up(agents) - gave_up_before,
         "watch_events_sent": sum(api.api.watch_events_sent.values()) - events_before,
         "agent_cpu_seconds_mean": round(sum(cpu) / n, 3),
         "agent_cpu_seconds_max": round(max(cpu), 3),
@@ -107,6 +105,13 @@ def _phase(
         "agent_rss_mb_max": round(max(rss), 1),
         "runqueue_wait_percent": runqueue,
     }
+
+
+def _gave_up(agents: Sequence[Any]) -> int:
+    """Writes given up so far (their log lines, over the agents' whole logs)."""
+    return sum(
+        len(a.log_lines("gave up updating")) + len(a.log_lines("could not take")) for a in agents
+    )
 
 
 def _nodes_of_every_instance(api: ApiServer) -> list[set[str]]:
@@ -146,7 +151,10 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
         start_s = time.monotonic() - started
         await _quiet(api, 2.0, within=60)
 
+        agents = [node.agent for node in nodes if node.agent is not None]
+
         # every node sees the devices at once
+        gave_up = _gave_up(agents)
         mark = api.request_mark()
         events = sum(api.api.watch_events_sent.values())
         cpu_before = _cpu(nodes)
@@ -162,7 +170,9 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
         await wait_until(joined, within=plan.within, what=f"{n} nodes in every Instance")
         join_s = time.monotonic() - started
         await _settled(api)
-        join = _phase(api, nodes, mark, events, cpu_before, join_s, _summary(window.result()))
+        join = _phase(
+            api, nodes, mark, events, cpu_before, join_s, _summary(window.result()), gave_up
+        )
         log(
             f"many agents N={n}: joined in {join_s:.2f}s, {join['requests_per_agent']} "
             f"requests/agent, {join['conflicts']} conflicts"
@@ -170,6 +180,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
         await _quiet(api, 2.0, within=60)
 
         # a Configuration edit: the capacity of every Instance changes
+        gave_up = _gave_up(agents)
         mark = api.request_mark()
         events = sum(api.api.watch_events_sent.values())
         cpu_before = _cpu(nodes)
@@ -187,21 +198,17 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             )
 
         await wait_until(resized, within=plan.within, what="every Instance resized")
+        edit_s = time.monotonic() - started
         await _settled(api)  # the nodes that had nothing to write: nothing
         edit = _phase(
-            api,
-            nodes,
-            mark,
-            events,
-            cpu_before,
-            time.monotonic() - started,
-            _summary(window.result()),
+            api, nodes, mark, events, cpu_before, edit_s, _summary(window.result()), gave_up
         )
         log(f"many agents N={n}: edit applied with {edit['instance_writes_ok']} writes")
 
         # half the agents lose the devices
         leaving = nodes[: n // 2]
         staying = {node.name for node in nodes[n // 2 :]}
+        gave_up = _gave_up(agents)
         mark = api.request_mark()
         events = sum(api.api.watch_events_sent.values())
         cpu_before = _cpu(nodes)
@@ -217,7 +224,9 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
         await wait_until(left, within=plan.within, what=f"{len(leaving)} nodes gone")
         loss_s = time.monotonic() - started
         await _settled(api)
-        loss = _phase(api, nodes, mark, events, cpu_before, loss_s, _summary(window.result()))
+        loss = _phase(
+            api, nodes, mark, events, cpu_before, loss_s, _summary(window.result()), gave_up
+        )
         log(
             f"many agents N={n}: half left in {loss_s:.1f}s (grace {plan.offline_grace}s "
             f"included), {loss['conflicts']} conflicts"
