@@ -187,6 +187,8 @@ async def test_one_changed_device_among_many_is_the_only_one_re_examined(
 
 async def test_shared_grace_marks_offline_then_removes(setup) -> None:  # type: ignore[no-untyped-def]
     store, handler, manager = setup
+    # a grace long enough to be seen on a loaded machine (0.3 s could pass between two polls)
+    manager.grace = GraceSettings(local=0, shared=3.0)
     await manager.handle_configuration_event(
         ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
     )
