@@ -13,6 +13,23 @@ from agent.core.aio import fswatch
 from agent.core.aio.fswatch import DirectoryWatch
 
 
+@pytest.fixture(autouse=True)
+def host_inotify(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts from a fresh process's inotify state (a refusal met by an earlier
+    test is remembered process-wide for minutes), on a host that can give one instance:
+    ``fs.inotify.max_user_instances`` is per user, and other software (or other test runs
+    on a shared machine) may have used it up, which no code of ours can change."""
+    monkeypatch.setattr(fswatch, "_REFUSALS", fswatch._Refusals())
+    monkeypatch.setattr(fswatch, "STATS", fswatch.InotifyStats())
+    if fswatch._inotify_module is None:
+        pytest.skip("asyncinotify is not importable here")
+    try:
+        fswatch._inotify_module.Inotify().close()
+    except OSError as error:
+        pytest.skip(f"this host gives no inotify instance now ({error}): its user's "
+                    "fs.inotify.max_user_instances is used up by other processes")
+
+
 async def test_a_created_socket_wakes_it_and_other_names_do_not(tmp_path: Path) -> None:
     watch = DirectoryWatch([tmp_path], fallback=3600, interesting=lambda n, _r: n.endswith(".sock"))
     try:
