@@ -346,6 +346,10 @@ async def test_kill_9_at_random_points_loses_no_reported_claim(tmp_path: Path) -
         await asyncio.sleep(rng.random() * 0.004)
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
+        # what it printed before the kill and we had not read yet was reported too
+        for line in (await proc.stdout.read()).splitlines():
+            slot, version = line.split()
+            reported.append((int(slot), int(version)))
         loaded = {i.name: i for i in read_state_dir(state)}[NAME]  # never torn, never refused
         held = {int(s.rsplit("-", 1)[1]) for s, v in loaded.device_usage.items() if v}
         for slot, version in reported:
@@ -363,3 +367,27 @@ async def test_kill_9_at_random_points_loses_no_reported_claim(tmp_path: Path) -
     created = await restarted.create(make().evolve(name="cfg-fedcba", device_usage={}))
     assert int(created.resource_version or 0) > last_version  # no version reused
     await restarted.close()
+
+
+async def test_a_stale_claim_after_another_process_wrote_is_a_conflict(tmp_path: Path) -> None:
+    """The writer reuses what its own last write left (no re-read of 1,000 slots) only while
+    nobody else wrote: two stores claim the same slot from the same version, the second gets a
+    conflict, not a double allocation."""
+    state = tmp_path / "state"
+    a, b = LocalInstanceStore(state, poll_interval=10), LocalInstanceStore(state, poll_interval=10)
+    await a.start()
+    await b.start()
+    try:
+        await a.create(make())
+        mine = await claim(a, 0)  # a remembers what it wrote
+        theirs = await b.get(KEY)
+        await b.update(theirs.evolve(device_usage={**theirs.device_usage, f"{NAME}-1": "n2"}))
+        with pytest.raises(ConflictError):  # a's view (its own last write) is stale now
+            await a.update(mine.evolve(device_usage={**mine.device_usage, f"{NAME}-1": "n1"}))
+        final = await a.get(KEY)
+        assert final.device_usage[f"{NAME}-1"] == "n2" and final.device_usage[f"{NAME}-0"] == "n1"
+        again = await claim(a, 2)  # and a claim on the fresh version goes through
+        assert again.device_usage[f"{NAME}-1"] == "n2"
+    finally:
+        await a.close()
+        await b.close()

@@ -55,6 +55,10 @@ class Journal:
         self.records = records  # (resourceVersion, the deviceUsage entries it sets)
         self.length = length  # bytes up to the last complete line (a torn tail after it)
 
+    def appended(self, version: int, changes: dict[str, str], line: bytes) -> Journal:
+        """This journal after :func:`append` wrote ``line``."""
+        return Journal([*self.records, (version, changes)], self.length + len(line))
+
 
 EMPTY = Journal([], 0)
 
@@ -127,16 +131,14 @@ def usage_changes(current: Instance, desired: Instance) -> dict[str, str] | None
     """The ``deviceUsage`` entries ``desired`` sets when that is all that differs from
     ``current`` (the same slots, everything else equal but the resourceVersion), else None
     (the change needs a full write)."""
-    if current.device_usage.keys() != desired.device_usage.keys():
+    old, new = current.device_usage, desired.device_usage
+    if old.keys() != new.keys():
         return None
-    if _without_usage(current) != _without_usage(desired):
+    same = current.evolve(device_usage=new, resource_version=desired.resource_version)
+    # extra_metadata is not part of Instance equality: compared on its own
+    if same != desired or dict(current.extra_metadata) != dict(desired.extra_metadata):
         return None
-    old = current.device_usage
-    return {slot: value for slot, value in desired.device_usage.items() if old[slot] != value}
-
-
-def _without_usage(instance: Instance) -> dict[str, Any]:
-    return instance.evolve(device_usage={}, resource_version=None).to_dict()
+    return dict(new.items() - old.items())  # a C-level set difference of the two maps
 
 
 def record_line(version: str, changes: Mapping[str, str]) -> bytes:

@@ -254,6 +254,12 @@ class LocalInstanceStore(InstanceStore):
         # the last resourceVersion this process wrote to the counter: the poll tells its own
         # writes (done in a worker thread) from other processes' by the counter's value
         self._last_issued: str | None = None
+        # What this process's last update left on disk, per Instance file (the Instance and
+        # its journal), valid while the counter still holds that update's version: every
+        # write of any process bumps the counter under the flock, so an unchanged counter
+        # means nobody wrote since, and the next claim need not read and parse 1,000 slots
+        self._parsed: dict[Path, tuple[Instance, journal.Journal]] = {}
+        self._parsed_version: str | None = None
         self._config_files = ConfigurationFiles(
             list(config_paths),
             self._on_configuration,
@@ -410,8 +416,14 @@ class LocalInstanceStore(InstanceStore):
             path = self._path(key)
             if not path.exists():
                 raise NotFoundError(str(key))
-            current, slot_journal = load_with_journal(path, key.namespace)
+            if self._parsed_version is None or self._read_counter() != self._parsed_version:
+                self._parsed.clear()  # another write came in between (any process)
+            cached = self._parsed.pop(path, None)
+            if cached is None:
+                cached = load_with_journal(path, key.namespace)
+            current, slot_journal = cached
             if current.resource_version != instance.resource_version:
+                self._parsed[path] = cached
                 return None, current
             check_finalizers(current, instance)
             stored = instance.evolve(
@@ -428,10 +440,16 @@ class LocalInstanceStore(InstanceStore):
                 # a claim or release: one line appended, not the whole Instance rewritten
                 line = journal.record_line(str(stored.resource_version), changes)
                 journal.append(path, slot_journal, line, durable=self._durable)
+                slot_journal = slot_journal.appended(
+                    int(stored.resource_version or 0), changes, line
+                )
             else:
                 atomic_write_json(path, stored.to_dict(), durable=self._durable)
                 if slot_journal.length:
                     self._drop_journal(path)  # folded into the file just written
+                slot_journal = journal.EMPTY  # (a journal left behind is cut at the next append)
+            self._parsed[path] = (stored, slot_journal)
+            self._parsed_version = stored.resource_version
         return stored, None
 
     def _drop_journal(self, path: Path) -> None:
