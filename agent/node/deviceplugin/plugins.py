@@ -20,10 +20,10 @@ from agent.node.deviceplugin.service import AllocationError
 from agent.node.deviceplugin.views import (
     ConfigurationDevices,
     DeviceView,
+    InstanceDevices,
     InsufficientInstancesError,
     VirtualDevice,
     configuration_resource,
-    instance_devices,
     instance_resource,
     plan_configuration_allocation,
     preferred_configuration_devices,
@@ -96,13 +96,13 @@ class InstancePlugin:
         self._lookup = store_lookup
         self._ledger = ledger
         self._source = source
+        self._view = InstanceDevices(ledger.node)
 
     def devices(self) -> Sequence[DeviceView]:
-        current = self._lookup(self.instance)
-        if current is None:
-            return []
+        # the same tuple while the list cannot have changed (InstanceDevices): a stream
+        # recognises it without comparing every slot
         offline = self.instance in self._source.offline_instances()
-        return instance_devices(current, self._ledger.node, offline)
+        return self._view(self._lookup(self.instance), offline)
 
     def preferred(
         self, available: Sequence[str], must_include: Sequence[str], size: int
@@ -196,7 +196,7 @@ class ConfigurationPlugin:
         self._lock = asyncio.Lock()
         self._view = ConfigurationDevices(configuration, ledger.node)
 
-    def _virtual_devices(self) -> list[VirtualDevice]:
+    def _virtual_devices(self) -> Sequence[VirtualDevice]:
         return self._view(self._list(self.configuration), self._source.offline_instances())
 
     def devices(self) -> Sequence[VirtualDevice]:

@@ -28,7 +28,8 @@ room, and the count shown to kubelet is what can really be given.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import operator
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from agent.core.ledger.decisions import free_slots, held_count
@@ -95,6 +96,59 @@ def instance_devices(instance: Instance, node: str, offline: bool) -> list[Devic
     return result
 
 
+def instance_health_key(instance: Instance, node: str, offline: bool) -> Hashable:
+    """What :func:`instance_devices` depends on, computed without a Python loop over the
+    slots in the common cases: two Instances with equal keys have equal lists (the converse
+    need not hold: a key may change while the list does not).
+
+    The list is every slot id (name, capacity) with a health that follows from whether the
+    Instance is unavailable, whether it has room, and each slot's kind: this node's IL value,
+    free, or anything else. With room, mine and free slots are Healthy alike, so only the
+    other slots matter; without room only this node's slots are Healthy. A new IL claim of a
+    slot (free → mine) with room left thus keeps the key: kubelet's list does not change."""
+    if node not in instance.nodes:
+        return None
+    if offline or instance.deletion_timestamp is not None or node in instance.draining_nodes:
+        return (instance.name, instance.capacity, False)
+    usage = instance.device_usage
+    values = usage.values()
+    mine = format_usage(NodeUsage(node))
+    free = operator.countOf(values, "")
+    if len(usage) - free < instance.capacity:  # room (held_count, inlined)
+        if free + operator.countOf(values, mine) == len(usage):
+            return (instance.name, instance.capacity, True, True, frozenset())
+        others = frozenset(slot for slot, value in usage.items() if value and value != mine)
+        return (instance.name, instance.capacity, True, True, others)
+    held = frozenset(slot for slot, value in usage.items() if value == mine)
+    return (instance.name, instance.capacity, True, False, held)
+
+
+class InstanceDevices:
+    """:func:`instance_devices` for one (Instance name, node), the list kept (the very same
+    tuple) while :func:`instance_health_key` says it cannot have changed: a stream that gets
+    the tuple it last sent knows, without comparing 1,000 devices, that it has nothing to
+    send."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self._key: Hashable = ()  # no Instance's key
+        self._devices: tuple[DeviceView, ...] = ()
+        self.computed = 0  # lists built, for tests
+
+    def __call__(self, instance: Instance | None, offline: bool) -> tuple[DeviceView, ...]:
+        if instance is None:
+            key: Hashable = None
+        else:
+            key = instance_health_key(instance, self.node, offline)
+        if key != self._key:
+            self._key = key
+            self._devices = (
+                () if instance is None else tuple(instance_devices(instance, self.node, offline))
+            )
+            self.computed += 1
+        return self._devices
+
+
 @dataclass(frozen=True)
 class _InstancePart:
     """What one Instance contributes to the CL list: the vdevs this node holds in it (slot
@@ -109,14 +163,23 @@ class _InstancePart:
 
 def _instance_part(instance: Instance, node: str) -> _InstancePart:
     unavailable = instance.deletion_timestamp is not None or node in instance.draining_nodes
+    usage_map = instance.device_usage
+    values = usage_map.values()
+    free = operator.countOf(values, "")
+    # held_count < capacity: then some slot id below capacity is free (free_slots is
+    # non-empty), found without listing them
+    has_free = len(usage_map) - free < instance.capacity
     held = []
-    for slot, value in sorted(instance.device_usage.items()):
-        if not value.startswith("C:"):
-            continue  # free, another node's IL slot, DRA, unknown: not a held vdev
-        usage = parse_usage(value)
-        if isinstance(usage, ConfigurationUsage) and usage.node == node:
-            held.append(VirtualDevice(usage.vdev, instance.name, slot, not unavailable))
-    return _InstancePart(tuple(held), bool(free_slots(instance)), unavailable)
+    # the common case (free and IL slots only, as during a burst of IL Allocates) is
+    # counted in C; only Instances with other values are scanned for CL ones
+    if free + operator.countOf(values, format_usage(NodeUsage(node))) != len(usage_map):
+        for slot, value in sorted(usage_map.items()):
+            if not value.startswith("C:"):
+                continue  # free, another node's IL slot, DRA, unknown: not a held vdev
+            usage = parse_usage(value)
+            if isinstance(usage, ConfigurationUsage) and usage.node == node:
+                held.append(VirtualDevice(usage.vdev, instance.name, slot, not unavailable))
+    return _InstancePart(tuple(held), has_free, unavailable)
 
 
 class ConfigurationDevices:
@@ -124,7 +187,9 @@ class ConfigurationDevices:
     (its slots parsed, its vdevs built) kept until the Instance object changes. The store's
     objects are immutable and replaced on every change, so an Instance is recognised by
     identity: a computation parses only the Instances that changed, and reuses the free vdev
-    of an Instance whose number did not change."""
+    of an Instance whose number did not change. When no part changed (an IL claim of another
+    slot of an Instance with room left, say), the very same tuple as last time is returned:
+    a stream that sent it knows without comparing it that it has nothing new to send."""
 
     def __init__(self, configuration: str, node: str) -> None:
         self.configuration = configuration
@@ -132,24 +197,35 @@ class ConfigurationDevices:
         self.prefix = configuration_resource_name(configuration)
         self._parts: dict[str, tuple[Instance, _InstancePart]] = {}
         self._free: dict[str, tuple[int, VirtualDevice]] = {}  # Instance -> its free vdev
+        self._offline: frozenset[str] = frozenset()  # of the Instances in _parts, last time
+        self._result: tuple[VirtualDevice, ...] | None = None
         self.parsed = 0  # Instances (re)parsed, for tests
 
     def __call__(
         self, instances: Iterable[Instance], offline: Collection[str]
-    ) -> list[VirtualDevice]:
+    ) -> tuple[VirtualDevice, ...]:
         node = self.node
         configuration = self.configuration
         previous = self._parts
         parts: dict[str, tuple[Instance, _InstancePart]] = {}
+        same = self._result is not None
         for inst in instances:
             if inst.configuration_name != configuration or node not in inst.nodes:
                 continue
             entry = previous.get(inst.name)
             if entry is None or entry[0] is not inst:
-                entry = (inst, _instance_part(inst, node))
+                part = _instance_part(inst, node)
                 self.parsed += 1
+                if entry is None or entry[1] != part:
+                    same = False
+                entry = (inst, part)
             parts[inst.name] = entry
         self._parts = parts
+        offline_here = frozenset(name for name in offline if name in parts)
+        if same and parts.keys() == previous.keys() and offline_here == self._offline:
+            assert self._result is not None
+            return self._result  # every part as before: the list is too
+        self._offline = offline_here
         names = sorted(parts)
         result: list[VirtualDevice] = []
         used_ids: set[str] = set()
@@ -191,7 +267,8 @@ class ConfigurationDevices:
             result.append(vdev)
             number += 1
         self._free = free
-        return result
+        self._result = tuple(result)
+        return self._result
 
 
 def configuration_devices(
@@ -201,7 +278,7 @@ def configuration_devices(
     offline: Collection[str],
 ) -> list[VirtualDevice]:
     """The CL plugin's device list: held vdevs, then one free vdev per Instance with room."""
-    return ConfigurationDevices(configuration, node)(instances, offline)
+    return list(ConfigurationDevices(configuration, node)(instances, offline))
 
 
 @dataclass(frozen=True)

@@ -274,6 +274,76 @@ def test_cached_cl_view_parses_only_changed_instances() -> None:
     }
 
 
+def test_cached_cl_view_returns_the_same_tuple_while_no_part_changes() -> None:
+    from agent.node.deviceplugin.views import ConfigurationDevices
+
+    instances = [inst(f"cams-{k:06d}", capacity=3) for k in range(3)]
+    view = ConfigurationDevices("cams", "n1")
+    first = view(instances, set())
+    # an IL claim of one slot (room left): a new Instance object, the same CL part
+    instances[1] = instances[1].evolve(device_usage={"cams-000001-0": "n1"})
+    assert view(instances, set()) is first
+    assert view.parsed == 4  # it was parsed again, and found equal
+    # anything that changes a part, the offline set or the Instances gives a new list
+    offline = view(instances, {"cams-000002"})
+    assert offline is not first and len(offline) == 2
+    assert view(instances, {"cams-000002", "cams-999999"}) is offline  # not one of ours
+    back = view(instances, set())
+    assert back is not offline and back == first
+    instances[1] = instances[1].evolve(
+        device_usage={"cams-000001-0": "n1", "cams-000001-1": "n2", "cams-000001-2": "D:u:n2"}
+    )  # full: no free vdev for it any more
+    assert [v.instance for v in view(instances, set())] == ["cams-000000", "cams-000002"]
+    assert view(instances[:2], set()) != view(instances, set())
+
+
+def test_il_health_key_equal_means_the_same_list_through_random_instances() -> None:
+    import random
+
+    from agent.node.deviceplugin.views import InstanceDevices, instance_health_key
+
+    rng = random.Random(11)
+    values = ["", "", "", "n1", "n1", "n2", "C:cams-0:n1", "D:uid:n1", "bad"]
+    seen: dict[object, list[tuple[str, bool]]] = {}
+    view = InstanceDevices("n1")
+    for _ in range(3000):
+        capacity = rng.randint(1, 4)
+        usage = {
+            f"cams-aaaaaa-{s}": rng.choice(values)
+            for s in range(capacity + rng.randint(-1, 2))  # missing or draining slots too
+        }
+        instance = Instance(
+            name="cams-aaaaaa",
+            configuration_name="cams",
+            capacity=capacity,
+            nodes=rng.choice([("n1",), ("n1", "n2"), ("n2",)]),
+            device_usage=usage,
+            deletion_timestamp=rng.choice([None, None, None, "2026-01-01T00:00:00Z"]),
+        )
+        if rng.random() < 0.1:
+            instance = instance.with_node_mark(DRAINING_ANNOTATION, "n1", True)
+        offline = rng.random() < 0.1
+        expected = [(d.id, d.healthy) for d in instance_devices(instance, "n1", offline)]
+        key = instance_health_key(instance, "n1", offline)
+        assert seen.setdefault(key, expected) == expected, (key, usage)
+        assert [(d.id, d.healthy) for d in view(instance, offline)] == expected
+    assert view(None, False) == ()
+
+
+def test_il_view_keeps_its_tuple_for_a_claim_that_changes_no_health() -> None:
+    from agent.node.deviceplugin.views import InstanceDevices
+
+    view = InstanceDevices("n1")
+    big = inst("cams-aaaaaa", capacity=1000, s999="n2")
+    first = view(big, False)
+    claimed = big.evolve(device_usage={**big.device_usage, "cams-aaaaaa-0": "n1"})
+    assert view(claimed, False) is first and view.computed == 1
+    # another node's claim, or the device going offline, changes the list
+    taken = claimed.evolve(device_usage={**claimed.device_usage, "cams-aaaaaa-1": "n2"})
+    assert health(list(view(taken, False)))["cams-aaaaaa-1"] is False
+    assert not any(d.healthy for d in view(taken, True)) and view.computed == 3
+
+
 def test_a_draining_node_offers_nothing_whatever_its_offline_set_says() -> None:
     """Reviewer's case: node-b re-created the Instance, n1 adopted slot 0 draining (the
     stored mark), but n1's runner has not (yet) put it in its offline set. Before, the IL
