@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from agent.core.aio.events import Subscription
@@ -23,6 +24,7 @@ from agent.ops.gc_tuning import freeze_long_lived, freeze_when_settled
 from agent.ops.loop_monitor import LoopMonitor
 
 if TYPE_CHECKING:
+    from agent.core.store.kubernetes import KubernetesInstanceStore
     from agent.node.deviceplugin.manager import DevicePluginManager
     from agent.node.deviceplugin.reclaimer import SlotReclaimer
     from agent.node.dra.allocated import AllocatedClaims
@@ -456,9 +458,13 @@ class Agent:
     async def _extended_resources_path(self) -> str:
         """Which path serves ``akri.sh/<name>`` limits on this node (``dra/extended.py``):
         decided once per start, logged, exported as ``akri_extended_resource_path``."""
-        from agent.core.store.kubernetes import KubernetesInstanceStore
-
-        if not isinstance(self.store, KubernetesInstanceStore):
+        # a store of the Kubernetes backend exists only once its module is imported: a local
+        # agent does not import it (7 ms of its start) for this check
+        kubernetes = sys.modules.get("agent.core.store.kubernetes")
+        backend: type[KubernetesInstanceStore] | None = (
+            None if kubernetes is None else kubernetes.KubernetesInstanceStore
+        )
+        if backend is None or not isinstance(self.store, backend):
             self.extended_resource_path = "device-plugins"  # local mode: no API, no DRA
             return self.extended_resource_path
         from agent.node.dra.extended import decide_path

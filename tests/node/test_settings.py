@@ -151,3 +151,57 @@ def test_what_a_mode_needs_is_imported_before_the_loop_and_nothing_more() -> Non
     assert not any(m.startswith("agent.node.dra") for m in with_plugins)
     cluster = _imported_by(["--dra"])
     assert {"agent.core.kube", "agent.core.store.kubernetes", "agent.node.dra.driver"} <= cluster
+
+
+_STARTED_SCRIPT = """
+import argparse, asyncio, json, sys
+from agent.core.store.local import LocalInstanceStore
+from agent.node.app import Agent, import_what_settings_need
+from agent.node.settings import AGENT_OPTIONS, AgentSettings, add_options, resolve
+
+parser = argparse.ArgumentParser()
+add_options(parser, AGENT_OPTIONS)
+settings = AgentSettings.from_values(resolve(parser.parse_args(sys.argv[1:]), AGENT_OPTIONS, {}))
+import_what_settings_need(settings)
+
+async def main():
+    store = LocalInstanceStore(settings.state_dir, settings.config, poll_interval=1.0)
+    agent = Agent(settings, store, freeze_gc=False)
+    await agent.start()
+    try:
+        assert agent.plugins is not None and agent.extended_resource_path == "device-plugins"
+    finally:
+        await agent.stop()
+
+asyncio.run(main())
+print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "agent"))))
+"""
+
+
+def test_a_started_local_agent_with_device_plugins_imports_no_kubernetes_backend(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Deciding which path serves ``akri.sh/<name>`` limits (device plugins, in local mode)
+    once imported the Kubernetes store (7 ms of a local start) for an ``isinstance``."""
+    import json
+    import subprocess
+    import sys
+
+    base = tmp_path_factory.mktemp("started")
+    (base / "dp").mkdir()
+    argv = ["--local", "--node-name", "n1", "--state-dir", str(base / "state")]
+    argv += ["--device-plugin-dir", str(base / "dp"), "--health-port", "0"]
+    argv += ["--pod-resources-socket", str(base / "pr.sock")]
+    argv += ["--discovery-handlers-dir", str(base / "dh")]
+    done = subprocess.run(
+        [sys.executable, "-c", _STARTED_SCRIPT, *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = set(json.loads(done.stdout.splitlines()[-1]))
+    assert {"agent.node.deviceplugin.manager", "agent.core.store.local"} <= started
+    kubernetes = ("agent.core.store.kubernetes", "agent.core.kube")
+    assert not any(m.startswith(kubernetes) for m in started)
