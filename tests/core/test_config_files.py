@@ -231,3 +231,32 @@ def test_a_fixed_configuration_says_it_is_accepted_again(
         "default/one" in r.getMessage() and "valid again" in r.getMessage() for r in caplog.records
     )
     assert [c.capacity for c in files.current()] == [4]
+
+
+def test_concerns_answers_the_local_stores_own_file_names_without_a_stat(
+    tmp_path: Path, events: list[ConfigurationEvent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local store asks, for every entry its own writes touch (a journal line, the
+    counter's temp file and rename), whether Configuration files are concerned: two stats per
+    configured path each time, on the hot path of an Allocate (issue 27). The answer for a
+    name that is neither a configured file's nor YAML needs none."""
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    single = tmp_path / "one.conf"
+    write(single, "")
+    files = ConfigurationFiles([folder, single], events.append)
+    stats: list[Path] = []
+    real_is_dir = Path.is_dir
+
+    def counted(path: Path) -> bool:
+        stats.append(path)
+        return real_is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", counted)
+    for name in ("big-abcdef.json.journal", ".resourceVersion.tmp-1", "resourceVersion"):
+        assert not files.concerns(name)
+    assert stats == []
+    # what can matter still does (each answer stats the configured paths)
+    assert files.concerns("one.conf") and files.concerns("new.yaml")
+    assert not ConfigurationFiles([single], events.append).concerns("new.yaml")
+    assert stats

@@ -218,6 +218,10 @@ class ConfigurationFiles:
 
     def concerns(self, name: str) -> bool:
         """Whether a directory entry called ``name`` can change what :meth:`scan` reads."""
+        if not name.endswith((".yaml", ".yml")) and all(p.name != name for p in self._paths):
+            # neither a configured file's name nor YAML: no stat needed to say no (the local
+            # store's own writes, a journal line and the counter's rename, ask this per write)
+            return False
         files = {p.name for p in self._paths if not p.is_dir()}
         return name in files or (
             any(p.is_dir() for p in self._paths) and name.endswith((".yaml", ".yml"))
