@@ -17,23 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-DRIVER = "akri.sh"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
-
-
-def selected_nodes(spec: Mapping[str, Any]) -> set[str]:
-    """Node names a shared slice's ``nodeSelector`` lists (``kubernetes.io/hostname In`` or
-    ``metadata.name In``)."""
-    names: set[str] = set()
-    selector = spec.get("nodeSelector") or {}
-    for term in selector.get("nodeSelectorTerms") or []:
-        for requirement in term.get("matchFields") or []:
-            if requirement.get("key") == "metadata.name" and requirement.get("operator") == "In":
-                names.update(str(v) for v in requirement.get("values") or [])
-        for requirement in term.get("matchExpressions") or []:
-            if requirement.get("key") == HOSTNAME_LABEL and requirement.get("operator") == "In":
-                names.update(str(v) for v in requirement.get("values") or [])
-    return names
+from agent.core.model.resource_slices import DRIVER, selected_nodes
 
 
 def stale_shared_slices(

@@ -35,8 +35,8 @@ from typing import Any
 
 from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import DNS_SUBDOMAIN_MAX, configuration_resource_name
+from agent.core.model.resource_slices import DRIVER
 
-DRIVER = "akri.sh"
 API_VERSION = "resource.k8s.io/v1"
 RESOURCE_PREFIX = "akri.sh/"
 CONFIGURATION_SUFFIX = ".configuration.akri.sh"

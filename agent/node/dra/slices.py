@@ -57,8 +57,12 @@ from agent.core.model.device_usage import ClaimUsage, parse_usage
 from agent.core.model.instance import Instance
 from agent.core.model.naming import is_dns_label
 
-DRIVER = "akri.sh"
-HOSTNAME_LABEL = "kubernetes.io/hostname"
+# re-exported: the node's DRA modules (and tests) take them from here
+from agent.core.model.resource_slices import DRIVER as DRIVER
+from agent.core.model.resource_slices import HOSTNAME_LABEL as HOSTNAME_LABEL
+from agent.core.model.resource_slices import selected_nodes as selected_nodes
+from agent.core.model.resource_slices import shared_node_selector as shared_node_selector
+
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
 OFFLINE_TAINT = "akri.sh/offline"
@@ -243,44 +247,6 @@ class Pool:
                 spec["nodeSelector"] = shared_node_selector(self.nodes)
             specs.append(spec)
         return specs
-
-
-def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:
-    """The ``nodeSelector`` of a shared pool: the nodes that see the device.
-
-    The API server allows a ResourceSlice exactly one node-selector term, and a ``matchFields``
-    requirement on ``metadata.name`` exactly one value (``ValidateResourceSliceSpec``,
-    ``validateNodeFieldSelectorRequirement``): neither a list of node names in one field
-    requirement nor one term per node is accepted (both are 422). A label requirement may list
-    many values, so the pool selects on the ``kubernetes.io/hostname`` label, which kubelet
-    sets to the node name unless ``--hostname-override`` makes them differ (the agent warns at
-    start when its own Node's label does not match, docs/dra.md)."""
-    return {
-        "nodeSelectorTerms": [
-            {
-                "matchExpressions": [
-                    {"key": HOSTNAME_LABEL, "operator": "In", "values": sorted(set(nodes))}
-                ]
-            }
-        ]
-    }
-
-
-def selected_nodes(spec: Mapping[str, Any]) -> set[str]:
-    """Node names a shared slice's ``nodeSelector`` lists: the ``kubernetes.io/hostname In``
-    values this agent writes, and ``metadata.name In`` values (slices written by agents before
-    the selector changed form; any number of terms), so a pool is read back and adopted
-    whichever form it is stored in."""
-    names: set[str] = set()
-    selector = spec.get("nodeSelector") or {}
-    for term in selector.get("nodeSelectorTerms") or []:
-        for requirement in term.get("matchFields") or []:
-            if requirement.get("key") == "metadata.name" and requirement.get("operator") == "In":
-                names.update(str(v) for v in requirement.get("values") or [])
-        for requirement in term.get("matchExpressions") or []:
-            if requirement.get("key") == HOSTNAME_LABEL and requirement.get("operator") == "In":
-                names.update(str(v) for v in requirement.get("values") or [])
-    return names
 
 
 DevicesOf = Callable[[Instance, SlotState], Sequence[dict[str, Any]]]
