@@ -7,25 +7,25 @@ default. Akri's own variable names are honoured as fallbacks where Akri has one
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agent.node.discovery.budget import DEFAULT_MAX_INSTANCES
+from agent.ops.flags import MIN_INTERVAL as MIN_INTERVAL
+from agent.ops.flags import Option as Option
+from agent.ops.flags import SettingsError as SettingsError
+from agent.ops.flags import ValueProblem as ValueProblem
+from agent.ops.flags import add_options as add_options
+from agent.ops.flags import parse_bool as parse_bool
+from agent.ops.flags import parse_interval as parse_interval
+from agent.ops.flags import parse_port as parse_port
+from agent.ops.flags import parse_seconds as parse_seconds
+from agent.ops.flags import resolve as resolve
 
-TRUE = {"1", "true", "yes", "on"}
-FALSE = {"0", "false", "no", "off", ""}
-
-
-class SettingsError(ValueError):
-    """A flag or environment variable has an unusable value."""
-
-
-MIN_INTERVAL = 0.05  # seconds: a shorter poll or pass interval only burns CPU
 # The agent runs with the node's network (hostNetwork), so its port is the node's. Not 8080
 # (Akri's metrics port, and the default of many web servers and proxies that may run on a
 # node), not 8081 (controller-runtime's health probes), not 9100-9999 (the Prometheus
@@ -59,62 +59,6 @@ def _where(name: str) -> str:
     return f"{SYSTEM_PATHS[name]} in cluster mode, {local} in local mode"
 
 
-class ValueProblem(argparse.ArgumentTypeError, ValueError):
-    """A flag or variable value that is not allowed; the message says what is."""
-
-
-def parse_bool(text: str) -> bool:
-    """Parse a boolean environment value."""
-    value = text.strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise ValueProblem(f"must be true or false, got {text[:40]!r}")
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueProblem(f"must be a number of seconds, got {text[:40]!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueProblem(f"must be a finite number of seconds, got {text[:40]!r}")
-    return value
-
-
-def parse_seconds(text: str) -> float:
-    """Parse a non-negative number of seconds."""
-    value = _number(text)
-    if value < 0:
-        raise ValueProblem(f"must be ≥ 0, got {text[:40]}")
-    return value
-
-
-def parse_interval(text: str) -> float:
-    """Parse an interval in seconds, at least :data:`MIN_INTERVAL`."""
-    value = _number(text)
-    if value < MIN_INTERVAL:
-        raise ValueProblem(f"must be ≥ {MIN_INTERVAL} seconds, got {text[:40]}")
-    return value
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting: flag, env var (+ Akri fallbacks), parser and default."""
-
-    flag: str
-    env: str
-    parse: Callable[[str], Any]
-    default: Any
-    help: str
-    fallbacks: tuple[str, ...] = ()
-
-    @property
-    def dest(self) -> str:
-        return self.flag.lstrip("-").replace("-", "_")
-
-
 def _networks(text: str) -> tuple[Any, ...]:
     from agent.node.external.endpoints import parse_networks
 
@@ -122,16 +66,6 @@ def _networks(text: str) -> tuple[Any, ...]:
         return parse_networks(text)
     except ValueError as error:
         raise ValueProblem(str(error)) from None
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueProblem(f"must be a port number, got {text[:40]!r}") from None
-    if not 0 <= value < 65536:
-        raise ValueProblem(f"must be 0 (off) to 65535, got {value}")
-    return value
 
 
 def _paths(text: str) -> list[Path]:
@@ -170,6 +104,7 @@ AGENT_OPTIONS = (
         [],
         "local mode: Configuration YAML file or directory (repeatable; env: "
         f"'{os.pathsep}'-separated)",
+        repeat=True,
     ),
     Option(
         "--node-name",
@@ -360,7 +295,7 @@ AGENT_OPTIONS = (
     Option(
         "--health-port",
         "AKRI_HEALTH_PORT",
-        _port,
+        parse_port,
         None,
         f"serve /healthz, /readyz and /metrics on this port (default: {CLUSTER_HEALTH_PORT} in "
         "cluster mode, off in local mode; 0: off)",
@@ -397,55 +332,6 @@ AGENT_OPTIONS = (
         "DaemonSet's 384Mi memory limit, also after kubelet restarts (docs/performance.md)",
     ),
 )
-
-
-def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
-    """Add ``options`` to ``parser`` with defaults left unset (resolved by :func:`resolve`)."""
-    for option in options:
-        help_text = f"{option.help} [env {option.env}]"
-        if option.parse is parse_bool:
-            parser.add_argument(
-                option.flag,
-                dest=option.dest,
-                default=None,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
-        elif option.flag == "--config":
-            parser.add_argument(
-                option.flag,
-                dest=option.dest,
-                default=None,
-                action="append",
-                type=Path,
-                metavar="PATH",
-                help=help_text,
-            )
-        else:
-            parser.add_argument(
-                option.flag, dest=option.dest, default=None, type=option.parse, help=help_text
-            )
-
-
-def resolve(
-    args: argparse.Namespace, options: tuple[Option, ...], environ: Mapping[str, str]
-) -> dict[str, Any]:
-    """Flag, else environment, else default, for every option."""
-    values: dict[str, Any] = {}
-    for option in options:
-        value = getattr(args, option.dest, None)
-        if value is None:
-            for name in (option.env, *option.fallbacks):
-                if name in environ:
-                    try:
-                        value = option.parse(environ[name])
-                    except (ValueError, TypeError) as error:
-                        raise SettingsError(
-                            f"environment variable {name} ({option.flag}): {error}"
-                        ) from error
-                    break
-        values[option.dest] = option.default if value is None else value
-    return values
 
 
 @dataclass(frozen=True)
