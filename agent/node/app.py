@@ -406,7 +406,7 @@ class Agent:
             reason = os.strerror(error.errno) if error.errno else str(error)
             if not self.settings.local:
                 # in a pod the probes use this port: running without it would have kubelet
-                # restart the agent forever; exiting names the cause (exit 5, README)
+                # restart the agent forever; exiting names the cause (exit 5, docs/commands.md)
                 raise OSError(
                     error.errno,
                     f"{reason} (another process on this node holds the port? with "

@@ -131,8 +131,8 @@ def test_unknown_discovery_details_fields_are_ignored_with_a_warning() -> None:
 # -- the process: SIGTERM, directories, akri status -------------------------------------------
 
 
-# the promise (README "Exit codes"): the agent stops within 2 s at any point; its own stop
-# deadline is STOP_DEADLINE (1.5 s), the rest is the interpreter's exit
+# the promise (docs/commands.md, "Exit codes"): the agent stops within 2 s at any point; its
+# own stop deadline is STOP_DEADLINE (1.5 s), the rest is the interpreter's exit
 STOPPED_WITHIN = 2.0
 assert STOP_DEADLINE < STOPPED_WITHIN
 
