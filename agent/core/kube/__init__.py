@@ -12,10 +12,17 @@ generated client cost about 58 MB of RSS plus pydantic validation on every call.
 """
 
 from agent.core.kube.client import KubeClient, make_kube_client, resource_path
-from agent.core.kube.errors import ApiError, ConfigError, ResponseTooLargeError, TransportError
+from agent.core.kube.errors import (
+    ApiError,
+    Cause,
+    ConfigError,
+    ResponseTooLargeError,
+    TransportError,
+)
 
 __all__ = [
     "ApiError",
+    "Cause",
     "ConfigError",
     "KubeClient",
     "ResponseTooLargeError",

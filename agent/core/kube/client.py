@@ -190,7 +190,8 @@ class KubeClient:
             raise TransportError(f"{method} {target}: no answer within {limit:g}s") from error
         if response.status >= 400:
             telemetry.API_ERRORS[str(response.status)] += 1
-            raise ApiError.from_response(response.status, response.reason, data)
+            refused = ApiError.from_response(response.status, response.reason, data)
+            raise _refusal(method, target, refused)
         return _json_object(data, method, target)
 
     async def list_all(
@@ -277,7 +278,8 @@ class KubeClient:
                         break
                     wait = retry_wait("GET", response, data, waits, head_deadline - loop.time())
                     if wait is None:
-                        raise ApiError.from_response(response.status, response.reason, data)
+                        refused = ApiError.from_response(response.status, response.reason, data)
+                        raise _refusal("GET", target, refused)
                     waits += 1
                     self._throttled("GET", target, response.status, wait)
                     await asyncio.sleep(wait)
@@ -515,6 +517,17 @@ def retry_wait(
         wait = ApiError.from_response(status, response.reason, body).retry_after
     wait = min(MAX_RETRY_AFTER, wait if wait is not None and wait > 0 else 1.0)
     return wait if wait < remaining else None
+
+
+def _refusal(method: str, target: str, error: ApiError) -> ApiError:
+    """``error``, logged: a 4xx that names refused fields (``details.causes``: a 422, never
+    routine) at INFO, any other answer >= 400 at DEBUG. Callers log again with their context;
+    ``str(error)`` names the causes too."""
+    if 400 <= error.status < 500 and error.causes:
+        log.info("%s %s: %s", method, target, error)
+    else:
+        log.debug("%s %s: %s", method, target, error)
+    return error
 
 
 def _line_too_long(target: str) -> TransportError:

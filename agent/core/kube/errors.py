@@ -3,24 +3,48 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import Any
+
+CAUSE_MESSAGE_LIMIT = 300  # characters of one cause's message in str(error)
+MESSAGE_LIMIT = 300  # characters of a message without causes in str(error)
 
 
 class ConfigError(Exception):
     """Connection settings are missing or malformed (names the file and the field)."""
 
 
+@dataclass(frozen=True)
+class Cause:
+    """One entry of a Status's ``details.causes``: which field the server refused and why
+    (``field`` ``status.devices``, ``reason`` ``FieldValueForbidden``, ``message``
+    ``Forbidden: ...``)."""
+
+    field: str
+    message: str
+    reason: str = ""
+
+    def __str__(self) -> str:
+        message = _shortened(self.message, CAUSE_MESSAGE_LIMIT)
+        return f"{self.field}: {message}" if self.field else message
+
+
 class ApiError(Exception):
     """The API server answered with an HTTP error status.
 
     ``status`` is the HTTP status (0 for :class:`TransportError`), ``reason`` the Status
-    object's ``reason`` (``AlreadyExists``, ``Conflict``, ...) or the HTTP reason phrase, and
-    ``body`` the response body as text (usually a JSON ``Status``).
+    object's ``reason`` (``AlreadyExists``, ``Conflict``, ...) or the HTTP reason phrase,
+    ``body`` the response body as text (usually a JSON ``Status``), and ``causes`` the
+    Status's ``details.causes`` (a 422 names each refused field there). ``str(error)``
+    names every cause, each shortened on its own: the Status ``message`` repeats them, but
+    a long ``Invalid value`` can push the field that matters out of a shortened message.
     """
 
     def __init__(self, status: int, reason: str, body: str = "") -> None:
         self.status = status
         self.reason = reason
         self.body = body
+        self.causes = _causes(body)
         super().__init__(self._describe())
 
     @classmethod
@@ -55,7 +79,13 @@ class ApiError(Exception):
         except ValueError:
             pass
         head = f"HTTP {self.status} {self.reason}" if self.status else self.reason
-        return f"{head}: {message[:300]}" if message else head
+        if self.causes:
+            # "<Kind>.<group> "<name>" is invalid: <the causes, joined>": keep the part
+            # before the causes, then each cause shortened on its own
+            subject, sep, _rest = message.partition(" is invalid: ")
+            subject = _shortened(subject + " is invalid" if sep else message, MESSAGE_LIMIT)
+            return f"{head}: {subject}: " + "; ".join(str(c) for c in self.causes)
+        return f"{head}: {message[:MESSAGE_LIMIT]}" if message else head
 
 
 class TransportError(ApiError):
@@ -75,3 +105,24 @@ class ResponseTooLargeError(ApiError):
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(status, "ResponseTooLarge", message)
+
+
+def _causes(body: str) -> tuple[Cause, ...]:
+    """``details.causes`` of a Status body (none when the body is not one)."""
+    try:
+        parsed: Any = json.loads(body) if body else None
+    except ValueError:
+        return ()
+    details = parsed.get("details") if isinstance(parsed, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    if not isinstance(causes, list):
+        return ()
+    return tuple(
+        Cause(str(c.get("field") or ""), str(c.get("message") or ""), str(c.get("reason") or ""))
+        for c in causes
+        if isinstance(c, dict) and (c.get("field") or c.get("message"))
+    )
+
+
+def _shortened(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -228,11 +228,10 @@ class ClaimStatusWriter:
                     return
                 self.refused += 1
                 log.warning(
-                    "ResourceClaim %s/%s: status.devices not written (HTTP %d %s); the claim "
-                    "is prepared, only its status lacks the device details",
+                    "ResourceClaim %s/%s: status.devices not written (%s); the claim is "
+                    "prepared, only its status lacks the device details",
                     claim.namespace,
                     claim.name,
-                    error.status,
-                    error.reason,
+                    error,
                 )
                 return
