@@ -450,6 +450,11 @@ class Reconciler:
                 # nothing to write would otherwise hold the loop for its whole 0.1-0.2 s
                 await asyncio.sleep(0)
             ident = (instance.namespace, instance.name)
+            if instance.deletion_timestamp is not None:
+                # terminating: its akri.sh/slots finalizer waits for the slots its brokers
+                # hold, and owner GC deletes them only once the Instance is gone — they go
+                # now, Configuration or not (issue 33.3), with the Instances that are gone
+                continue
             seen.add(ident)
             configuration = configurations.get(instance.configuration_key)
             if configuration is None:
@@ -472,6 +477,7 @@ class Reconciler:
             elif job_plan.waiting:
                 waiting[configuration.key] += 1
         # brokers of Instances that are gone (Akri deletes them; owner GC would too, later)
+        # or terminating (nobody else would: see above)
         for (namespace, instance_name), objs in pods.items():
             if (namespace, instance_name) in seen:
                 continue

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from agent.core.model.naming import SLOTS_FINALIZER
 from tests.controller.conftest import (
     add_node,
     broker_pod_spec,
@@ -350,3 +351,44 @@ async def test_a_pass_over_many_instances_lets_the_event_loop_turn(
         running = False
         await task
     assert during >= 3
+
+
+async def test_brokers_of_a_terminating_instance_go_with_or_without_its_configuration(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 33.3: the README's uninstall deletes the Configurations; the garbage collector
+    then deletes their Instances, which stay terminating on ``akri.sh/slots`` while their
+    brokers hold slots — and owner GC removes the brokers only once the Instance is gone. The
+    controller removes them (Pods, Jobs, and with them their Services)."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    ports = {"ports": [{"port": 80}]}
+    api.create(configuration(pod_spec=broker_pod_spec(), instance_service=ports))
+    job_spec = {"template": {"spec": {"restartPolicy": "Never", **broker_pod_spec()}}}
+    api.create(configuration("jobs", job_spec=job_spec))
+    finalizers = [SLOTS_FINALIZER]
+    instance(api, "cams-8120fe", ["node-a", "node-b"], finalizers=finalizers)
+    instance(api, "jobs-a19705", ["node-a"], configuration_name="jobs", finalizers=finalizers)
+    instance(api, "cams-c0ffee", ["node-a"], shared=False, finalizers=finalizers)
+    async with running_controller(api, tmp_path):
+        pods = await eventually(lambda: len(broker_pods(api)) == 3 and broker_pods(api), "pods")
+        for pod in pods:
+            set_phase(api, pod["metadata"]["name"], "Running")
+        await eventually(lambda: api.get("jobs.batch", "jobs-a19705-1-job"), "broker job")
+        await eventually(lambda: len(api.list("services")) == 2, "instance services")
+        # one Instance deleted while its Configuration stays: its broker goes, the others stay
+        api.delete("instances.akri.sh", "cams-c0ffee")
+        await eventually(lambda: not broker_pods(api, "cams-c0ffee"), "its broker removed")
+        await eventually(lambda: len(api.list("services")) == 1, "its Service removed")
+        assert len(broker_pods(api, "cams-8120fe")) == 2
+        # the uninstall: Configurations deleted, their Instances terminating (finalizer)
+        api.delete("configurations.akri.sh", "cams")
+        api.delete("configurations.akri.sh", "jobs")
+        for name in ("cams-8120fe", "jobs-a19705"):
+            stored = api.get("instances.akri.sh", name)
+            assert stored is not None and stored["metadata"]["deletionTimestamp"]
+        await eventually(lambda: broker_pods(api) == [], "every broker pod removed")
+        await eventually(lambda: api.list("jobs.batch") == [], "the broker job removed")
+        await eventually(lambda: api.list("services") == [], "every Service removed")
+    # the Instances wait on their slots' holders (the agents free them: tests/deploy)
+    assert api.get("instances.akri.sh", "cams-8120fe") is not None
