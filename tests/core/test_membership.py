@@ -141,13 +141,19 @@ async def test_local_nodes_join_and_leave_without_conflicts(tmp_path: Path) -> N
 
 
 async def test_a_recreated_instance_is_not_joined_by_membership(
-    api: ApiServerDouble, tmp_path: Path
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The membership write names the Instance the decision was made on (its uid): one
-    deleted and re-created meanwhile refuses it (409), and the join is decided again."""
+    deleted and re-created meanwhile refuses it — a real API server answers 422 "field is
+    immutable" (kubernetes/kubernetes#127625), as the double does — and the join is decided
+    again on a fresh read; applies stay on (issue 34.6: they were switched off for good,
+    with an RBAC hint)."""
+    import logging
+
     kubeconfig = api.write_kubeconfig(tmp_path / "kc")
     store = KubernetesInstanceStore(make_kube_client(str(kubeconfig)), KubernetesSettings("n1"))
     await store.start()
+    caplog.set_level(logging.WARNING, logger="agent.core.store.kubernetes")
     try:
         first = await store.create(
             Instance(
@@ -165,9 +171,23 @@ async def test_a_recreated_instance_is_not_joined_by_membership(
         )
         from agent.core.store.base import ConflictError
 
+        api.clear_requests()
         with pytest.raises(ConflictError):
             await store.apply_membership(KEY, "n1", True, uid=first.uid)
         assert api.get("instances.akri.sh", KEY.name, "default")["spec"]["nodes"] == ["n2"]
+        assert [r.status for r in api.requests_for(verb="patch", resource="instances")] == [422]
+        # re-read: the cache holds the new Instance, and the next apply is sent (on it)
+        fresh = store.get_cached(KEY)
+        assert fresh is not None and fresh.uid != first.uid
+        joined_now = await store.apply_membership(KEY, "n1", True, uid=fresh.uid)
+        assert joined_now is not None and sorted(joined_now.nodes) == ["n1", "n2"]
+        assert not [r for r in caplog.records if "refused a server-side apply" in r.message]
+        # the Instance gone altogether: 409 "uid mismatch" (an apply naming a uid creates
+        # nothing), and the re-read drops it from the cache
+        api.delete("instances.akri.sh", KEY.name, "default")
+        with pytest.raises(ConflictError):
+            await store.apply_membership(KEY, "n1", False, uid=fresh.uid)
+        assert store.get_cached(KEY) is None
     finally:
         await store.close()
 

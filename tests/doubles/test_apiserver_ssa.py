@@ -5,6 +5,7 @@ ownership (``metadata.managedFields``) for ``x-kubernetes-list-type: set``: the 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -146,12 +147,24 @@ async def test_a_plain_write_takes_ownership_of_what_it_adds_and_drops_what_it_r
 
 async def test_preconditions_and_a_missing_object(api: ApiServerDouble, client: KubeClient) -> None:
     first = await created(client, ["a"])
+    stale = "not-" + first["metadata"]["uid"]
+    # an apply (any patch) has no uid precondition on a real server: the stale uid is a change
+    # of an immutable field, 422 (kubernetes/kubernetes#127625), not 409
     with pytest.raises(ApiError) as refused:
-        await client.apply(
-            PATH, membership("b", uid="not-" + first["metadata"]["uid"]), field_manager="m/b"
-        )
-    assert refused.value.status == 409 and "Precondition failed: UID" in str(refused.value)
+        await client.apply(PATH, membership("b", uid=stale), field_manager="m/b")
+    assert refused.value.status == 422
+    assert f'metadata.uid: Invalid value: "{stale}": field is immutable' in str(refused.value)
+    causes = json.loads(refused.value.body)["details"]["causes"]
+    assert [c["field"] for c in causes] == ["metadata.uid"]
+    # a PUT carrying the uid: a storage precondition, 409
+    with pytest.raises(ApiError) as conflict:
+        await client.replace(PATH, {**first, "metadata": {**first["metadata"], "uid": stale}})
+    assert conflict.value.status == 409 and "Precondition failed: UID" in str(conflict.value)
     api.delete(INSTANCES, "cam", "default")
+    # an apply naming a uid never creates: 409 "uid mismatch" when the object is missing
+    with pytest.raises(ApiError) as missing:
+        await client.apply(PATH, membership("b", uid=first["metadata"]["uid"]), field_manager="m/b")
+    assert missing.value.status == 409 and "no existing object was found" in str(missing.value)
     # an apply creates a missing object; one with only spec.nodes is invalid (no
     # configurationName), as on a real server
     with pytest.raises(ApiError) as invalid:

@@ -416,7 +416,9 @@ class KubernetesInstanceStore(InstanceStore):
         only if no other manager owns it too. An apply refused for good (403: RBAC without
         ``patch``, as deployed before it was granted; 405/415; 422 from an admission check)
         turns them off for this process, with one warning: None, the caller writes the
-        membership with a checked write as before."""
+        membership with a checked write as before. An apply refused because the Instance was
+        deleted (and maybe re-created) meanwhile raises :class:`ConflictError` (re-read; the
+        caller decides again) or :class:`NotFoundError`, and leaves applies on."""
         if self._membership_refused is not None:
             return None
         metadata: dict[str, Any] = {"name": key.name, "namespace": key.namespace}
@@ -440,9 +442,16 @@ class KubernetesInstanceStore(InstanceStore):
             translated = _translate(error, f"instance {key}")
             status = _status_of(error)
             if status == 422:
-                # an apply creates a missing object, and one with only spec.nodes is invalid
-                # (spec.configurationName is required): tell "gone" from a real refusal
-                await self.get(key)  # raises NotFoundError when gone
+                # re-read to tell a real refusal from two answers that only say the Instance
+                # is not the one decided on: gone (an apply creates a missing object, and one
+                # with only spec.nodes is invalid: spec.configurationName is required), or
+                # re-created (a real API server refuses the stale uid as a change of an
+                # immutable field, 422, not 409: kubernetes/kubernetes#127625)
+                live = await self.get(key)  # raises NotFoundError when gone
+                if uid and live.uid != uid:
+                    raise ConflictError(
+                        f"instance {key} was re-created (uid {live.uid}, not {uid})"
+                    ) from error
             if status in (403, 405, 415, 422):
                 self._membership_refused = f"HTTP {status}"
                 log.warning(

@@ -531,6 +531,15 @@ class Store:
                 if current is None:
                     if subresource:
                         raise errors.not_found(rt.gr, name)
+                    uid = (patch.get("metadata") or {}).get("uid")
+                    if uid:
+                        # upstream patcher.applyPatch: an apply naming a uid creates nothing
+                        raise errors.conflict(
+                            rt.gr,
+                            name,
+                            f"uid mismatch: the provided object specified uid {uid}, and no "
+                            "existing object was found",
+                        )
                     body = managed_fields.apply(
                         None,
                         patch,
@@ -593,6 +602,7 @@ class Store:
                     field_validation,
                     field_manager=field_manager,
                     applied=patch_type == APPLY_PATCH,
+                    patched=True,
                 ),
                 False,
             )
@@ -610,6 +620,7 @@ class Store:
         *,
         field_manager: str | None = None,
         applied: bool = False,
+        patched: bool = False,
     ) -> JSON:
         name = key[1]
         cur_meta = current["metadata"]
@@ -618,7 +629,25 @@ class Store:
         if rv not in (None, "") and str(rv) != cur_meta["resourceVersion"]:
             raise errors.stale(rt.gr, name)
         uid = cand_meta.get("uid")
+        if uid and uid != cur_meta["uid"] and patched:
+            # a patch (server-side apply included) has no uid precondition upstream
+            # (rest.DefaultUpdatedObjectInfo(nil, ...)): the patched object's uid differs
+            # from the stored one and ValidateObjectMetaUpdate refuses it (422, not 409;
+            # kubernetes/kubernetes#127625)
+            raise errors.invalid(
+                rt.gr,
+                rt.kind,
+                name,
+                [
+                    (
+                        "FieldValueInvalid",
+                        "metadata.uid",
+                        f'Invalid value: "{uid}": field is immutable',
+                    )
+                ],
+            )
         if uid and uid != cur_meta["uid"]:
+            # a PUT: the body's uid is a storage precondition (DefaultUpdatedObjectInfo(obj))
             raise errors.precondition_failed(
                 rt.gr,
                 self._storage_key(rt, key),
