@@ -2,7 +2,8 @@
 
 One pass (:meth:`Reconciler.reconcile_once`) looks at everything in the caches:
 
-1. **dead nodes** (:mod:`agent.controller.nodes`): each Instance that lists a dead node, or
+1. **dead nodes** (:mod:`agent.controller.nodes`; a deleted Node's pods are listed until
+   none that may hold a slot is left): each Instance that lists a dead node, or
    holds a slot of it, is rewritten by :func:`~agent.core.ledger.decisions.decide_evict_node`
    through resourceVersion-checked writes (the decision is re-made on every re-read, and
    dropped if the node turned Ready meanwhile); an Instance left without a node is deleted
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.controller import brokers, services, slices
-from agent.controller.nodes import NodeWatch
+from agent.controller.nodes import NodeWatch, may_hold_slots
 from agent.controller.watched import Watched, broker_summary
 from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
@@ -49,6 +50,7 @@ log = logging.getLogger("agent.controller")
 COALESCE = 0.02  # seconds: a burst of watch events makes one pass
 YIELD_EVERY = 100  # Instances planned between two turns of the event loop
 EVICT = "evict"  # the akri_slot_writes_total operation of the dead-node writes
+GONE_NODE_RECHECK = 2.0  # seconds between two looks at a gone node's remaining pods
 OBSERVED_MEMO = 50_000  # broker Pods/Jobs versions remembered (about 2.5 per cached Pod)
 
 
@@ -141,6 +143,7 @@ class Reconciler:
         self._wall = wall
         self.stats = ControllerStats()
         self.nodes = NodeWatch(grace=settings.node_grace)
+        self._waiting_for_pods: set[str] = set()  # gone nodes whose pods were reported
         self.wake = asyncio.Event()
         ns = settings.namespace
         self.node_cache = Watched(client, "nodes", resource_path("", "v1", "nodes"), self._on_node)
@@ -298,6 +301,7 @@ class Reconciler:
                 holder = holder_node(parse_usage(value)) if value else None
                 if holder is not None:
                     listed.add(holder)
+        await self._count_gone_nodes_pods(listed, deadlines)
         now = self._monotonic()
         dead = sorted(self.nodes.dead_among(listed, now))
         upcoming = self.nodes.next_deadline(listed, now)
@@ -305,6 +309,47 @@ class Reconciler:
             deadlines.append(upcoming)
         for node in dead:
             await self.clean_node(node)
+
+    async def _count_gone_nodes_pods(self, listed: set[str], deadlines: list[float]) -> None:
+        """For each gone node an Instance names: how many of its pods may still hold slots
+        (issue 34.7: after ``kubectl delete node`` the pod garbage collector deletes them
+        only ~40 s later, and their containers may still use a shared device). Listed again
+        every ``GONE_NODE_RECHECK`` until none is left; its slots wait (nodes.py)."""
+        self.nodes.forget_gone(listed)
+        self._waiting_for_pods &= listed
+        now = self._monotonic()
+        for node in sorted(name for name in listed if self.nodes.is_gone(name)):
+            self.nodes.note_gone(node, now)
+            if self.nodes.pods_left.get(node) == 0:
+                continue  # none left when last listed (a gone node gets no new pod)
+            holding = await self._pods_holding_slots(node)
+            self.nodes.set_pods(node, holding)
+            if holding == 0:
+                continue
+            deadlines.append(self._monotonic() + GONE_NODE_RECHECK)
+            if holding is not None and node not in self._waiting_for_pods:
+                self._waiting_for_pods.add(node)
+                log.warning(
+                    "node %s is gone but %d of its pods that may use akri.sh devices still "
+                    "exist: its slots are kept until they are deleted (the pod garbage "
+                    "collector does ~40 s after the Node), at most %gs (--node-grace)",
+                    node,
+                    holding,
+                    self.settings.node_grace,
+                )
+
+    async def _pods_holding_slots(self, node: str) -> int | None:
+        """How many pods bound to ``node`` may hold slots (None: the API could not say)."""
+        path = resource_path("", "v1", "pods")
+        params = {"fieldSelector": f"spec.nodeName={node}"}
+        try:
+            pods, _version = await self.client.list_all(
+                path, params=params, request_timeout=self.settings.request_timeout
+            )
+        except (ApiError, TransportError) as error:
+            log.warning("cannot list the pods of gone node %s (%s): its slots wait", node, error)
+            return None
+        return sum(1 for pod in pods if may_hold_slots(pod))
 
     async def clean_node(self, node: str) -> None:
         """Free everything ``node`` holds and take it out of every Instance.
@@ -342,8 +387,13 @@ class Reconciler:
         log.warning(
             "node %s is %s: removed from %d Instance(s), %d slot(s) freed",
             node,
-            "gone" if node not in self.nodes.ready else
-            f"not Ready for over {self.settings.node_grace:g}s",
+            (
+                f"not Ready for over {self.settings.node_grace:g}s"
+                if not self.nodes.is_gone(node)
+                else "gone, none of its pods left"
+                if self.nodes.pods_left.get(node) == 0
+                else f"gone for over {self.settings.node_grace:g}s"
+            ),
             touched,
             freed,
         )  # fmt: skip

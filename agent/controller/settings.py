@@ -63,7 +63,8 @@ CONTROLLER_FLAGS = (
     Option("--retry-period", "AKRI_RETRY_PERIOD", parse_interval, RETRY_PERIOD,
          "seconds between Lease renewals / attempts"),
     Option("--node-grace", "AKRI_NODE_GRACE", parse_seconds, NODE_GRACE,
-         "seconds a NotReady node keeps its slots and its place in Instances"),
+         "seconds a NotReady node keeps its slots and its place in Instances (a deleted "
+         "node: while its pods that use devices remain, at most this long)"),
     Option("--pending-broker-grace", "AKRI_PENDING_BROKER_GRACE", parse_seconds, PENDING_GRACE,
          "seconds a broker Pod may stay Pending before it is replaced (Akri: 300)"),
     Option("--failed-broker-grace", "AKRI_FAILED_BROKER_GRACE", parse_seconds, FAILED_GRACE,

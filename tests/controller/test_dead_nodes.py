@@ -271,3 +271,80 @@ async def test_the_reconcile_loop_stops_when_cancelled_as_it_is_woken(
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(task, 10)
+
+
+def _pod(name: str, node: str, resources: dict[str, str], namespace: str = "apps") -> Any:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "app", "image": "app:1", "resources": {"limits": resources}}],
+        },
+    }
+
+
+async def test_a_deleted_node_keeps_its_slots_while_its_pods_that_use_them_exist(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 34.7: ``kubectl delete node`` on a machine that still runs: the pod garbage
+    collector deletes the node's pods only ~40 s later, and until then their containers may
+    use the shared device — its slot must not be granted to another node meanwhile."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    api.create(_pod("camera-app", "node-a", {"akri.sh/cams-8120fe": "1"}))
+    api.create(_pod("other", "node-a", {"cpu": "1"}))  # uses no device: does not count
+    api.create(_pod("on-b", "node-b", {"akri.sh/cams": "1"}))  # another node's
+    before = _stored(api)
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=300) as reconciler:
+        api.delete("nodes", "node-a")
+        await _sees(reconciler, "node-a", None)
+        next_at = await reconciler.reconcile_once()
+        assert _stored(api) == before  # camera-app still exists: nothing freed
+        assert next_at is not None and next_at - clock.now <= 2.0  # looked at again soon
+        clock.advance(30)
+        await reconciler.reconcile_once()
+        assert _stored(api) == before
+        # the pod garbage collector deletes node-a's pods: its slots are freed at once
+        api.delete("pods", "camera-app", "apps")
+        api.delete("pods", "other", "apps")
+        await reconciler.reconcile_once()
+        stored = _stored(api)
+        assert stored is not None and stored["spec"]["nodes"] == ["node-b"]
+        assert stored["spec"]["deviceUsage"] == {
+            "cams-8120fe-0": "",
+            "cams-8120fe-1": "C:cams-0:node-b",
+            "cams-8120fe-2": "",
+            "cams-8120fe-3": "node-b",
+        }
+        assert reconciler.stats.slots_freed == 2
+
+
+async def test_a_deleted_nodes_pods_that_never_go_keep_its_slots_for_the_grace_only(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=4))
+    instance(api, "cams-8120fe", ["node-a", "node-b"], capacity=4, usage=USAGE)
+    claim_pod = _pod("dra-app", "node-a", {})
+    claim_pod["spec"]["resourceClaims"] = [{"name": "cam", "resourceClaimName": "claim-1"}]
+    api.create(claim_pod)
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=300) as reconciler:
+        api.delete("nodes", "node-a")
+        await _sees(reconciler, "node-a", None)
+        clock.advance(299)
+        await reconciler.reconcile_once()
+        assert (_stored(api) or {})["spec"]["nodes"] == ["node-a", "node-b"]
+        api.fail(500, verb="list", resource="pods", times=1)  # a failed look changes nothing
+        clock.advance(0.5)
+        await reconciler.reconcile_once()
+        assert (_stored(api) or {})["spec"]["nodes"] == ["node-a", "node-b"]
+        clock.advance(0.5)  # gone for the whole grace: freed though dra-app still exists
+        await reconciler.reconcile_once()
+        assert (_stored(api) or {})["spec"]["nodes"] == ["node-b"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agent.controller import brokers, services, slices
-from agent.controller.nodes import NodeWatch
+from agent.controller.nodes import NodeWatch, may_hold_slots
 from agent.core.ledger.decisions import decide_evict_node
 from agent.core.model.configuration import parse_configuration
 from agent.core.model.instance import Instance
@@ -131,16 +131,58 @@ def test_a_node_is_dead_after_the_whole_grace_not_ready_and_flapping_resets_it()
     watch.observe("node-a", _node(False), 395)
     assert not watch.is_dead("node-a", 600)
     assert watch.is_dead("node-a", 695)
-    assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a", "node-b"}  # b: no Node
+    assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a"}  # b: no Node, pods?
+    watch.set_pods("node-b", 0)  # none of node-b's pods holds a slot
+    assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a", "node-b"}
 
 
-def test_a_deleted_node_is_dead_at_once_and_a_conditionless_one_counts_not_ready() -> None:
+def test_a_deleted_node_is_dead_once_its_pods_are_gone_and_a_conditionless_one_not_ready() -> None:
     watch = NodeWatch(grace=300)
     watch.observe("node-a", _node(True), 0)
     watch.observe("node-a", None, 5)
-    assert watch.is_dead("node-a", 5)
+    assert not watch.is_dead("node-a", 5)  # its pods not counted yet (issue 34.7)
+    watch.set_pods("node-a", 2)
+    assert not watch.is_dead("node-a", 304)
+    assert watch.next_deadline(["node-a"], 10) == 305
+    watch.set_pods("node-a", None)  # the list failed: unknown again
+    assert not watch.is_dead("node-a", 6)
+    watch.set_pods("node-a", 0)
+    assert watch.is_dead("node-a", 6)
     watch.observe("node-b", {"status": {}}, 10)
     assert not watch.is_ready("node-b") and not watch.is_dead("node-b", 309)
+
+
+def test_a_gone_node_whose_pods_stay_is_dead_after_the_grace_and_a_new_node_starts_over() -> None:
+    watch = NodeWatch(grace=300)
+    watch.note_gone("node-c", 50)  # never seen: named by an Instance, no Node
+    watch.set_pods("node-c", 1)
+    assert not watch.is_dead("node-c", 349) and watch.is_dead("node-c", 350)
+    watch.observe("node-c", _node(True), 360)  # it registers (again): alive, all forgotten
+    assert not watch.is_dead("node-c", 1000) and "node-c" not in watch.pods_left
+    watch.set_pods("node-c", 0)  # a count for a node that is not gone is not kept
+    watch.observe("node-c", None, 400)
+    assert not watch.is_dead("node-c", 401)
+    watch.forget_gone([])  # no Instance names it any more
+    assert watch.gone_since == {} and watch.pods_left == {}
+
+
+def test_pods_that_may_hold_slots() -> None:
+    def pod(phase: str = "Running", **spec: Any) -> dict[str, Any]:
+        return {"spec": spec, "status": {"phase": phase}}
+
+    def limits(*names: str, kind: str = "limits") -> list[dict[str, Any]]:
+        return [{"name": "c", "resources": {kind: {name: "1" for name in names}}}]
+
+    assert may_hold_slots(pod(containers=limits("akri.sh/cams-8120fe")))
+    assert may_hold_slots(pod("Pending", initContainers=limits("akri.sh/cams", kind="requests")))
+    assert may_hold_slots(pod(resourceClaims=[{"name": "cam"}], containers=limits()))
+    extended = {"spec": {"containers": limits()}, "status": {"extendedResourceClaimStatus": {}}}
+    extended["status"]["extendedResourceClaimStatus"] = {"resourceClaimName": "x"}
+    assert may_hold_slots(extended)
+    assert not may_hold_slots(pod(containers=limits("cpu", "nvidia.com/gpu")))
+    assert not may_hold_slots(pod("Succeeded", containers=limits("akri.sh/cams-8120fe")))
+    assert not may_hold_slots(pod("Failed", resourceClaims=[{"name": "cam"}]))
+    assert not may_hold_slots({})
 
 
 # -- broker Pods -----------------------------------------------------------------------------
