@@ -11,6 +11,8 @@ docs/testing-apiserver-double.md. Not ported: CEL compilation and cost (an expre
 length-checked), consumable capacity request policies, counters beyond their shape, binding
 conditions, network data, feature-gate field dropping. Messages have the upstream shape
 (``field.Error``): ``Required value: …``, ``Invalid value: <json>: …``, ``Too many: …``.
+A ResourceClaim status update is also authorized here, as the status strategy does it
+(:mod:`tests.doubles.apiserver.authz`): a refusal is a ``Forbidden`` cause of the same 422.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import re
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from tests.doubles.apiserver import authz
 
 JSON = dict[str, Any]
 Cause = tuple[str, str, str]  # (reason, field, message)
@@ -1086,6 +1090,8 @@ def validate_resource(group: str, plural: str, new: JSON, old: JSON | None) -> l
             old = copy.deepcopy(old)
             default_resource_claim(old)
             drop_deallocated_status_devices(new, old)
+            # the status strategy authorizes first, then validates: one 422 for both
+            return authz.claim_status_causes(new, old) + validator(new, old)
     return validator(new, old)
 
 

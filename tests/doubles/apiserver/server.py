@@ -22,6 +22,15 @@ import yaml
 from aiohttp import web
 
 from tests.doubles.apiserver import discovery, errors, openapi, protobuf, tables
+from tests.doubles.apiserver.authz import (
+    CALLER,
+    Attributes,
+    Caller,
+    User,
+    allowed,
+    forbidden_message,
+    user_from_rules,
+)
 from tests.doubles.apiserver.errors import ApiError
 from tests.doubles.apiserver.faults import Fault, FaultInjector, RecordedRequest, RequestInfo
 from tests.doubles.apiserver.protobuf import ProtobufError
@@ -131,6 +140,8 @@ class ApiServerDouble:
         self._runner: web.AppRunner | None = None
         self._watchers: set[Watcher] = set()
         self._offline_task: asyncio.Task[None] | None = None
+        # bearer token -> identity (add_user); requests without a token are an administrator
+        self.users: dict[str, User] = {}
         if crds:
             self.load_crds(*crds)
 
@@ -209,13 +220,31 @@ class ApiServerDouble:
 
     # --- client configuration ------------------------------------------------------------
 
-    def kubeconfig(self, namespace: str = "default") -> JSON:
-        """A kubeconfig (as a dict) pointing at this server, without credentials."""
+    def add_user(
+        self,
+        token: str,
+        name: str,
+        rules: Iterable[JSON] | None = None,
+        *,
+        groups: Iterable[str] = (),
+        node: str | None = None,
+    ) -> User:
+        """Requests with ``Authorization: Bearer <token>`` come from ``name``, allowed what
+        the RBAC ``rules`` (ClusterRole rules) grant (``None``: everything); ``node`` is the
+        node a pod's service-account token names (``authentication.kubernetes.io/node-name``
+        in the user's extra). See :mod:`tests.doubles.apiserver.authz`."""
+        user = user_from_rules(name, rules, groups=groups, node=node)
+        self.users[token] = user
+        return user
+
+    def kubeconfig(self, namespace: str = "default", token: str | None = None) -> JSON:
+        """A kubeconfig (as a dict) pointing at this server, without credentials (an
+        administrator), or with the bearer ``token`` of a user from :meth:`add_user`."""
         return {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "apiserver-double", "cluster": {"server": self.url}}],
-            "users": [{"name": "apiserver-double", "user": {}}],
+            "users": [{"name": "apiserver-double", "user": {"token": token} if token else {}}],
             "contexts": [
                 {
                     "name": "apiserver-double",
@@ -230,11 +259,13 @@ class ApiServerDouble:
             "preferences": {},
         }
 
-    def write_kubeconfig(self, path: str | Path, namespace: str = "default") -> Path:
+    def write_kubeconfig(
+        self, path: str | Path, namespace: str = "default", token: str | None = None
+    ) -> Path:
         """Write :meth:`kubeconfig` to ``path`` (for ``KUBECONFIG=`` / ``load_kube_config``)."""
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(yaml.safe_dump(self.kubeconfig(namespace), sort_keys=False))
+        target.write_text(yaml.safe_dump(self.kubeconfig(namespace, token), sort_keys=False))
         return target
 
     # --- state helpers for tests ---------------------------------------------------------
@@ -473,6 +504,7 @@ class ApiServerDouble:
         if fault is not None and not fault.after and (fault.drop or fault.status):
             return self._apply_fault(request, record, fault)
         try:
+            self._authorize(request, record.info)
             response = await handler(request)
         except ApiError as exc:
             response = _error_response(exc)
@@ -486,6 +518,26 @@ class ApiServerDouble:
             return self._apply_fault(request, record, fault)
         record.status = response.status
         return response
+
+    def _authorize(self, request: web.Request, info: RequestInfo) -> None:
+        """Authenticate the bearer token (401 if unknown), apply the user's RBAC rules to a
+        resource request (403), and remember the caller for checks made while serving it."""
+        header = request.headers.get("Authorization", "")
+        user: User | None = None
+        if header.startswith("Bearer "):
+            user = self.users.get(header.removeprefix("Bearer ").strip())
+            if user is None and self.users:
+                raise ApiError(401)
+        CALLER.set(Caller(user, info.verb))
+        if user is None or info.verb == "nonresource":
+            return
+        attrs = Attributes(
+            info.verb, info.group, info.resource, info.subresource, info.namespace, info.name
+        )
+        if not allowed(user, attrs):
+            details: JSON = {"name": info.name} if info.name else {}
+            details.update(group=info.group, kind=info.resource)
+            raise ApiError(403, forbidden_message(user, attrs), "Forbidden", details)
 
     def _apply_fault(
         self, request: web.Request, record: RecordedRequest, fault: Fault
