@@ -1388,3 +1388,36 @@ async def test_subprocess_entry_point(subprocess_server: str) -> None:
             assert (await resp.json())["gitVersion"].startswith("v1.")
         async with http.get(f"{subprocess_server}/apis/akri.sh/v0/instances") as resp:
             assert (await resp.json())["kind"] == "InstanceList"
+
+
+async def test_a_deleted_crd_waits_for_its_objects_finalizers_like_a_real_server(
+    api: ApiServerDouble,
+) -> None:
+    """A real server keeps a deleted CRD (finalizer ``customresourcecleanup``, condition
+    ``Terminating``) until every object is gone: an object with a finalizer keeps it served
+    and terminating; creates are refused meanwhile (405)."""
+    api.create({**instance("held"), "metadata": {"name": "held", "namespace": NS,
+                                                  "finalizers": ["akri.sh/slots"]}})  # fmt: skip
+    api.create({**instance("free"), "metadata": {"name": "free", "namespace": NS}})
+    api.delete("customresourcedefinitions", "instances.akri.sh")
+    crd = api.get("customresourcedefinitions", "instances.akri.sh")
+    assert crd is not None and crd["metadata"]["deletionTimestamp"]
+    assert crd["metadata"]["finalizers"] == ["customresourcecleanup.apiextensions.k8s.io"]
+    terminating = [c for c in crd["status"]["conditions"] if c["type"] == "Terminating"]
+    assert terminating[0]["status"] == "True"
+    assert api.get("instances", "free") is None
+    held = api.get("instances", "held")
+    assert held is not None and held["metadata"]["deletionTimestamp"]
+    async with aiohttp.ClientSession() as session:
+        url = f"{api.url}/apis/akri.sh/v0/namespaces/{NS}/instances"
+        async with session.post(url, json=instance("new")) as response:
+            assert response.status == 405
+            body = await response.json()
+            assert "while custom resource definition is terminating" in body["message"]
+        async with session.get(url) as response:  # still served
+            assert response.status == 200
+    held["metadata"]["finalizers"] = []
+    api.apply(held)  # the last finalizer goes: the object, then the CRD (no longer served)
+    assert api.get("customresourcedefinitions", "instances.akri.sh") is None
+    with pytest.raises(KeyError):
+        api.resource("instances")
