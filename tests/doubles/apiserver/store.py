@@ -92,6 +92,7 @@ APPLY_PATCH_CBOR = "application/apply-patch+cbor"
 PATCH_TYPES: tuple[str, ...] = (JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH, APPLY_PATCH)
 
 DEFAULT_NAMESPACES: tuple[str, ...] = ("default", "kube-system", "kube-public", "kube-node-lease")
+CRD_CLEANUP_FINALIZER = "customresourcecleanup.apiextensions.k8s.io"
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 
 
@@ -418,6 +419,10 @@ class Store:
             key = self._key(rt, namespace, name)
             if key in self._bucket(rt):
                 raise errors.already_exists(rt.gr, name)
+            if self._crd_terminating(rt):
+                raise errors.ApiError(
+                    405, "create not allowed while custom resource definition is terminating"
+                )
             for server_field in ("deletionTimestamp", "deletionGracePeriodSeconds", "selfLink"):
                 meta.pop(server_field, None)
             meta["uid"] = str(uuid.uuid4())
@@ -785,6 +790,8 @@ class Store:
                 )
             if dry_run:
                 return self._output(rt, version, current)
+            if rt.gr == CRD_GR:
+                return self._output(rt, version, self._delete_crd(rt, key, current))
             if rt.gr == NAMESPACES_GR:
                 self._delete_namespace_contents(name)
             # the garbage collector's finalizers (orphan / foregroundDeletion) follow the
@@ -812,15 +819,91 @@ class Store:
             return self._output(rt, version, self._remove(rt, key))
 
     def _remove(self, rt: ResourceType, key: Key) -> JSON:
-        if rt.gr == CRD_GR:
-            # Like the CRD cleanup finalizer: the custom objects go first.
-            self._drop_custom(resource_type_from_crd(self._bucket(rt)[key]).gr)
         current = self._bucket(rt).pop(key)
+        if rt.gr == CRD_GR:
+            # stop serving its objects (none left after the cleanup finalizer; a finalizer
+            # removed by hand leaves them behind on a real server, here they are dropped)
+            self._drop_custom(resource_type_from_crd(current).gr)
         final = json_copy(current)
         final["metadata"]["resourceVersion"] = self._next_rv()
         self._emit("DELETED", rt, final, current)
         self._after_write(rt, current, None)
+        if rt.custom:
+            self._finish_crd_cleanup(rt)
         return final
+
+    def _crd_of(self, rt: ResourceType) -> tuple[ResourceType, Key, JSON] | None:
+        crd_rt = self.registry.get(CRD_GR)
+        if crd_rt is None:
+            return None
+        key = self._key(crd_rt, None, f"{rt.plural}.{rt.group}")
+        crd = self._bucket(crd_rt).get(key)
+        return None if crd is None else (crd_rt, key, crd)
+
+    def _crd_terminating(self, rt: ResourceType) -> bool:
+        found = self._crd_of(rt) if rt.custom else None
+        return found is not None and bool(_meta(found[2]).get("deletionTimestamp"))
+
+    def _delete_crd(self, rt: ResourceType, key: Key, current: JSON) -> JSON:
+        """Like the CRD's REST delete and the ``customresourcecleanup`` finalizer
+        controller (apiextensions-apiserver ``registry/customresourcedefinition/etcd.go``,
+        ``controller/finalizer/crd_finalizer.go``): the CRD is marked terminating (condition
+        ``Terminating``), every custom object is deleted — their own finalizers honoured —
+        and the CRD goes only once none is left. Until then it is still served (reads,
+        updates, deletes; creates are refused)."""
+        if not _meta(current).get("deletionTimestamp"):
+            new = json_copy(current)
+            meta = new["metadata"]
+            meta["deletionTimestamp"] = now_rfc3339()
+            meta["deletionGracePeriodSeconds"] = 0
+            finalizers = list(meta.get("finalizers") or [])
+            if CRD_CLEANUP_FINALIZER not in finalizers:
+                finalizers.append(CRD_CLEANUP_FINALIZER)
+            meta["finalizers"] = finalizers
+            conditions = [
+                c for c in (new.get("status") or {}).get("conditions") or []
+                if c.get("type") != "Terminating"
+            ]  # fmt: skip
+            conditions.append(
+                {
+                    "type": "Terminating",
+                    "status": "True",
+                    "reason": "InstanceDeletionInProgress",
+                    "message": "CustomResource deletion is in progress",
+                    "lastTransitionTime": now_rfc3339(),
+                }
+            )
+            new.setdefault("status", {})["conditions"] = conditions
+            meta["resourceVersion"] = self._next_rv()
+            self._bucket(rt)[key] = new
+            self._emit("MODIFIED", rt, new, current)
+            current = new
+        served = self.registry.get(resource_type_from_crd(current).gr)
+        if served is not None:
+            for ns, name in sorted(self._bucket(served)):
+                if (ns, name) in self._bucket(served):
+                    self.delete(served, served.preferred_version, ns or None, name)
+            self._finish_crd_cleanup(served)
+        else:
+            self._finish_crd_cleanup_of(rt, key)
+        return self._bucket(rt).get(key, current)
+
+    def _finish_crd_cleanup(self, served: ResourceType) -> None:
+        found = self._crd_of(served)
+        if found is not None:
+            self._finish_crd_cleanup_of(found[0], found[1])
+
+    def _finish_crd_cleanup_of(self, crd_rt: ResourceType, key: Key) -> None:
+        crd = self._bucket(crd_rt).get(key)
+        if crd is None or not _meta(crd).get("deletionTimestamp"):
+            return
+        served = self.registry.get(resource_type_from_crd(crd).gr)
+        if served is not None and self._bucket(served):
+            return  # objects left (their finalizers): the CRD waits for them
+        finalizers = [f for f in _meta(crd).get("finalizers") or [] if f != CRD_CLEANUP_FINALIZER]
+        if finalizers:
+            return  # someone else's finalizer
+        self._remove(crd_rt, key)
 
     @_collecting
     def delete_collection(
