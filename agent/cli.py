@@ -25,6 +25,7 @@ EXIT_USAGE = 2
 EXIT_CORRUPT_STATE = 3
 EXIT_UNAVAILABLE = 4
 EXIT_UNUSABLE_PATH = 5
+WAIT_STEP = 0.2  # seconds between two looks of `akri status --wait`
 
 # the agent flags that apply to ``akri handler``
 HANDLER_FLAGS = {
@@ -44,7 +45,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     import argparse
     from pathlib import Path
 
-    from agent.node.settings import AGENT_OPTIONS, add_options
+    from agent.node.settings import AGENT_OPTIONS, add_options, parse_seconds
 
     parser = argparse.ArgumentParser(prog="akri", description=__doc__)
     parser.add_argument("--version", action="version", version=f"akri {__version__}")
@@ -109,6 +110,15 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         "$KUBECONFIG, ~/.kube/config)",
     )
     status.add_argument("--namespace", "-n", default=None, help="cluster: only this namespace")
+    status.add_argument(
+        "--wait",
+        type=parse_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="an agent was just started: wait up to SECONDS for its first Instance (the state "
+        "directory or the cluster may not be there yet) before printing; exit 1 if none came "
+        "(default: 0, print at once)",
+    )
     return parser
 
 
@@ -302,6 +312,7 @@ async def _cluster_objects(
 def _cluster_status(args: argparse.Namespace, why: str) -> int:
     import asyncio
     import os
+    import time
 
     from agent.core.kube import ApiError, ConfigError, TransportError
     from agent.core.model.instance import Instance
@@ -309,11 +320,21 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
 
     # $KUBECONFIG is read by the client itself (after the in-cluster service account)
     kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
-    try:
-        configurations, raw, events = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
-    except (ApiError, ConfigError, TransportError, OSError) as error:
-        print(f"akri status: cannot read the cluster ({why}): {error}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            configurations, raw, events = asyncio.run(
+                _cluster_objects(kubeconfig, args.namespace)
+            )
+        except (ApiError, ConfigError, TransportError, OSError) as error:
+            if time.monotonic() < deadline:  # --wait: the API server may be starting
+                time.sleep(WAIT_STEP)
+                continue
+            print(f"akri status: cannot read the cluster ({why}): {error}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        if raw or time.monotonic() >= deadline:
+            break
+        time.sleep(WAIT_STEP)
     instances = []
     for obj in raw:
         try:
@@ -339,7 +360,15 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
             + "\n\n"
             + paths_table(paths)
         )
-    return _print(text)
+    return _print(text) or _nothing_came(args.wait, "in the cluster", raw)
+
+
+def _nothing_came(wait: float, where: str, instances: Sequence[object]) -> int:
+    """0, or 1 with a line saying so when ``--wait`` ran out without an Instance."""
+    if not wait or instances:
+        return 0
+    print(f"akri status: no Instance {where} after waiting {wait:g} s", file=sys.stderr)
+    return EXIT_FAILURE
 
 
 def _extended_paths(kubeconfig: str | None) -> dict[str, str] | None:
@@ -379,6 +408,7 @@ def _print(text: str) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     import os
+    import time
     from pathlib import Path
 
     from agent.core.store.base import CorruptStateError
@@ -400,25 +430,35 @@ def _status(args: argparse.Namespace) -> int:
     from agent.core.store.local import read_state_dir
 
     state_dir = args.state_dir or Path(os.environ.get("AKRI_STATE_DIR", "/var/lib/akri/state"))
-    if not state_dir.is_dir():
-        what = "is not a directory" if state_dir.exists() else "does not exist"
-        print(
-            f"akri status: state directory {state_dir} {what} ({source.reason}; "
-            "--kubeconfig or --cluster read a cluster)",
-            file=sys.stderr,
-        )
-        return EXIT_FAILURE
-    try:
-        instances = read_state_dir(state_dir)
-    except CorruptStateError as error:
-        print(f"akri status: {error}", file=sys.stderr)
-        return EXIT_CORRUPT_STATE
+    deadline = time.monotonic() + args.wait
+    while True:
+        # --wait: an agent started a moment ago may not have made its directory yet
+        if state_dir.is_dir():
+            try:
+                instances = read_state_dir(state_dir)
+            except CorruptStateError as error:
+                print(f"akri status: {error}", file=sys.stderr)
+                return EXIT_CORRUPT_STATE
+            if instances or time.monotonic() >= deadline:
+                break
+        elif time.monotonic() >= deadline:
+            what = "is not a directory" if state_dir.exists() else "does not exist"
+            waited = f" after waiting {args.wait:g} s" if args.wait else ""
+            print(
+                f"akri status: state directory {state_dir} {what}{waited} ({source.reason}; "
+                "--kubeconfig or --cluster read a cluster)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        time.sleep(WAIT_STEP)
+    where = f"in {state_dir}"
     if args.output == "json":
-        return _print(to_json(instances))
+        return _print(to_json(instances)) or _nothing_came(args.wait, where, instances)
     from agent.node.local_notes import note_lines, read_notes
 
     # what local agents say about budgets and refusals (local mode has no Events)
-    return _print("\n".join([to_table(instances), *note_lines(read_notes(state_dir))]))
+    text = "\n".join([to_table(instances), *note_lines(read_notes(state_dir))])
+    return _print(text) or _nothing_came(args.wait, where, instances)
 
 
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:

@@ -58,8 +58,13 @@ class AgentProcess:
         cwd: Path | None = None,
         command: str = "agent",
         program: Sequence[str] | None = None,
+        session: bool = False,
     ) -> None:
-        """``akri <command> ARGS``, or ``program`` + ARGS (another process to observe)."""
+        """``akri <command> ARGS``, or ``program`` + ARGS (another process to observe).
+        ``session``: in a session (and process group) of its own, so that :meth:`signal_all`
+        and :meth:`cleanup` reach what it starts in the background too (a shell's ``&`` jobs).
+        """
+        self.session = session
         self.args = list(args)
         self.label = label
         self.lines: list[str] = []
@@ -74,6 +79,7 @@ class AgentProcess:
             cwd=cwd,
             text=True,
             bufsize=1,
+            start_new_session=session,
         )
         self._reader = threading.Thread(target=self._read, name=f"{label}-stderr", daemon=True)
         self._reader.start()
@@ -165,8 +171,19 @@ class AgentProcess:
             self.proc.kill()
         return self.wait_exit(DEFAULT_TIMEOUT)
 
+    def signal_all(self, signum: int) -> None:
+        """Send ``signum`` to the whole process group (``session=True``): what Ctrl-C in a
+        terminal does to the foreground job."""
+        assert self.session, "signal_all needs AgentProcess(..., session=True)"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signum)
+
     def cleanup(self) -> None:
-        """Kill if still running; never raises (for fixture teardown)."""
+        """Kill if still running (with ``session``, everything in its process group); never
+        raises (for fixture teardown)."""
+        if self.session:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         if self.running:
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):

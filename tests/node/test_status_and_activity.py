@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import threading
+import time
+from pathlib import Path
 
+import pytest
+
+from agent.cli import main
 from agent.core.model.instance import Instance
 from agent.core.store.base import EventType, InstanceEvent
+from agent.core.store.local import LocalInstanceStore
 from agent.node.activity_log import describe
 from agent.node.status import to_json, to_table
+from tests.harness.agent_process import akri_command, clean_env
 
 INST = Instance(
     name="cfg-abcdef",
@@ -69,3 +79,49 @@ def test_activity_lines() -> None:
     assert "slot cfg-abcdef-1: free -> n1" in lines
     assert describe(InstanceEvent(EventType.DELETED, INST, INST)) == ["instance cfg-abcdef deleted"]
     assert describe(InstanceEvent(EventType.MODIFIED, INST, INST)) == []
+
+
+def test_status_wait_gives_up_with_exit_1_when_no_instance_comes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--wait`` (issue 34.10): a missing or empty state directory is waited on, then
+    reported; without ``--wait`` the missing one is reported at once, as before."""
+    missing = tmp_path / "not-yet"
+    assert main(["status", "--state-dir", str(missing), "--wait", "0.3"]) == 1
+    assert "does not exist after waiting 0.3 s" in capsys.readouterr().err
+    missing.mkdir()
+    assert main(["status", "--state-dir", str(missing), "--wait", "0.3"]) == 1
+    assert f"no Instance in {missing} after waiting 0.3 s" in capsys.readouterr().err
+    assert main(["status", "--state-dir", str(missing)]) == 0  # no --wait: an empty table
+
+
+def test_status_wait_prints_once_the_first_instance_is_there(tmp_path: Path) -> None:
+    """The directory and the Instance appear while ``akri status --wait`` waits."""
+    state = tmp_path / "state"
+
+    def agent_starts() -> None:
+        time.sleep(0.5)
+
+        async def create() -> None:
+            store = LocalInstanceStore(state)
+            await store.start()
+            await store.create(INST)
+            await store.close()
+
+        asyncio.run(create())
+
+    writer = threading.Thread(target=agent_starts)
+    writer.start()
+    try:
+        done = subprocess.run(
+            akri_command("status", "--state-dir", str(state), "--wait", "30"),
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=60,
+            check=False,
+        )
+    finally:
+        writer.join()
+    assert done.returncode == 0, done.stderr
+    assert "cfg-abcdef" in done.stdout

@@ -131,6 +131,30 @@ def builtin_resources() -> list[ResourceType]:
         _rt("", "v1", "events", "Event", True, ["ev"]),
         _rt("events.k8s.io", "v1", "events", "Event", True, ["ev"]),
         _rt("coordination.k8s.io", "v1", "leases", "Lease", True),
+        # Stored, never acted on (no controller runs Pods for them here): what `kubectl apply -k
+        # deploy/` sends besides the kinds above, so the README's install command runs as written.
+        _rt("", "v1", "serviceaccounts", "ServiceAccount", True, ["sa"]),
+        _rt("apps", "v1", "daemonsets", "DaemonSet", True, ["ds"], ["all"], ["status"]),
+        _rt("apps", "v1", "deployments", "Deployment", True, ["deploy"], ["all"], ["status"]),
+        _rt("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", False),
+        _rt("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", False),
+        _rt("rbac.authorization.k8s.io", "v1", "roles", "Role", True),
+        _rt("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True),
+        _rt(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicies",
+            "ValidatingAdmissionPolicy",
+            False,
+            subresources=["status"],
+        ),
+        _rt(
+            "admissionregistration.k8s.io",
+            "v1",
+            "validatingadmissionpolicybindings",
+            "ValidatingAdmissionPolicyBinding",
+            False,
+        ),
         _rt("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False),
         _rt(
             "resource.k8s.io",
@@ -141,6 +165,7 @@ def builtin_resources() -> list[ResourceType]:
             subresources=["status"],
         ),
         _rt("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", False),
+        _rt("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", True),
         _rt(
             "apiextensions.k8s.io",
             "v1",
