@@ -107,6 +107,14 @@ def build_handlers(settings: AgentSettings) -> HandlerRegistry:
         return MdnsHandler()
 
     registry.register(LazyHandler("mdns", True, mdns))
+
+    def opcua() -> DiscoveryHandler:
+        from discovery_handlers.opcua import OpcuaHandler
+
+        return OpcuaHandler()
+
+    # asyncua is imported (in a worker thread) only when an opcua Configuration runs
+    registry.register(LazyHandler("opcua", True, opcua))
     if settings.debug_echo:
         registry.register(
             DebugEchoHandler(

@@ -263,7 +263,7 @@ def test_example_configurations_validate_against_our_crd(path: Path) -> None:
 
 def test_there_is_an_example_per_handler() -> None:
     handlers = {yaml.safe_load(p.read_text())["spec"]["discoveryHandler"]["name"] for p in EXAMPLES}
-    assert {"debugEcho", "udev", "onvif", "mqtt", "mdns"} <= handlers
+    assert {"debugEcho", "udev", "onvif", "mqtt", "mdns", "opcua"} <= handlers
 
 
 def _build_stage_sources() -> list[str]:

@@ -1,8 +1,7 @@
 """Every example Configuration in ``examples/`` passes its handler's own check, the one the
 agent runs before starting discovery: the handler the agent would use (``build_handlers``)
 accepts its ``discoveryDetails`` without warnings. (``tests/deploy/test_deploy.py`` checks the same
-files against the CRD.) Examples for external handlers (no embedded handler of that name)
-are checked to be exactly those the docs call external."""
+files against the CRD.)"""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ EXAMPLES = sorted(
     for path in (ROOT / "examples").glob("*.yaml")
     if [d.get("kind") for d in yaml.safe_load_all(path.read_text()) if d] == ["Configuration"]
 )
-EXTERNAL = {"opcua"}  # run by Akri's own handler process (examples/opcua-external.yaml)
 
 
 def agent_handlers() -> HandlerRegistry:
@@ -49,9 +47,6 @@ def test_example_passes_its_handlers_validate(path: Path) -> None:
     configuration = configuration_of(path)
     name = configuration.discovery_handler.name
     handler = registry.get(name)
-    if name in EXTERNAL:
-        assert handler is None, f"{name} is embedded now: validate its example here"
-        return
     assert handler is not None, f"{path.name}: no embedded handler named {name!r}"
     warnings = handler.validate(configuration.discovery_handler.discovery_details)
     assert not warnings, f"{path.name}: {warnings}"

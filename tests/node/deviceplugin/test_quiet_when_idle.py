@@ -232,6 +232,8 @@ def test_a_local_debug_echo_agent_imports_no_other_handler_nor_cluster_client() 
         "discovery_handlers.onvif",
         "discovery_handlers.mdns",
         "discovery_handlers.mqtt",
+        "discovery_handlers.opcua",
+        "asyncua",
         "zeroconf",
         "aiomqtt",
         "aiohttp",

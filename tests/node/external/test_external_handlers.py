@@ -328,7 +328,7 @@ def discover_status(target: str, details: str) -> Any:
     return grpc.StatusCode.OK
 
 
-@pytest.mark.parametrize("name", ["udev", "onvif", "mdns", "mqtt"])
+@pytest.mark.parametrize("name", ["udev", "onvif", "mdns", "mqtt", "opcua"])
 def test_each_embedded_handler_runs_as_an_external_one(setup: Setup, name: str) -> None:
     """``akri handler NAME`` starts and answers ``Discover`` on ``<dir>/NAME.sock`` (no agent
     needed: it keeps trying to register). The directory comes from Akri's variable

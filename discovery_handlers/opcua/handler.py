@@ -1,0 +1,245 @@
+"""``opcua``: Akri's OPC UA discovery handler, asyncio, bounded against servers that misbehave.
+
+``standard`` (Akri's): FindServers on each configured discovery URL; a plain server answers
+with itself, a discovery server (LDS) with every server registered with it. ``multicast``
+(ours; Akri has only a TODO): FindServersOnNetwork on discovery servers with the multicast
+extension (LDS-ME), which list the servers announced with mDNS on their network. Either way,
+every server found is asked FindServers itself (is it there, and for multicast: what is it)
+and offered while it answers. :mod:`discovery_handlers.opcua.tracker` decides when each URL is
+asked; :mod:`discovery_handlers.opcua.servers` what is offered (Akri's rules);
+:mod:`discovery_handlers.opcua.transport` makes the calls (``asyncua``'s codec, one deadline per
+call, bounded answers). Devices are shared. See ``docs/opcua.md``.
+
+A server that cannot be used costs a log line and an Event on the Configuration (rate-limited
+per server), never the other servers nor the agent. ``asyncua`` is imported in a worker thread
+when the first Configuration runs (about a second and 40 MB), never at the agent's start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from discovery_handlers.base import (
+    Device,
+    DiscoveryHandler,
+    DiscoveryProperties,
+    ProblemReporter,
+)
+from discovery_handlers.opcua.details import NAME, OpcuaDetails, parse_details, warnings
+from discovery_handlers.opcua.servers import (
+    Application,
+    Listed,
+    hosts_of,
+    listed_by_find_servers,
+    listed_by_find_servers_on_network,
+)
+from discovery_handlers.opcua.tracker import Call, Failure, Target, Tracker
+
+log = logging.getLogger("discovery_handlers.opcua")
+
+CONCURRENCY = 16  # calls in flight per Configuration
+MAX_RESOLVED = 4096  # host names whose last resolution is remembered
+IDLE = 3600.0  # seconds to sleep when nothing is ever due (no discovery URL)
+_TRANSPORT = "discovery_handlers.opcua.transport"
+
+
+@dataclass(frozen=True)
+class _Answer:
+    own: Sequence[Application]
+    listing: Sequence[Listed] | None
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
+    unreachable: bool
+
+
+class OpcuaHandler(DiscoveryHandler):
+    """Discovers OPC UA servers (shared devices)."""
+
+    name = NAME
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def validate(self, discovery_details: str) -> Sequence[str]:
+        parse_details(discovery_details)
+        return warnings(discovery_details)
+
+    async def discover(
+        self, discovery_details: str, discovery_properties: DiscoveryProperties
+    ) -> AsyncIterator[list[Device]]:
+        details = parse_details(discovery_details)
+        # asyncua's import takes about a second: not on the event loop
+        transport = await asyncio.to_thread(importlib.import_module, _TRANSPORT)
+        session = _Session(details, transport, ProblemReporter(log))
+        log.info(
+            "opcua: %s discovery on %s (recheck every %gs, retry after %gs, timeout %gs)",
+            details.method,
+            ", ".join(details.discovery_urls) or "no URL",
+            details.recheck_interval,
+            details.retry_interval,
+            details.timeout,
+        )
+        try:
+            async for devices in session.run():
+                yield devices
+        finally:
+            await session.close()
+
+
+class _Session:
+    """The state of one ``discover()`` call."""
+
+    def __init__(
+        self, details: OpcuaDetails, transport: ModuleType, problems: ProblemReporter
+    ) -> None:
+        self.details = details
+        self.transport = transport
+        self.problems = problems
+        self.tasks: dict[asyncio.Task[_Answer | _Failed], Target] = {}
+        self.calls = asyncio.Semaphore(CONCURRENCY)
+        self.resolved: dict[str, bool] = {}  # host -> it resolved when last asked
+
+    async def run(self) -> AsyncIterator[list[Device]]:
+        loop = asyncio.get_running_loop()
+        tracker = Tracker(self.details, loop.time())
+        last: list[Device] | None = None
+        while True:
+            for target in tracker.take_due(loop.time()):
+                self.tasks[asyncio.create_task(self._ask(target))] = target
+            due = tracker.next_due()
+            wait = min(IDLE, max(0.0, due - loop.time()))
+            if self.tasks:
+                done, _ = await asyncio.wait(
+                    self.tasks, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                )
+            else:
+                await asyncio.sleep(wait)
+                done = set()
+            for task in done:
+                self._apply(tracker, self.tasks.pop(task), task.result(), loop.time())
+            if last is None and not tracker.settled():
+                continue  # the first list waits for every URL's first answer (bounded)
+            devices = tracker.devices()
+            if devices != last:
+                last = devices
+                yield devices
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in list(self.tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        self.tasks.clear()
+        self.problems.close()  # no Events from a stopped discovery
+
+    # -- one call ------------------------------------------------------------------------------
+    async def _ask(self, target: Target) -> _Answer | _Failed:
+        details = self.details
+        async with self.calls:
+            try:
+                if target.call is Call.FIND_SERVERS_ON_NETWORK:
+                    records = await self.transport.find_servers_on_network(
+                        target.url,
+                        details.timeout,
+                        details.server_capabilities,
+                        details.max_servers,
+                    )
+                    listing, skipped = listed_by_find_servers_on_network(
+                        records, details.server_capabilities
+                    )
+                    self._skipped(target.url, skipped)
+                    return _Answer(own=(), listing=listing)
+                applications: list[Application] = await self.transport.find_servers(
+                    target.url, details.timeout
+                )
+            except self.transport.CallError as error:
+                return _Failed(str(error), error.unreachable)
+            except Exception as error:  # an answer nobody foresaw: this URL only, not discovery
+                log.debug("opcua: %s: unexpected failure", target.url, exc_info=True)
+                return _Failed(f"unexpected {type(error).__name__}: {str(error)[:200]}", False)
+        if not target.configured:
+            return _Answer(own=applications, listing=None)
+        names = details.application_names
+        resolvable = await self._resolve(hosts_of(applications, names))
+        listing, skipped = listed_by_find_servers(target.url, applications, names, resolvable)
+        self._skipped(target.url, skipped)
+        return _Answer(own=applications, listing=listing)
+
+    async def _resolve(self, hosts: set[str]) -> dict[str, bool]:
+        """Does each host name resolve on this node? A temporary failure (or no answer within
+        the timeout) keeps the previous verdict, so a DNS hiccup does not change device ids;
+        never asked before, it counts as not resolving (Akri's rule)."""
+        if len(self.resolved) > MAX_RESOLVED:
+            self.resolved.clear()
+        results = await asyncio.gather(*(self._resolves(host) for host in hosts))
+        for host, verdict in zip(hosts, results, strict=True):
+            if verdict is not None:
+                self.resolved[host] = verdict
+        return {host: self.resolved.get(host, False) for host in hosts}
+
+    async def _resolves(self, host: str) -> bool | None:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.details.timeout):
+                await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            if error.errno in (socket.EAI_AGAIN,):
+                return None
+            return False
+        except (TimeoutError, OSError):
+            return None
+        return True
+
+    def _skipped(self, url: str, skipped: list[str]) -> None:
+        if skipped:
+            log.debug(
+                "opcua: %s lists %d server(s) not offered: %s",
+                url,
+                len(skipped),
+                "; ".join(skipped[:5]),
+            )
+
+    # -- results -------------------------------------------------------------------------------
+    def _apply(self, tracker: Tracker, target: Target, result: Any, now: float) -> None:
+        if not tracker.current(target):  # no longer listed while it was asked
+            target.in_flight = False
+            return
+        if isinstance(result, _Answer):
+            tracker.answered(target, now, own=result.own, listing=result.listing)
+            if self.problems.resolved(target.url):
+                log.info("opcua: %s answers again", target.url)
+            if tracker.over_cap:
+                self.problems.report(
+                    "cap",
+                    "DeviceCapReached",
+                    f"opcua: {tracker.over_cap} listed server(s) beyond maxServers "
+                    f"({self.details.max_servers}) are not tracked",
+                )
+            return
+        failure = Failure.UNREACHABLE if result.unreachable else Failure.BROKEN
+        gone = tracker.failed(target, now, failure)
+        kind = "discovery URL" if target.configured else "server"
+        if failure is Failure.BROKEN:
+            reason, level = "OpcuaServerBroken", logging.WARNING
+        else:
+            reason = "OpcuaServerUnreachable"
+            level = logging.WARNING if target.configured else logging.INFO
+        if gone:
+            log.debug("opcua: %s %s is gone: %s", kind, target.url, result.message)
+        if target.up is False:  # one failure of a server that answered is not news yet
+            self.problems.report(
+                target.url, reason, f"opcua: {kind} {target.url}: {result.message}", level=level
+            )

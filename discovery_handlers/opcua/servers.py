@@ -1,0 +1,233 @@
+"""What the opcua handler makes of FindServers and FindServersOnNetwork answers (pure: no
+network, no ``asyncua``).
+
+Akri's rules (``discovery-handlers/opcua/src/discovery_impl.rs``), and where we differ:
+
+- an application is offered if its ``ApplicationType`` is Server — and, unlike Akri, also
+  ClientAndServer (asyncua's servers and many SDKs' are ClientAndServer, and Akri skips them);
+  clients and discovery servers are never offered;
+- the ``applicationNames`` filter is applied to ``ApplicationName.Text`` (exact match);
+- its DiscoveryURL is the first one starting with ``opc.tcp`` (an application without one is
+  skipped, as in Akri, where a non-``opc.tcp`` URL fails its parse);
+- if that URL's host does not resolve on this node, the host of the URL that was asked is
+  used instead (Akri PR #584): the queried URL with the server URL's path, as Akri writes it,
+  so the device id — and the Instance name — is Akri's. One difference: a server URL with an
+  explicit port other than the queried URL's keeps its own port (a server registered with a
+  discovery server on the same host; Akri would take the discovery server's port);
+- URLs are kept verbatim (never normalised): the device id is the DiscoveryURL string, hashed
+  into the Instance name like Akri does.
+
+Property values come from the network, so they are made safe for container environments:
+control characters become spaces and each value is at most :data:`MAX_VALUE` characters.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from discovery_handlers.base import Device
+from discovery_handlers.filters import FilterList, equal, passes
+from discovery_handlers.opcua.details import DEFAULT_PORT, SCHEME, split_url, url_problem
+
+DISCOVERY_URL = "OPCUA_DISCOVERY_URL"
+APPLICATION_URI = "OPCUA_APPLICATION_URI"
+APPLICATION_NAME = "OPCUA_APPLICATION_NAME"
+PRODUCT_URI = "OPCUA_PRODUCT_URI"
+SERVER_CAPABILITIES = "OPCUA_SERVER_CAPABILITIES"
+MAX_VALUE = 1024
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class ApplicationType(enum.IntEnum):
+    """OPC UA ``ApplicationType`` (Part 4, 7.2)."""
+
+    SERVER = 0
+    CLIENT = 1
+    CLIENT_AND_SERVER = 2
+    DISCOVERY_SERVER = 3
+
+
+@dataclass(frozen=True)
+class Application:
+    """The fields of an ``ApplicationDescription`` this handler uses."""
+
+    uri: str
+    product_uri: str
+    name: str
+    type: int
+    discovery_urls: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Record:
+    """A ``ServerOnNetwork`` record of FindServersOnNetwork (an LDS-ME's mDNS cache)."""
+
+    record_id: int
+    server_name: str
+    discovery_url: str
+    capabilities: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A server a discovery URL told us about: the URL it is offered under (the device id)
+    and what is known of it."""
+
+    url: str
+    application: Application | None = None  # standard: from the FindServers answer
+    record: Record | None = None  # multicast: from the FindServersOnNetwork answer
+
+
+def env_value(text: str) -> str:
+    """``text`` safe for a container's environment: control characters (NUL among them)
+    become spaces, at most :data:`MAX_VALUE` characters."""
+    return _CONTROL.sub(" ", text[:MAX_VALUE])
+
+
+def offered_type(application: Application) -> bool:
+    """Server or ClientAndServer (Akri: Server only)."""
+    return application.type in (ApplicationType.SERVER, ApplicationType.CLIENT_AND_SERVER)
+
+
+def wanted(application: Application, names: FilterList | None) -> bool:
+    """Offered by type and passing the ``applicationNames`` filter."""
+    return offered_type(application) and passes(names, [application.name], equal)
+
+
+def chosen_url(application: Application) -> str | None:
+    """Akri's choice: the first DiscoveryURL starting with ``opc.tcp`` (None without one, or
+    when that one is not a usable URL)."""
+    for url in application.discovery_urls:
+        if url.startswith(SCHEME):
+            return url if url_problem(url) is None else None
+    return None
+
+
+def url_host(url: str) -> str:
+    """The host of an accepted URL, without IPv6 brackets."""
+    return split_url(url).hostname or ""
+
+
+def needs_resolving(host: str) -> bool:
+    """False for IP literals (they always "resolve")."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return True
+    return False
+
+
+def _netloc_host(netloc: str) -> str:
+    """The host part of ``netloc`` as written (IPv6 brackets kept, no user, no port)."""
+    host = netloc.rsplit("@", 1)[-1]
+    if host.startswith("["):
+        return host[: host.find("]") + 1]
+    return host.split(":", 1)[0]
+
+
+def substitute_host(queried: str, server_url: str) -> str:
+    """The URL of a server whose host does not resolve, seen through ``queried`` (Akri PR
+    #584, ``get_discovery_url_ip``): the queried URL followed by the server URL's path (the
+    queried URL itself if it has a path of its own). A server URL with an explicit port other
+    than the queried one keeps that port on the queried host."""
+    asked = split_url(queried)
+    server = split_url(server_url)
+    if server.port is not None and server.port != (asked.port or DEFAULT_PORT):
+        return f"{asked.scheme}://{_netloc_host(asked.netloc)}:{server.port}{server.path}"
+    path = server.path
+    if asked.path not in ("", "/"):
+        return queried
+    if queried.endswith("/") and path.startswith("/"):
+        path = path[1:]
+    return queried + path
+
+
+def listed_by_find_servers(
+    queried: str,
+    applications: Sequence[Application],
+    names: FilterList | None,
+    resolvable: Mapping[str, bool],
+) -> tuple[list[Listed], list[str]]:
+    """The servers a FindServers answer from ``queried`` offers (in answer order, first of a
+    URL kept), and why others were skipped (for the debug log). ``resolvable`` says for each
+    host name of :func:`hosts_of` whether it resolves on this node."""
+    listed: dict[str, Listed] = {}
+    skipped: list[str] = []
+    for application in applications:
+        if not wanted(application, names):
+            continue
+        url = chosen_url(application)
+        if url is None:
+            skipped.append(f"{application.name[:80]!r} has no usable opc.tcp DiscoveryURL")
+            continue
+        host = url_host(url)
+        if needs_resolving(host) and not resolvable.get(host, True):
+            url = substitute_host(queried, url)
+            if url_problem(url) is not None:
+                skipped.append(f"{application.name[:80]!r}: {url[:200]!r} is not usable")
+                continue
+        listed.setdefault(url, Listed(url, application=application))
+    return list(listed.values()), skipped
+
+
+def hosts_of(applications: Iterable[Application], names: FilterList | None) -> set[str]:
+    """The host names (not IP literals) of the DiscoveryURLs that would be offered: the ones
+    to resolve before :func:`listed_by_find_servers`."""
+    hosts: set[str] = set()
+    for application in applications:
+        if wanted(application, names):
+            url = chosen_url(application)
+            if url is not None and needs_resolving(url_host(url)):
+                hosts.add(url_host(url))
+    return hosts
+
+
+def listed_by_find_servers_on_network(
+    records: Sequence[Record], capabilities: Sequence[str]
+) -> tuple[list[Listed], list[str]]:
+    """The servers of FindServersOnNetwork records: each record with a usable ``opc.tcp``
+    DiscoveryUrl and every capability asked for (compared without case, as Part 4 says; the
+    discovery server filters too, this is in case it does not)."""
+    wanted_capabilities = {c.upper() for c in capabilities}
+    listed: dict[str, Listed] = {}
+    skipped: list[str] = []
+    for record in records:
+        if not wanted_capabilities <= {c.upper() for c in record.capabilities}:
+            continue
+        url = record.discovery_url
+        if not url.startswith(SCHEME) or url_problem(url) is not None:
+            skipped.append(f"{record.server_name[:80]!r}: {url[:200]!r} is not an opc.tcp URL")
+            continue
+        listed.setdefault(url, Listed(url, record=record))
+    return list(listed.values()), skipped
+
+
+def own_application(url: str, applications: Sequence[Application]) -> Application | None:
+    """The application a server at ``url`` describes as itself in its FindServers answer:
+    the one listing ``url`` among its DiscoveryURLs, else the first Server or ClientAndServer
+    (a discovery server also lists others)."""
+    for application in applications:
+        if url in application.discovery_urls:
+            return application
+    for application in applications:
+        if offered_type(application):
+            return application
+    return None
+
+
+def device_of(listed: Listed, application: Application) -> Device:
+    """The device for a server: id = its DiscoveryURL (Akri's), and the properties a broker
+    needs (Akri has only ``OPCUA_DISCOVERY_URL``)."""
+    properties = {
+        DISCOVERY_URL: listed.url,
+        APPLICATION_URI: env_value(application.uri),
+        APPLICATION_NAME: env_value(application.name),
+        PRODUCT_URI: env_value(application.product_uri),
+    }
+    if listed.record is not None:
+        properties[SERVER_CAPABILITIES] = env_value(",".join(listed.record.capabilities))
+    return Device(id=listed.url, properties=properties)

@@ -1,0 +1,521 @@
+"""The opcua handler's pure parts (discoveryDetails, Akri's selection rules, the tracker's
+schedule, with a clock of our own) and its connection code against servers that misbehave on
+purpose (``tests/doubles/opcua_servers.py``, on loopback). Real OPC UA servers (asyncua's, a
+discovery server) are in ``test_opcua_netns.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.core.model.naming import candidate_names, device_key
+from discovery_handlers.base import InvalidDiscoveryDetailsError
+from discovery_handlers.filters import Action, FilterList
+from discovery_handlers.opcua import OpcuaHandler, parse_details
+from discovery_handlers.opcua.details import DEFAULT_DISCOVERY_URLS, OpcuaDetails, warnings
+from discovery_handlers.opcua.servers import (
+    Application,
+    ApplicationType,
+    Listed,
+    Record,
+    chosen_url,
+    device_of,
+    env_value,
+    hosts_of,
+    listed_by_find_servers,
+    listed_by_find_servers_on_network,
+    own_application,
+    substitute_host,
+    wanted,
+)
+from discovery_handlers.opcua.tracker import Call, Failure, Tracker
+from tests.paths import FIXTURES
+
+# -- discoveryDetails ----------------------------------------------------------------------------
+
+
+def test_akris_own_examples_parse_unchanged() -> None:
+    """The two documents of Akri's handler unit tests, and its Helm chart's rendering."""
+    empty = parse_details("opcuaDiscoveryMethod:\n  standard: {}\n")
+    assert empty.method == "standard" and empty.discovery_urls == DEFAULT_DISCOVERY_URLS
+    assert empty.application_names is None
+    detailed = parse_details(
+        "opcuaDiscoveryMethod: \n  standard:\n    discoveryUrls:\n"
+        "    - opc.tcp://127.0.0.1:4855/\napplicationNames:\n  action: Include\n  items: \n"
+        '  - "Some application name" \n'
+    )
+    assert detailed.discovery_urls == ("opc.tcp://127.0.0.1:4855/",)
+    assert detailed.application_names == FilterList(Action.INCLUDE, ("Some application name",))
+    chart = yaml.safe_load((FIXTURES / "crds" / "configurations" / "opcua.yaml").read_text())
+    text = chart["spec"]["discoveryHandler"]["discoveryDetails"]
+    rendered = parse_details(text)
+    assert rendered.discovery_urls == ("opc.tcp://10.0.0.1:4840/", "opc.tcp://10.0.0.2:4840/")
+    assert rendered.application_names == FilterList(Action.EXCLUDE, ())
+    assert OpcuaHandler().validate(text) == []
+
+
+def test_our_fields_and_the_multicast_method() -> None:
+    parsed = parse_details(
+        "opcuaDiscoveryMethod:\n  multicast:\n    discoveryUrls: [opc.tcp://lds:4840/]\n"
+        "    serverCapabilities: [da, HD]\n"
+        "recheckIntervalSeconds: 30\nretryIntervalSeconds: 0.5\ntimeoutSeconds: 2\n"
+        "maxServers: 20\n"
+    )
+    assert parsed == OpcuaDetails(
+        method="multicast",
+        discovery_urls=("opc.tcp://lds:4840/",),
+        server_capabilities=("DA", "HD"),
+        recheck_interval=30.0,
+        retry_interval=0.5,
+        timeout=2.0,
+        max_servers=20,
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "discoveryDetails.opcuaDiscoveryMethod is required"),
+        ("applicationNames: {items: [a]}", "discoveryDetails.opcuaDiscoveryMethod is required"),
+        ("opcuaDiscoveryMethod: standard", "must be a mapping with exactly one method"),
+        (
+            "opcuaDiscoveryMethod: {standard: {}, multicast: {}}",
+            "must be a mapping with exactly one method",
+        ),
+        ("opcuaDiscoveryMethod: {scan: {}}", "unknown method 'scan' (known: standard, multicast)"),
+        (
+            "opcuaDiscoveryMethod: {standard: [x]}",
+            "opcuaDiscoveryMethod.standard must be a mapping",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {discoveryUrls: opc.tcp://a:1/}}",
+            "opcuaDiscoveryMethod.standard.discoveryUrls must be a list",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {discoveryUrls: [opc.tcp://a:1/, 'http://b/']}}",
+            "opcuaDiscoveryMethod.standard.discoveryUrls[1] 'http://b/' must start with opc.tcp://",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {discoveryUrls: ['opc.tcp://:4840/']}}",
+            "discoveryUrls[0] 'opc.tcp://:4840/' has no host",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {discoveryUrls: ['opc.tcp://a:99999/']}}",
+            "discoveryUrls[0] 'opc.tcp://a:99999/' is not a URL",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {discoveryUrls: ['opc.tcp://a b:1/']}}",
+            "must not contain spaces or control characters",
+        ),
+        (
+            "opcuaDiscoveryMethod: {multicast: {serverCapabilities: [DA, 'a b']}}",
+            "opcuaDiscoveryMethod.multicast.serverCapabilities[1] must be a capability",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {}}\napplicationNames: {action: Maybe, items: []}",
+            "discoveryDetails.applicationNames.action must be Include or Exclude",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {}}\napplicationNames: {action: Include}",
+            "discoveryDetails.applicationNames.items is required",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {}}\napplicationNames: {items: [a], cation: x}",
+            "applicationNames has unknown field(s) cation",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {}}\nrecheckIntervalSeconds: 0",
+            "recheckIntervalSeconds must be between 0.5 and 3600",
+        ),
+        (
+            "opcuaDiscoveryMethod: {standard: {}}\ntimeoutSeconds: fast",
+            "timeoutSeconds must be a number of seconds",
+        ),
+        ("opcuaDiscoveryMethod: {standard: {}}\nmaxServers: 0", "maxServers must be 1 to 10000"),
+    ],
+)
+def test_invalid_details_name_the_field(text: str, message: str) -> None:
+    with pytest.raises(InvalidDiscoveryDetailsError) as raised:
+        OpcuaHandler().validate(text)
+    assert message in str(raised.value)
+    assert str(raised.value).startswith("opcua: ")
+
+
+def test_unknown_fields_are_ignored_with_a_warning_naming_them() -> None:
+    text = (
+        "opcuaDiscoveryMethod:\n  standard:\n    discoveryURLs: [opc.tcp://a:1/]\n"
+        "    serverCapabilities: [DA]\napplicationName: {items: [x]}\n"
+    )
+    found = warnings(text)
+    assert any("applicationName " in w and "in discoveryDetails" in w for w in found), found
+    assert any(
+        "discoveryURLs, serverCapabilities in discoveryDetails.opcuaDiscoveryMethod.standard"
+        in w
+        for w in found
+    ), found
+    assert parse_details(text).discovery_urls == DEFAULT_DISCOVERY_URLS  # as Akri: the default
+    empty = warnings("opcuaDiscoveryMethod: {standard: {discoveryUrls: []}}")
+    assert any("discoveryUrls is empty" in w for w in empty)
+
+
+# -- Akri's rules --------------------------------------------------------------------------------
+
+
+def app(
+    name: str,
+    *urls: str,
+    kind: ApplicationType = ApplicationType.SERVER,
+    uri: str | None = None,
+) -> Application:
+    return Application(
+        uri=uri or f"urn:{name}", product_uri="urn:product", name=name, type=kind,
+        discovery_urls=urls,
+    )  # fmt: skip
+
+
+def test_akris_host_substitution_vectors() -> None:
+    """Akri's own test of get_discovery_url_ip, and what differs on purpose."""
+    server = "opc.tcp://OPCTest.invalid:50000/OPCUA/Simluation"
+    assert (
+        substitute_host("opc.tcp://192.168.0.1:50000", server)
+        == "opc.tcp://192.168.0.1:50000/OPCUA/Simluation"
+    )
+    assert (
+        substitute_host("opc.tcp://192.168.0.1:50000/OPCUA/Simluation", server)
+        == "opc.tcp://192.168.0.1:50000/OPCUA/Simluation"
+    )
+    assert substitute_host("opc.tcp://10.0.0.1:4840/", "opc.tcp://plc:4840/") == (
+        "opc.tcp://10.0.0.1:4840/"
+    )
+    assert substitute_host("opc.tcp://10.0.0.1:4840/", "opc.tcp://plc/x") == (
+        "opc.tcp://10.0.0.1:4840/x"  # no port: Akri's 4840, the queried URL as it is written
+    )
+    # a server registered with a discovery server on its host keeps its own port (Akri would
+    # give the discovery server's URL: opc.tcp://10.0.0.1:4840/x)
+    assert substitute_host("opc.tcp://10.0.0.1:4840/", "opc.tcp://plc:48401/x") == (
+        "opc.tcp://10.0.0.1:48401/x"
+    )
+    assert substitute_host("opc.tcp://[fd00::1]:4840/", "opc.tcp://plc:48401/") == (
+        "opc.tcp://[fd00::1]:48401/"
+    )
+
+
+def test_which_applications_are_offered_and_under_which_url() -> None:
+    assert wanted(app("a"), None)
+    assert wanted(app("a", kind=ApplicationType.CLIENT_AND_SERVER), None)  # Akri: no
+    assert not wanted(app("a", kind=ApplicationType.CLIENT), None)
+    assert not wanted(app("a", kind=ApplicationType.DISCOVERY_SERVER), None)
+    include = FilterList(Action.INCLUDE, ("Server A",))
+    exclude = FilterList(Action.EXCLUDE, ("Server A",))
+    assert wanted(app("Server A"), include) and not wanted(app("server a"), include)
+    assert not wanted(app("Server A"), exclude) and wanted(app("Server B"), exclude)
+    assert chosen_url(app("a", "https://a/", "opc.tcp://a:1/", "opc.tcp://b:1/")) == (
+        "opc.tcp://a:1/"
+    )
+    assert chosen_url(app("a", "https://a/", "opc.wss://a/")) is None
+    assert chosen_url(app("a")) is None
+    assert chosen_url(app("a", "opc.tcp://a b:1/")) is None
+
+
+def test_a_find_servers_answer_de_duplicated_and_substituted() -> None:
+    answer = [
+        app("LDS", "opc.tcp://10.0.0.1:4840/", kind=ApplicationType.DISCOVERY_SERVER),
+        app("Server A", "opc.tcp://10.0.0.2:4840/"),
+        app("Server A again", "opc.tcp://10.0.0.2:4840/"),
+        app("Server B", "opc.tcp://plc-b.invalid:48402/b"),
+        app("Server C", "opc.tcp://plc-c.example:4840/"),
+        app("Client", "opc.tcp://10.0.0.9:4840/", kind=ApplicationType.CLIENT),
+        app("Web only", "https://10.0.0.8/"),
+    ]
+    assert hosts_of(answer, None) == {"plc-b.invalid", "plc-c.example"}
+    listed, skipped = listed_by_find_servers(
+        "opc.tcp://10.0.0.1:4840/",
+        answer,
+        None,
+        {"plc-b.invalid": False, "plc-c.example": True},
+    )
+    assert [item.url for item in listed] == [
+        "opc.tcp://10.0.0.2:4840/",
+        "opc.tcp://10.0.0.1:48402/b",
+        "opc.tcp://plc-c.example:4840/",
+    ]
+    assert listed[0].application is not None and listed[0].application.name == "Server A"
+    assert skipped == ["'Web only' has no usable opc.tcp DiscoveryURL"]
+
+
+def test_multicast_records_filtered_by_capabilities_without_case() -> None:
+    records = [
+        Record(1, "A", "opc.tcp://a:4840/", ("DA", "HD")),
+        Record(2, "B", "opc.tcp://b:4840/", ("hd",)),
+        Record(3, "C", "https://c/", ("DA",)),
+        Record(4, "A twice", "opc.tcp://a:4840/", ("DA",)),
+    ]
+    listed, skipped = listed_by_find_servers_on_network(records, ["da"])
+    assert [item.url for item in listed] == ["opc.tcp://a:4840/"]
+    assert len(skipped) == 1
+    everything, _ = listed_by_find_servers_on_network(records, [])
+    assert [item.url for item in everything] == ["opc.tcp://a:4840/", "opc.tcp://b:4840/"]
+
+
+def test_properties_are_env_safe_and_bounded() -> None:
+    hostile = Application(
+        uri="urn:\x00x\ny", product_uri="p" * 5000, name="Tab\tName\x7f", type=0,
+        discovery_urls=("opc.tcp://a:1/",),
+    )  # fmt: skip
+    device = device_of(Listed("opc.tcp://a:1/"), hostile)
+    assert device.id == "opc.tcp://a:1/"
+    assert device.properties == {
+        "OPCUA_DISCOVERY_URL": "opc.tcp://a:1/",
+        "OPCUA_APPLICATION_URI": "urn: x y",
+        "OPCUA_APPLICATION_NAME": "Tab Name ",
+        "OPCUA_PRODUCT_URI": "p" * 1024,
+    }
+    assert env_value("é" * 2000) == "é" * 1024
+    record = Record(1, "A", "opc.tcp://a:1/", ("DA", "HD"))
+    assert device_of(Listed("opc.tcp://a:1/", record=record), hostile).properties[
+        "OPCUA_SERVER_CAPABILITIES"
+    ] == "DA,HD"
+
+
+def test_instance_names_are_akris_for_a_discovery_url() -> None:
+    """Akri hashes a shared device's id with blake2b (3 bytes): the DiscoveryURL, verbatim."""
+    url = "opc.tcp://10.0.0.1:4840/"
+    digest = hashlib.blake2b(url.encode(), digest_size=3).hexdigest()
+    key = device_key(url, "node-a", shared=True)
+    assert next(candidate_names("akri-opcua", key)) == (f"akri-opcua-{digest}", digest)
+
+
+# -- the tracker ---------------------------------------------------------------------------------
+
+DIRECT = "opc.tcp://10.0.0.2:4840/"
+LDS = "opc.tcp://10.0.0.1:4840/"
+B = "opc.tcp://10.0.0.3:4840/"
+
+
+def details(*urls: str, **fields: Any) -> OpcuaDetails:
+    base: dict[str, Any] = {
+        "discovery_urls": urls, "recheck_interval": 10.0, "retry_interval": 1.0,
+        "timeout": 3.0,
+    }  # fmt: skip
+    return OpcuaDetails(**{**base, **fields})
+
+
+def answer_direct(tracker: Tracker, now: float) -> None:
+    (target,) = [t for t in tracker.take_due(now) if t.url == DIRECT]
+    server = app("Server A", DIRECT)
+    tracker.answered(target, now, own=[server], listing=[Listed(DIRECT, application=server)])
+
+
+def test_a_server_that_answers_is_offered_and_asked_again_a_period_later() -> None:
+    tracker = Tracker(details(DIRECT), now=0.0)
+    assert not tracker.settled() and tracker.next_due() == 0.0
+    answer_direct(tracker, 0.0)
+    assert tracker.settled()
+    assert [d.id for d in tracker.devices()] == [DIRECT]
+    assert tracker.next_due() == 10.0 and tracker.take_due(9.9) == []
+
+
+def test_a_server_that_stops_is_gone_after_two_failures_and_back_after_the_retry() -> None:
+    tracker = Tracker(details(DIRECT), now=0.0)
+    answer_direct(tracker, 0.0)
+    (target,) = tracker.take_due(10.0)
+    assert tracker.failed(target, 10.0, Failure.UNREACHABLE) is False  # one lost answer
+    assert [d.id for d in tracker.devices()] == [DIRECT]
+    assert tracker.next_due() == 11.0  # asked again after the retry interval, not a period
+    (target,) = tracker.take_due(11.0)
+    assert tracker.failed(target, 11.0, Failure.UNREACHABLE) is True
+    assert tracker.devices() == []
+    for now in (12.0, 13.0, 14.0):  # while it cannot be reached: every retry interval
+        assert tracker.next_due() == now
+        (target,) = tracker.take_due(now)
+        assert tracker.failed(target, now, Failure.UNREACHABLE) is False
+    # it comes back: found at the next retry, 1 s after it failed last, not 10 s
+    assert tracker.next_due() == 15.0
+    answer_direct(tracker, 15.0)
+    assert [d.id for d in tracker.devices()] == [DIRECT]
+
+
+def test_a_broken_server_is_asked_again_after_a_period_not_the_retry() -> None:
+    tracker = Tracker(details(DIRECT), now=0.0)
+    (target,) = tracker.take_due(0.0)
+    tracker.failed(target, 0.0, Failure.BROKEN)
+    assert tracker.settled() and tracker.devices() == []
+    assert tracker.next_due() == 10.0
+    (target,) = tracker.take_due(10.0)
+    tracker.failed(target, 10.0, Failure.UNREACHABLE)
+    assert tracker.next_due() == 11.0
+
+
+def test_servers_behind_a_discovery_server_are_asked_themselves() -> None:
+    tracker = Tracker(details(LDS), now=0.0)
+    (lds,) = tracker.take_due(0.0)
+    server_b = app("Server B", B)
+    tracker.answered(lds, 0.0, own=[server_b], listing=[Listed(B, application=server_b)])
+    assert not tracker.settled() and tracker.devices() == []  # B not asked yet
+    (b,) = tracker.take_due(0.0)
+    assert b.url == B and b.call is Call.FIND_SERVERS and not b.configured
+    tracker.answered(b, 0.1, own=[server_b])
+    assert tracker.settled() and [d.id for d in tracker.devices()] == [B]
+    # the discovery server stops answering: B stays while it answers itself
+    (lds,) = tracker.take_due(10.0)
+    tracker.failed(lds, 10.0, Failure.UNREACHABLE)
+    assert [d.id for d in tracker.devices()] == [B]
+    # it answers again without B (unregistered): B is dropped, even while being asked
+    (lds, b) = sorted(tracker.take_due(11.0), key=lambda t: t.url)
+    tracker.answered(lds, 11.0, own=[], listing=[])
+    assert tracker.devices() == [] and not tracker.current(b)
+    tracker.answered(b, 11.1, own=[server_b])
+    assert tracker.devices() == [] and B not in tracker.targets
+
+
+def test_at_most_max_servers_are_tracked() -> None:
+    tracker = Tracker(details(LDS, max_servers=2), now=0.0)
+    (lds,) = tracker.take_due(0.0)
+    listing = [Listed(f"opc.tcp://10.0.1.{i}:4840/", application=app(str(i))) for i in range(5)]
+    tracker.answered(lds, 0.0, own=[], listing=listing)
+    assert [item.url for item in tracker.listed] == [listing[0].url, listing[1].url]
+    assert tracker.over_cap == 3
+
+
+def test_multicast_offers_what_the_server_says_of_itself_through_the_filters() -> None:
+    tracker = Tracker(
+        details(
+            LDS, method="multicast",
+            application_names=FilterList(Action.EXCLUDE, ("Server C",)),
+        ),
+        now=0.0,
+    )  # fmt: skip
+    (lds,) = tracker.take_due(0.0)
+    assert lds.call is Call.FIND_SERVERS_ON_NETWORK
+    c_url = "opc.tcp://10.0.0.4:4840/"
+    records = [Record(1, "B", B, ("DA",)), Record(2, "C", c_url, ("DA",))]
+    tracker.answered(lds, 0.0, listing=[Listed(r.discovery_url, record=r) for r in records])
+    for target in tracker.take_due(0.0):
+        name = "Server B" if target.url == B else "Server C"
+        tracker.answered(target, 0.0, own=[app(name, target.url)])
+    (device,) = tracker.devices()
+    assert device.id == B and device.properties["OPCUA_SERVER_CAPABILITIES"] == "DA"
+    assert own_application(B, [app("LDS", LDS, kind=ApplicationType.DISCOVERY_SERVER)]) is None
+
+
+# -- the connection, against servers that misbehave ------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def hostile(kind: str) -> AsyncIterator[str]:
+    from tests.doubles.opcua_servers import _hostile
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _hostile(kind, reader, writer)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"opc.tcp://127.0.0.1:{port}/"
+    finally:
+        server.close()
+
+
+async def _error_of(url: str, seconds: float = 2.0) -> Any:
+    from discovery_handlers.opcua import transport
+
+    with pytest.raises(transport.CallError) as raised:
+        await transport.find_servers(url, seconds)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("garbage", "answered with bytes that are not OPC UA (b'HTTP/1.1'; waiting for its Ack"),
+        ("silent", "no answer within 0.5 s (waiting for its Acknowledge)"),
+        ("giant-chunk", "sent a 2147483648-byte chunk, more than the 65535 bytes"),
+        ("huge", "sent a FindServers response of more than 1048576 bytes"),
+    ],
+)
+async def test_a_server_that_misbehaves_gives_one_clear_error(kind: str, message: str) -> None:
+    async with hostile(kind) as url:
+        error = await _error_of(url, 0.5 if kind == "silent" else 5.0)
+    assert message in str(error) and not error.unreachable
+
+
+async def test_refused_and_unresolvable_are_unreachable() -> None:
+    with socket_nobody_listens_on() as port:
+        error = await _error_of(f"opc.tcp://127.0.0.1:{port}/")
+    assert error.unreachable and "Connection refused (connecting)" in str(error)
+    error = await _error_of("opc.tcp://akri-no-such-host.invalid:4840/")
+    assert error.unreachable and "its host does not resolve" in str(error)
+
+
+@contextlib.contextmanager
+def socket_nobody_listens_on() -> Any:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        yield probe.getsockname()[1]
+
+
+async def test_an_error_message_and_a_service_fault_are_reported_with_their_status() -> None:
+    from asyncua import ua
+    from asyncua.ua.ua_binary import struct_to_binary
+
+    from tests.doubles.opcua_servers import _acknowledge, _chunk, _open_response, _read_message
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_message(reader)
+        error = ua.ErrorMessage(ua.StatusCode(ua.StatusCodes.BadTcpEndpointUrlInvalid), "no")
+        writer.write(_chunk(b"ERR", b"F", struct_to_binary(error)))
+        await writer.drain()
+        writer.close()
+
+    async def fault(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_message(reader)
+        writer.write(_acknowledge())
+        await _read_message(reader)
+        writer.write(_open_response(1))
+        await _read_message(reader)
+        response = ua.ServiceFault()
+        response.ResponseHeader.ServiceResult = ua.StatusCode(ua.StatusCodes.BadTooManyOperations)
+        body = struct.pack("<IIII", 7, 1, 2, 2) + struct_to_binary(response)
+        writer.write(_chunk(b"MSG", b"F", body))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    for handle, message in (
+        (refuse, "refused with BadTcpEndpointUrlInvalid: no (waiting for its Acknowledge)"),
+        (fault, "answered FindServers with a fault: BadTooManyOperations"),
+    ):
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            error = await _error_of(f"opc.tcp://127.0.0.1:{port}/")
+        finally:
+            server.close()
+        assert message in str(error) and not error.unreachable
+
+
+def test_the_handler_validates_without_importing_asyncua() -> None:
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    script = (
+        "import sys\n"
+        "from discovery_handlers.opcua import OpcuaHandler\n"
+        "OpcuaHandler().validate('opcuaDiscoveryMethod: {standard: {}}')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('asyncua', 'cryptography')))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert done.stdout.strip() == "[]"
