@@ -39,7 +39,8 @@ stays within ``capacity.<name>.value``.
 Not emulated: CEL (DeviceClass and request selectors are Python callables here, see
 :func:`cel_like`), ``allocationMode: All``, ``firstAvailable``, constraints, opaque config,
 admin access, shared counters (``consumesCounters`` is ignored), ``distinctAttribute``, and
-binding conditions.
+binding conditions (``bindsToNode`` only pins the allocation to the node, as the allocator
+does).
 """
 
 from __future__ import annotations
@@ -611,10 +612,11 @@ def _pick(
 def _allocation_node_selector(
     picked: list[tuple[PoolView, JSON, JSON, str]], node_name: str
 ) -> JSON | None:
-    """Like the allocator: node-local devices pin the claim to the node; node selectors are
-    intersected; devices available on all nodes add no constraint."""
+    """Like the allocator (``createNodeSelector``): node-local devices and devices with
+    ``bindsToNode: true`` pin the claim to the node; node selectors are intersected; devices
+    available on all nodes add no constraint."""
     placements = [p[3] for p in picked]
-    if "nodeName" in placements:
+    if "nodeName" in placements or any(p[2].get("bindsToNode") for p in picked):
         return _node_name_selector(node_name)
     expressions: list[JSON] = []
     match_fields: list[JSON] = []

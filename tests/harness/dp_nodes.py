@@ -122,8 +122,10 @@ def node_settings(
     reclaim_grace: float = 0.5,
     reclaim_interval: float = 0.2,
     dra: bool = False,
+    token: str | None = None,
 ) -> AgentSettings:
-    """The settings ``akri agent`` would run this simulated node with."""
+    """The settings ``akri agent`` would run this simulated node with (``token``: the bearer
+    token of an identity registered with ``api.add_user``; else an administrator)."""
     return AgentSettings(
         local=False,
         state_dir=base / "state",
@@ -135,7 +137,7 @@ def node_settings(
         debug_echo=True,
         debug_echo_shared=True,
         debug_echo_availability_file=base / "avail",
-        kubeconfig=str(api.write_kubeconfig(base / "kubeconfig")),
+        kubeconfig=str(api.write_kubeconfig(base / "kubeconfig", token=token)),
         namespace=None,
         device_plugin_dir=base / "device-plugins",
         pod_resources_socket=base / "pod-resources.sock",
@@ -161,8 +163,10 @@ async def start_dp_node(
     reclaim_interval: float = 0.2,
     dra: bool = False,
     base: Path | None = None,
+    token: str | None = None,
 ) -> DpNode:
-    """Start a node (``base``: reuse the directories of a stopped node, as after a restart)."""
+    """Start a node (``base``: reuse the directories of a stopped node, as after a restart;
+    ``token``: the agent's identity, see :func:`node_settings`)."""
     # unix socket paths are limited to 108 bytes: keep the node's directory short
     if base is None:
         base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/tmp"))
@@ -175,6 +179,7 @@ async def start_dp_node(
         reclaim_grace=reclaim_grace,
         reclaim_interval=reclaim_interval,
         dra=dra,
+        token=token,
     )
     assert settings.device_plugin_dir is not None
     settings.device_plugin_dir.mkdir(parents=True, exist_ok=True)

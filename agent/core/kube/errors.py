@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-CAUSE_MESSAGE_LIMIT = 300  # characters of one cause's message in str(error)
+CAUSE_MESSAGE_LIMIT = 500  # characters of one cause's message in str(error)
 MESSAGE_LIMIT = 300  # characters of a message without causes in str(error)
 
 

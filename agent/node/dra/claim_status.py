@@ -22,6 +22,14 @@ status authorization ``associated-node:update`` on ``resourceclaims/driver`` for
 entries of other drivers are kept, ours replaced. A conflict re-reads and retries; a refusal
 (403, 422) or an unreachable API is logged and never fails the prepare — the status only
 informs.
+
+On 1.36 the API server authorizes ``status.devices`` per node: ``associated-node:update``
+counts only when the claim's allocation is pinned to the agent's node (:func:`pinned_node`),
+otherwise the write needs ``arbitrary-node:update`` and is refused with a **422** whose cause
+is ``status.devices: Forbidden``. A claim of a shared pool kept the pool's selector over all
+its nodes, so every such write was refused on a real cluster (issue 33.2); shared devices are
+therefore published with ``bindsToNode`` (``slices.py``), and a refusal names its causes and
+what is missing.
 """
 
 from __future__ import annotations
@@ -140,6 +148,46 @@ def merged_devices(
     return kept + ours
 
 
+def pinned_node(allocation: Mapping[str, Any] | None) -> str | None:
+    """The node an allocation is pinned to — a ``nodeSelector`` of one term holding only
+    ``matchFields metadata.name In [<node>]``, what the scheduler writes for node-local
+    devices and devices with ``bindsToNode`` — else None (the API server's
+    ``nodeNameFromAllocation``: only then may a node's agent write ``status.devices`` with
+    ``associated-node:update``)."""
+    terms = ((allocation or {}).get("nodeSelector") or {}).get("nodeSelectorTerms") or []
+    if len(terms) != 1 or terms[0].get("matchExpressions"):
+        return None
+    fields = terms[0].get("matchFields") or []
+    if len(fields) != 1:
+        return None
+    requirement = fields[0]
+    values = requirement.get("values") or []
+    if requirement.get("key") != "metadata.name" or requirement.get("operator") != "In":
+        return None
+    return str(values[0]) if len(values) == 1 else None
+
+
+def refusal_hint(error: ApiError, allocation: Mapping[str, Any] | None) -> str:
+    """What to do about a refused write, when the refusal says (a ``status.devices`` cause
+    ``Forbidden``: 1.36's per-node status authorization)."""
+    forbidden = any(
+        c.field == "status.devices" and c.reason == "FieldValueForbidden" for c in error.causes
+    )
+    if not forbidden:
+        return ""
+    if pinned_node(allocation) is None:
+        return (
+            "; the claim's allocation is not pinned to one node (allocated from a shared pool "
+            "whose devices lacked bindsToNode, or the API server drops bindsToNode), so "
+            "writing its status needs arbitrary-node:update on resourceclaims/driver, which "
+            "deploy/base/rbac.yaml does not grant"
+        )
+    return (
+        "; the agent needs associated-node:update on resourceclaims/driver for akri.sh "
+        "(deploy/base/rbac.yaml) and a service-account token that names its node"
+    )
+
+
 def claim_path(namespace: str, name: str) -> str:
     return f"/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}"
 
@@ -179,6 +227,7 @@ class ClaimStatusWriter:
 
     async def _write(self, claim: PreparedClaim, ours: list[dict[str, Any]]) -> None:
         path = claim_path(claim.namespace, claim.name)
+        current: dict[str, Any] = {}
         for attempt in range(1, ATTEMPTS + 1):
             try:
                 current = await self._client.get(path)
@@ -227,11 +276,13 @@ class ClaimStatusWriter:
                 if error.status == 404:
                     return
                 self.refused += 1
+                allocation = (current.get("status") or {}).get("allocation")
                 log.warning(
-                    "ResourceClaim %s/%s: status.devices not written (%s); the claim is "
+                    "ResourceClaim %s/%s: status.devices not written (%s)%s; the claim is "
                     "prepared, only its status lacks the device details",
                     claim.namespace,
                     claim.name,
                     error,
+                    refusal_hint(error, allocation),
                 )
                 return

@@ -114,6 +114,7 @@ class SlicePublisher:
         # capacity falls back to one device per slot, taints to withdrawing offline slots
         self.consumable_supported = True
         self.taints_supported = True
+        self.binds_to_node_supported = True
         self.node = node
         self._list_instances = list_instances
         self._offline = offline
@@ -325,13 +326,14 @@ class SlicePublisher:
         if not self.taints_supported and state.availability != USABLE:
             # untainted offline slots would be allocated: withdraw them, as before taints
             state = SlotState(DRAINING, DeviceOptions(state.options.consumable), state.node)
+        binds = self.binds_to_node_supported
         if instance.resource_version is None:
-            return instance_devices(instance, state)
+            return instance_devices(instance, state, binds_to_node=binds)
         key = (instance.resource_version, state)
         cached = self._devices.get(instance.name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        devices = instance_devices(instance, state)
+        devices = instance_devices(instance, state, binds_to_node=binds)
         self._devices[instance.name] = (key, devices)
         return devices
 
@@ -488,8 +490,9 @@ class SlicePublisher:
     def _fall_back(self, sent: list[dict[str, Any]], stored: list[dict[str, Any]]) -> bool:
         """Whether the difference is a feature the API server does not keep (its gate is
         off): consumable capacity (``allowMultipleAllocations``, ``capacity.*.requestPolicy``,
-        KEP-5075) or taints (KEP-5055). Then say so once and publish without it from the next
-        sync on: one device per slot, offline slots withdrawn."""
+        KEP-5075), taints (KEP-5055) or ``bindsToNode`` (KEP-5007). Then say so once and
+        publish without it from the next sync on: one device per slot, offline slots
+        withdrawn, shared devices not bound to a node."""
         kept = {d.get("name"): d for d in stored if isinstance(d, dict)}
         fell_back = False
         for device in sent:
@@ -518,6 +521,18 @@ class SlicePublisher:
                         device.get("name"),
                     )
                 self.taints_supported = False
+                fell_back = True
+            if device.get("bindsToNode") and not back.get("bindsToNode"):
+                if self.binds_to_node_supported:
+                    log.warning(
+                        "the API server dropped bindsToNode from ResourceSlice device %s (the "
+                        "DRADeviceBindingConditions or DRAResourceClaimDeviceStatus feature "
+                        "gate is off): claims of shared devices keep their pool's node "
+                        "selector, so where claim status is authorized per node the agent "
+                        "cannot write their status.devices; publishing without it",
+                        device.get("name"),
+                    )
+                self.binds_to_node_supported = False
                 fell_back = True
         if fell_back:
             self._devices.clear()

@@ -271,9 +271,19 @@ def slots_capacity(count: int) -> dict[str, Any]:
     }
 
 
-def instance_devices(instance: Instance, state: SlotState | bool) -> tuple[dict[str, Any], ...]:
+def instance_devices(
+    instance: Instance, state: SlotState | bool, *, binds_to_node: bool = True
+) -> tuple[dict[str, Any], ...]:
     """The slice devices of one Instance: its published slots with their attributes, or (with
-    consumable capacity) one device for all of them; tainted while offline or evicting."""
+    consumable capacity) one device for all of them; tainted while offline or evicting.
+
+    A shared Instance's devices carry ``bindsToNode: true`` (unless ``binds_to_node`` is off:
+    the API server drops the field): the scheduler then pins a claim's allocation to the one
+    node it chose (``nodeSelector`` ``metadata.name In [<node>]``) instead of copying the
+    pool's selector over all the Instance's nodes. A slot is prepared for one node anyway
+    (``D:<claim>:<node>``), and only an allocation pinned to the agent's own node lets the
+    agent write the claim's ``status.devices`` with ``associated-node:update`` (1.36's granular
+    status authorization; the real API server answered 422 on every shared device before)."""
     if isinstance(state, bool):
         state = SlotState(DRAINING if state else USABLE)
     slots = published_slots(instance, state)
@@ -281,6 +291,8 @@ def instance_devices(instance: Instance, state: SlotState | bool) -> tuple[dict[
         return ()
     common = _instance_attributes(instance)
     extra: dict[str, Any] = {}
+    if instance.shared and binds_to_node:
+        extra["bindsToNode"] = True
     tainted = taints(state)
     if tainted:
         extra["taints"] = tainted

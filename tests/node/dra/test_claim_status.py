@@ -261,15 +261,31 @@ async def test_a_refused_status_write_is_logged_not_fatal(
     assert claim is not None and "devices" not in claim["status"]
 
 
+def agent_rules() -> list[dict[str, Any]]:
+    """Every rule deploy/base/rbac.yaml grants the agent (its ClusterRole and Role)."""
+    import yaml
+
+    from tests.paths import REPO
+
+    documents = yaml.safe_load_all((REPO / "deploy/base/rbac.yaml").read_text())
+    return [r for d in documents if d and d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
+
+
 async def test_prepare_through_kubelet_fills_the_claim_status(
-    api: ApiServerDouble, tmp_path: Path
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """As on a real 1.36 cluster: the agent is its DaemonSet's service account (its token
+    names its node), allowed what deploy/base/rbac.yaml grants, and the API server authorizes
+    status.devices per node. debugEcho devices are shared: before their slices carried
+    bindsToNode, the claim's allocation kept the pool's hostname selector and the write was
+    refused with 422 (issue 33.2)."""
     from tests.doubles.dra_kubelet import DraKubeletDouble
     from tests.harness.dp_nodes import start_dp_node
     from tests.harness.k8s_nodes import debug_echo_configuration, eventually
 
     api.create(debug_echo_configuration("cam", ("foo0",), 2))
-    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    api.add_user("agent-a", "system:serviceaccount:akri:akri-agent", agent_rules(), node="node-a")
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True, token="agent-a")
     kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
     try:
         await kubelet.start()
@@ -282,14 +298,25 @@ async def test_prepare_through_kubelet_fills_the_claim_status(
         )
         claim = create_claim(api, "default", "c1")
         uid = claim["metadata"]["uid"]
-        allocate_claim(api, "default", "c1", "node-a", pod_name="p1", pod_uid="p1")
+        allocated = allocate_claim(api, "default", "c1", "node-a", pod_name="p1", pod_uid="p1")
+        assert allocated["status"]["allocation"]["nodeSelector"] == {
+            "nodeSelectorTerms": [
+                {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}
+            ]
+        }  # a shared pool's device, bound to the node the scheduler chose
         await kubelet.prepare("p1", [("default", uid, "c1")])
 
         def written() -> list[dict[str, Any]]:
             stored = api.get(CLAIMS, "c1", "default") or {}
             return list((stored.get("status") or {}).get("devices") or [])
 
-        await eventually(lambda: written() != [], within=10, what="status.devices written")
+        def refused() -> bool:
+            return "status.devices not written" in caplog.text
+
+        await eventually(
+            lambda: written() != [] or refused(), within=10, what="status.devices written"
+        )
+        assert not refused(), caplog.text
         (device,) = written()
         assert device["driver"] == "akri.sh"
         assert (device["pool"], device["device"]) == ("cam-8120fe", "cam-8120fe-0")
@@ -320,3 +347,39 @@ async def test_deallocation_drops_the_status_entries(api: ApiServerDouble, tmp_p
     assert (api.get(CLAIMS, "c3", "default") or {})["status"]["devices"]
     claim = release_claim(api, "default", "c3")
     assert "devices" not in claim["status"] and "allocation" not in claim["status"]
+
+
+async def test_a_refusal_names_its_cause_and_what_is_missing(
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A claim allocated from a shared pool whose devices lack bindsToNode (published by an
+    older agent, or the API server drops the field) keeps the pool's hostname selector: the
+    node's agent may not write its status.devices (422, cause status.devices Forbidden)."""
+    selector = {
+        "nodeSelectorTerms": [
+            {
+                "matchExpressions": [
+                    {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+                ]
+            }
+        ]
+    }
+    api.create(resource_slice("s", pool="cam-123456", devices=["d-0"], node_selector=selector))
+    claim = create_claim(api, "default", "c4")
+    stored = allocate_claim(api, "default", "c4", "node-a", pod_name="p", pod_uid="p-uid")
+    assert stored["status"]["allocation"]["nodeSelector"] == selector
+    api.add_user("agent-a", "system:serviceaccount:akri:akri-agent", agent_rules(), node="node-a")
+    client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kc", token="agent-a")))
+    writer = ClaimStatusWriter(client, lambda: [camera()])
+    try:
+        writer.prepared(
+            prepared(
+                claim["metadata"]["uid"], "c4", ("cam-123456", "d-0", "cam-123456", "cam-123456-0")
+            )
+        )
+        await writer.wait()
+    finally:
+        await client.close()
+    assert writer.refused == 1
+    assert "status.devices: Forbidden: changing status.devices requires" in caplog.text
+    assert "the claim's allocation is not pinned to one node" in caplog.text

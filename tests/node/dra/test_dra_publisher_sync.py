@@ -79,9 +79,9 @@ async def test_devices_are_computed_once_per_instance_version(monkeypatch: Any) 
     calls: list[str] = []
     real = instance_devices
 
-    def counting(instance: Instance, offline: bool) -> Any:
+    def counting(instance: Instance, offline: bool, **options: Any) -> Any:
         calls.append(instance.name)
-        return real(instance, offline)
+        return real(instance, offline, **options)
 
     monkeypatch.setattr(publisher_module, "instance_devices", counting)
     instances = [versioned(inst(f"cam-{i}", i % 2 == 0, ("n1",), 2), i + 1) for i in range(10)]
