@@ -21,18 +21,20 @@ from tests.paths import REPO
 ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.core.aio": (),
     "agent.core.telemetry": (),
-    # discovery_handlers.details: bounded YAML loading, shared with the handlers' SDK
-    "agent.core.model": ("discovery_handlers.details",),
-    "agent.core.kube": ("agent.core.telemetry", "discovery_handlers.details"),
-    "agent.core": ("agent.core", "agent.protos", "discovery_handlers.details"),
+    # bounded YAML loading and brief values, shared with the discovery handlers
+    "agent.core.bounded_yaml": (),
+    "agent.core.model": ("agent.core.bounded_yaml",),
+    "agent.core.kube": ("agent.core.telemetry", "agent.core.bounded_yaml"),
+    "agent.core": ("agent.core", "agent.protos"),
     "agent.ops": ("agent.core",),
     "agent.node": ("agent.core", "agent.ops", "agent.protos", "agent.node", "discovery_handlers"),
     "agent.controller": ("agent.core", "agent.ops", "agent.controller"),
     "agent.protos": ("agent.protos",),
     # agent/__init__.py and the ``akri`` command (agent/cli.py) wire everything together
     "agent": ("agent", "discovery_handlers"),
-    # the debugEcho handler borrows the agent's inotify kit when it runs inside the agent
-    "discovery_handlers": ("discovery_handlers", "agent.core.aio"),
+    # the debugEcho handler borrows the agent's inotify kit when it runs inside the agent;
+    # every handler loads discoveryDetails with the core's bounded YAML loading
+    "discovery_handlers": ("discovery_handlers", "agent.core.aio", "agent.core.bounded_yaml"),
 }
 
 
@@ -191,3 +193,73 @@ def test_the_layout_check_catches_a_wrong_import(tmp_path: Path) -> None:
 def test_every_package_says_its_job(package: str) -> None:
     init = REPO / package / "__init__.py"
     assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def architecture_rows() -> list[str]:
+    """The first cell of each row of docs/architecture.md's package table, in order."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    table = text.split("## Where things are", 1)[1].split("\n\n| package |", 1)[1]
+    rows = []
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line.split("|")[1].strip())
+    return rows
+
+
+def row_paths(cell: str) -> list[str]:
+    """``agent/node/app.py``, ``settings.py`` -> both paths, the second in the first's folder."""
+    names = [name.strip().strip("`") for name in cell.split(",")]
+    folder = names[0].rpartition("/")[0]
+    return [names[0], *(n if "/" in n else f"{folder}/{n}" for n in names[1:])]
+
+
+def parent_row(index: int, rows: list[list[str]]) -> int | None:
+    """The row of the nearest package folder that holds row ``index``'s first path."""
+    path = rows[index][0]
+    best: tuple[int, int] | None = None
+    for other, paths in enumerate(rows):
+        for candidate in paths:
+            holds = other != index and candidate.endswith("/") and path.startswith(candidate)
+            if holds and (best is None or len(candidate) > best[0]):
+                best = (len(candidate), other)
+    return None if best is None else best[1]
+
+
+def misplaced_rows(cells: list[str]) -> list[str]:
+    """Rows that do not follow their package's row (directly, or after its other rows)."""
+    rows = [row_paths(cell) for cell in cells]
+    wrong = []
+    for index, paths in enumerate(rows):
+        parent = parent_row(index, rows)
+        if parent is None:
+            continue
+        between = range(parent + 1, index)
+        inside = all(
+            rows[i][0].startswith(rows[parent][0]) or parent_row(i, rows) == parent for i in between
+        )
+        if parent > index or not inside:
+            wrong.append(f"{paths[0]} is not beside {rows[parent][0]}")
+    return wrong
+
+
+def test_the_architecture_table_puts_every_file_beside_its_package() -> None:
+    """Issue 34.17: rows added for split-out files sat after ``deploy/``."""
+    assert misplaced_rows(architecture_rows()) == []
+
+
+def test_the_row_placement_check_can_fail() -> None:
+    cells = ["`agent/core/`", "`agent/core/store/`", "`deploy/`", "`agent/core/store/x.py`"]
+    assert misplaced_rows(cells) == ["agent/core/store/x.py is not beside agent/core/store/"]
+    assert misplaced_rows(cells[:2] + cells[3:] + cells[2:3]) == []
+
+
+def test_every_package_of_the_map_is_in_the_architecture_table() -> None:
+    """Each entry of ALLOWED has a row (the map is documented where people read it)."""
+    documented = {
+        path.removesuffix("/").removesuffix(".py").replace("/", ".")
+        for cell in architecture_rows()
+        for path in row_paths(cell)
+    }
+    missing = [prefix for prefix in ALLOWED if prefix not in documented and prefix != "agent"]
+    assert missing == []

@@ -361,7 +361,7 @@ def _read(path: Path, where: str) -> bytes:
 def _load_yaml(path: Path) -> Mapping[str, Any]:
     import yaml  # only needed outside a pod
 
-    from discovery_handlers.details import YamlLimitError, safe_load_all_limited, yaml_problem
+    from agent.core.bounded_yaml import YamlLimitError, safe_load_all_limited, yaml_problem
 
     text = _read(path, "kubeconfig").decode("utf-8", "replace")
     try:

@@ -9,9 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent.core.bounded_yaml import brief
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
 from agent.core.model.naming import MAX_CAPACITY, is_dns_subdomain
-from discovery_handlers.details import brief
 
 API_VERSION = "akri.sh/v0"
 KIND = "Configuration"

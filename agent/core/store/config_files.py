@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from agent.core.bounded_yaml import YamlLimitError, safe_load_all_limited, yaml_problem
 from agent.core.model.configuration import (
     Configuration,
     ConfigurationError,
@@ -59,7 +60,6 @@ from agent.core.store.base import (
     StorageError,
 )
 from agent.core.store.files import atomic_write_json, read_json
-from discovery_handlers.details import YamlLimitError, safe_load_all_limited, yaml_problem
 
 log = logging.getLogger(__name__)
 FileKey = tuple[int, int, int]

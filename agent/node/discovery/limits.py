@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from agent.core.bounded_yaml import brief
 from discovery_handlers.base import Device
-from discovery_handlers.details import brief
 
 MAX_DEVICES = 10_000
 MAX_ID_BYTES = 4096

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.core.aio.events import Subscription
+from agent.core.bounded_yaml import brief
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.model.configuration import Configuration
 from agent.core.model.keys import ObjectKey
@@ -39,7 +40,6 @@ from agent.node.discovery.plan import grace_for
 from agent.node.discovery.retirement import Retirement
 from agent.node.discovery.runner import ConfigurationRunner
 from discovery_handlers.base import Device, InvalidDiscoveryDetailsError
-from discovery_handlers.details import brief
 from discovery_handlers.registry import HandlerRegistry
 
 log = logging.getLogger("agent.discovery")

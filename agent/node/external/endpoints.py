@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from agent.core.bounded_yaml import brief
 from agent.node.discovery.limits import ReportRejectedError, check_report
 from discovery_handlers.base import Device, DeviceSpec, Mount
-from discovery_handlers.details import brief
 
 REGISTRATION_SOCKET = "agent-registration.sock"
 """Akri's file name for the agent's registration socket, in the handler directory."""
