@@ -119,6 +119,11 @@ def read_json(path: Path) -> Any:
         raw = path.read_bytes()
     except OSError as error:
         raise CorruptStateError(str(path), f"cannot read: {error.strerror}") from error
+    return parse_json(raw, path)
+
+
+def parse_json(raw: bytes, path: Path) -> Any:
+    """:func:`read_json` of bytes already read from ``path``."""
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:

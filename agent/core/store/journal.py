@@ -14,6 +14,11 @@ rewrite of the file that was killed before it could remove the journal). A full 
 ``.json`` file (any other change, or a compaction every :data:`COMPACT_AFTER` lines) folds
 the journal in and then removes it.
 
+Writers change the two files one after the other under the exclusive lock, so a reader reads
+both under the shared lock (:mod:`agent.core.store.consistent_read`): an old ``.json`` read
+before a compaction with the journal the next claim started after it would have the newest
+resourceVersion without the claims in between.
+
 Crash safety, ``kill -9`` at any byte: a line counts only once its closing ``\\n`` is on
 disk, and the newline is its last byte, so a torn last line is ignored when read and cut off
 under the lock before the next append; a complete line that is not a record is damage, and

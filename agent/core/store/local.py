@@ -8,11 +8,15 @@ Layout::
     STATE_DIR/resource-version            last resourceVersion handed out (an integer)
     STATE_DIR/configurations.json         each Configuration's owning file and
                                           creationTimestamp (kept across restarts)
-    STATE_DIR/.lock                       flock taken around every write
+    STATE_DIR/.lock                       flock taken around every write (exclusive) and
+                                          every read of an Instance (shared)
 
 CAS semantics match the API server: every write happens under an exclusive ``flock`` (so
 several agents may share one state dir, e.g. to simulate nodes), re-reads the file, and
 refuses the write if the stored resourceVersion differs from the one the caller decided on.
+Every read (``get``, the rescan, ``akri status``) holds the lock shared while it reads an
+Instance's file and journal, so it sees what one write left, never an old file with a newer
+journal (:mod:`agent.core.store.consistent_read`).
 ResourceVersions come from one counter that is persisted *before* the object that uses it,
 so a version is never reused, even after ``kill -9``.
 """
@@ -52,9 +56,11 @@ from agent.core.store.base import (
 )
 from agent.core.store.cache import InstanceCache
 from agent.core.store.config_files import ConfigurationFiles
+from agent.core.store.consistent_read import ReadLock, read_instance_files
 from agent.core.store.files import (
     atomic_write_bytes,
     atomic_write_json,
+    parse_json,
     read_json,
     remove_file,
     remove_stray_temp_files,
@@ -137,15 +143,35 @@ def load_instance_file(path: Path, namespace: str = DEFAULT_NAMESPACE) -> Instan
 def load_with_journal(
     path: Path, namespace: str = DEFAULT_NAMESPACE
 ) -> tuple[Instance, journal.Journal]:
-    """The Instance (its file with the journal's newer records applied) and the journal."""
+    """The Instance (its file with the journal's newer records applied) and the journal. The
+    two files are read apart: the caller holds the state directory's lock (a writer), or
+    nobody else writes (tests); readers use :func:`read_instance`."""
     instance = _load_file(path, namespace)
     slot_journal = journal.read(path)
     where = str(journal.journal_path(path))
     return journal.replay(instance, slot_journal, where), slot_journal
 
 
+def read_instance(lock: ReadLock, path: Path, namespace: str) -> Instance | None:
+    """Instance file ``path`` and its journal as one write left them (read under the shared
+    lock, :mod:`agent.core.store.consistent_read`); None when there is no such file."""
+    pair = read_instance_files(lock, path)
+    return None if pair is None else parse_instance(pair, path, namespace)
+
+
+def parse_instance(pair: tuple[bytes, bytes], path: Path, namespace: str) -> Instance:
+    """The Instance of the bytes of its file and journal (pure but for the names in errors)."""
+    data, journal_data = pair
+    where = str(journal.journal_path(path))
+    instance = _parse_file(parse_json(data, path), path, namespace)
+    return journal.replay(instance, journal.parse(journal_data, where), where)
+
+
 def _load_file(path: Path, namespace: str) -> Instance:
-    obj = read_json(path)
+    return _parse_file(read_json(path), path, namespace)
+
+
+def _parse_file(obj: Any, path: Path, namespace: str) -> Instance:
     problem = _metadata_problem(obj)
     if problem is not None:
         raise CorruptStateError(str(path), problem)
@@ -210,19 +236,19 @@ def check_counter_file(path: Path) -> None:
 
 
 def read_state_dir(state_dir: Path) -> list[Instance]:
-    """All Instances in ``state_dir`` (for ``akri status``); raises on a corrupt file."""
+    """All Instances in ``state_dir`` (for ``akri status`` and the store's rescan), each as
+    one write left it; raises on a corrupt file. Each Instance is read under the shared lock
+    on its own, so a reader of many Instances holds writers back for two reads at a time."""
     check_counter_file(state_dir / COUNTER_FILE)
     directory = state_dir / INSTANCES_DIR
     if not directory.is_dir():
         return []
     instances = []
-    for path, namespace in _instance_files(directory):
-        try:
-            instances.append(load_instance_file(path, namespace))
-        except CorruptStateError:
-            if path.exists():
-                raise
-            # deleted by another process between the listing and the read: it is gone
+    with ReadLock(state_dir / LOCK_FILE) as lock:
+        for path, namespace in _instance_files(directory):
+            instance = read_instance(lock, path, namespace)
+            if instance is not None:  # else deleted since the listing: it is gone
+                instances.append(instance)
     return sorted(instances, key=lambda inst: inst.key)
 
 
@@ -348,10 +374,15 @@ class LocalInstanceStore(InstanceStore):
 
     async def get(self, key: ObjectKey) -> Instance:
         path = self._path(key)
-        if not path.exists():
+        with ReadLock(self._lock_path) as lock:
+            try:  # on the loop when no writer holds the lock: two reads, no thread hop
+                pair = read_instance_files(lock, path, wait=False)
+            except BlockingIOError:  # a write in progress (any process): wait off the loop
+                pair = await asyncio.to_thread(read_instance_files, lock, path)
+        if pair is None:
             self._apply_to_cache(key, None)
             raise NotFoundError(str(key))
-        instance = load_instance_file(path, key.namespace)
+        instance = parse_instance(pair, path, key.namespace)
         self._apply_to_cache(key, instance)
         return instance
 
@@ -614,11 +645,13 @@ class LocalInstanceStore(InstanceStore):
             return None
 
     def _rescan(self, *, publish: bool) -> None:
-        # under the lock (shared): a writer persists the counter before the object that uses
-        # it, so a rescan woken by the counter must wait until that object is written too
+        # The counter's stat under the lock (shared): a writer persists the counter before
+        # the object that uses it, so a rescan woken by the counter waits until that object
+        # is written too. Each Instance is then read under the lock on its own: a write that
+        # comes in between changes the counter again, and the next poll reads it.
         with self._flock(shared=True):
             self._last_counter_stat = self._counter_stat()
-            on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
+        on_disk = {inst.key: inst for inst in read_state_dir(self.state_dir)}
         self._max_version = max(
             [self._max_version, *(int(i.resource_version or 0) for i in on_disk.values())]
         )
