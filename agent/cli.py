@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from agent.controller.settings import ControllerSettings
     from agent.core.store.base import InstanceStore
     from agent.node.settings import AgentSettings
+    from agent.ops.flags import FlagParser
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -26,6 +27,28 @@ EXIT_CORRUPT_STATE = 3
 EXIT_UNAVAILABLE = 4
 EXIT_UNUSABLE_PATH = 5
 WAIT_STEP = 0.2  # seconds between two looks of `akri status --wait`
+
+DESCRIPTION = """\
+akri: an Akri-compatible device discovery agent for Kubernetes. It finds devices near each node
+(USB, serial, IP cameras, mDNS/MQTT/OPC UA devices) and offers them to pods as Akri Instances
+with capacity slots.
+
+Try it without a cluster: akri agent --local --config examples/debug-echo.yaml
+"""
+EPILOG = "akri COMMAND --help shows a command's flags and their defaults (docs/commands.md)."
+AGENT_DESCRIPTION = (
+    "The per-node agent (a DaemonSet): discovers devices with the handlers its Configurations "
+    "name, keeps one Instance per device with its capacity slots, and offers the slots to "
+    "kubelet (device plugins; DRA). With --local it needs no cluster: Configurations come from "
+    "--config files and Instances are kept in --state-dir. Every flag has an AKRI_* variable "
+    "(flag > environment > default)."
+)
+# what --poll-interval means to a handler process (the agent's help speaks of Configuration
+# files, which a handler process does not read)
+HANDLER_POLL_HELP = (
+    "debugEcho: seconds between looks at --debug-echo-availability-file where inotify cannot "
+    "be used (at most 0.5)"
+)
 
 # the agent flags that apply to ``akri handler``
 HANDLER_FLAGS = {
@@ -38,20 +61,31 @@ HANDLER_FLAGS = {
 }
 
 
-def _parser(command: str | None = None) -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> FlagParser:
     """The whole command line; the flags of ``akri controller`` only when ``command`` is
     ``controller``: they come from the controller's modules (broker, Lease and node
     settings, the Kubernetes client: 20-70 ms of imports) that no other command needs."""
     import argparse
+    import dataclasses
     from pathlib import Path
 
     from agent.node.settings import AGENT_OPTIONS, add_options, parse_seconds
+    from agent.ops.flags import FlagParser
 
-    parser = argparse.ArgumentParser(prog="akri", description=__doc__)
+    parser = FlagParser(
+        prog="akri",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"akri {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("version", help="print the version")
-    agent = commands.add_parser("agent", help="run the node agent")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("version", help="print the version", description="Print the version.")
+    agent = commands.add_parser(
+        "agent",
+        help="run the node agent (the DaemonSet; --local: no cluster)",
+        description=AGENT_DESCRIPTION,
+    )
     add_options(agent, AGENT_OPTIONS)
     controller = commands.add_parser(
         "controller",
@@ -73,9 +107,20 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     handler.add_argument("name", metavar="NAME", help="debugEcho, udev, ... (as in Configurations)")
     handler.add_argument(
-        "--port", type=int, default=10000, help="port served when POD_IP is set (Akri: 10000)"
+        "--port",
+        type=int,
+        default=10000,
+        metavar="PORT",
+        help="port served when POD_IP is set (default: 10000, as Akri's handlers)",
     )
-    add_options(handler, tuple(o for o in AGENT_OPTIONS if o.flag in HANDLER_FLAGS))
+    add_options(
+        handler,
+        tuple(
+            dataclasses.replace(o, help=HANDLER_POLL_HELP) if o.flag == "--poll-interval" else o
+            for o in AGENT_OPTIONS
+            if o.flag in HANDLER_FLAGS
+        ),
+    )
     status = commands.add_parser(
         "status",
         help="show Configurations, Instances and their slots (cluster or local state)",
@@ -95,13 +140,23 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         "--state-dir",
         type=Path,
         default=None,
-        help="local state directory (implies --local) [env AKRI_STATE_DIR]",
+        metavar="DIR",
+        help="local state directory (implies --local; default: /var/lib/akri/state) "
+        "[env AKRI_STATE_DIR]",
     )
-    status.add_argument("--output", "-o", choices=("table", "json"), default="table")
+    status.add_argument(
+        "--output",
+        "-o",
+        choices=("table", "json"),
+        default="table",
+        help="table (default): aligned columns for people; json: CRD-shaped objects for scripts",
+    )
     status.add_argument(
         "--kubeconfig",
         default=None,
-        help="read the cluster with this kubeconfig [env AKRI_KUBECONFIG, then KUBECONFIG]",
+        metavar="PATH",
+        help="read the cluster with this kubeconfig (default: none, unless configured as "
+        "above) [env AKRI_KUBECONFIG, then KUBECONFIG]",
     )
     status.add_argument(
         "--cluster",
@@ -109,7 +164,13 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         help="read the cluster even when none is configured in the environment (in a pod, "
         "$KUBECONFIG, ~/.kube/config)",
     )
-    status.add_argument("--namespace", "-n", default=None, help="cluster: only this namespace")
+    status.add_argument(
+        "--namespace",
+        "-n",
+        default=None,
+        metavar="NS",
+        help="cluster: only this namespace (default: all)",
+    )
     status.add_argument(
         "--wait",
         type=parse_seconds,
@@ -117,7 +178,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="an agent was just started: wait up to SECONDS for its first Instance (the state "
         "directory or the cluster may not be there yet) before printing; exit 1 if none came "
-        "(default: 0, print at once)",
+        "(default: 0: print at once)",
     )
     return parser
 
@@ -323,9 +384,7 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
     deadline = time.monotonic() + args.wait
     while True:
         try:
-            configurations, raw, events = asyncio.run(
-                _cluster_objects(kubeconfig, args.namespace)
-            )
+            configurations, raw, events = asyncio.run(_cluster_objects(kubeconfig, args.namespace))
         except (ApiError, ConfigError, TransportError, OSError) as error:
             if time.monotonic() < deadline:  # --wait: the API server may be starting
                 time.sleep(WAIT_STEP)
@@ -510,7 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the first word that is not an option names the command (`akri` itself has no option
     # that takes a value)
     command = next((word for word in arguments if not word.startswith("-")), None)
-    args = _parser(command).parse_args(arguments)
+    parser = _parser(command)
+    args, unknown = parser.parse_known_args(arguments)
+    if unknown:
+        # said by the command's own parser: it knows the flags to suggest
+        parser.subparser(args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "version":
         print(f"akri {__version__}")
         return 0

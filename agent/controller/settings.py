@@ -15,9 +15,10 @@ from agent.controller.nodes import NODE_GRACE
 from agent.ops.flags import (
     Option,
     SettingsError,
-    ValueProblem,
     add_options,
+    one_of,
     parse_interval,
+    parse_log_level,
     parse_port,
     parse_seconds,
     resolve,
@@ -29,33 +30,20 @@ HEALTH_PORT = 10280  # the agent's port number too: one PodMonitor port name (``
 ControllerSettingsError = SettingsError  # a flag or environment variable has an unusable value
 
 
-def _level(text: str) -> str:
-    value = text.upper()
-    if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        raise ValueProblem(f"unknown level {text[:40]!r}")
-    return value
-
-
-def _log_format(text: str) -> str:
-    value = text.lower()
-    if value not in ("text", "json"):
-        raise ValueProblem(f"expected text or json, got {text[:40]!r}")
-    return value
-
-
 CONTROLLER_FLAGS = (
     Option("--kubeconfig", "AKRI_KUBECONFIG", str, None,
          "kubeconfig file (default: in-cluster config, then $KUBECONFIG, ~/.kube/config)",
-         ("KUBECONFIG",)),
+         ("KUBECONFIG",), metavar="PATH"),
     Option("--namespace", "AKRI_NAMESPACE", str, None,
-         "only Configurations/Instances of this namespace (default: all)"),
+         "only Configurations/Instances of this namespace (default: all)", metavar="NS"),
     Option("--lease-namespace", "AKRI_LEASE_NAMESPACE", str, None,
          "namespace of the leader-election Lease (default: the pod's, from the kubeconfig)",
-         ("POD_NAMESPACE",)),
-    Option("--lease-name", "AKRI_LEASE_NAME", str, "akri-controller", "leader-election Lease name"),
+         ("POD_NAMESPACE",), metavar="NS"),
+    Option("--lease-name", "AKRI_LEASE_NAME", str, "akri-controller", "leader-election Lease name",
+         metavar="NAME"),
     Option("--identity", "AKRI_CONTROLLER_IDENTITY", str, None,
          "this replica's name in the Lease (default: $POD_NAME or the host name, plus a "
-         "random suffix)", ("POD_NAME",)),
+         "random suffix)", ("POD_NAME",), metavar="NAME"),
     Option("--lease-duration", "AKRI_LEASE_DURATION", parse_interval, LEASE_DURATION,
          "seconds a standby waits on an unrenewed Lease before taking over"),
     Option("--renew-deadline", "AKRI_RENEW_DEADLINE", parse_interval, RENEW_DEADLINE,
@@ -74,9 +62,10 @@ CONTROLLER_FLAGS = (
     Option("--health-port", "AKRI_HEALTH_PORT", parse_port, HEALTH_PORT,
          "serve /healthz, /readyz and /metrics on this port (0: off)"),
     Option("--health-address", "AKRI_HEALTH_ADDRESS", str, "0.0.0.0",
-         "address of the health and metrics port"),
-    Option("--log-level", "AKRI_LOG_LEVEL", _level, "INFO", "DEBUG, INFO, WARNING or ERROR"),
-    Option("--log-format", "AKRI_LOG_FORMAT", _log_format, "text",
+         "address of the health and metrics port", metavar="ADDR"),
+    Option("--log-level", "AKRI_LOG_LEVEL", parse_log_level, "INFO",
+         "log lines of this level and above"),
+    Option("--log-format", "AKRI_LOG_FORMAT", one_of("text", "json"), "text",
          "text, or json (one object per line)"),
 )  # fmt: skip
 

@@ -20,8 +20,10 @@ from agent.ops.flags import Option as Option
 from agent.ops.flags import SettingsError as SettingsError
 from agent.ops.flags import ValueProblem as ValueProblem
 from agent.ops.flags import add_options as add_options
+from agent.ops.flags import one_of as one_of
 from agent.ops.flags import parse_bool as parse_bool
 from agent.ops.flags import parse_interval as parse_interval
+from agent.ops.flags import parse_log_level as parse_log_level
 from agent.ops.flags import parse_port as parse_port
 from agent.ops.flags import parse_seconds as parse_seconds
 from agent.ops.flags import resolve as resolve
@@ -113,8 +115,15 @@ AGENT_OPTIONS = (
         None,
         "this node's name (default: $AGENT_NODE_NAME, then the host name)",
         fallbacks=("AGENT_NODE_NAME",),
+        metavar="NAME",
     ),
-    Option("--log-level", "AKRI_LOG_LEVEL", str.upper, "INFO", "DEBUG, INFO, WARNING or ERROR"),
+    Option(
+        "--log-level",
+        "AKRI_LOG_LEVEL",
+        parse_log_level,
+        "INFO",
+        "log lines of this level and above",
+    ),
     Option(
         "--local-offline-grace",
         "AKRI_LOCAL_OFFLINE_GRACE",
@@ -159,6 +168,7 @@ AGENT_OPTIONS = (
         None,
         "cluster mode: kubeconfig file (default: in-cluster config, then ~/.kube/config)",
         fallbacks=("KUBECONFIG",),
+        metavar="PATH",
     ),
     Option(
         "--namespace",
@@ -166,6 +176,7 @@ AGENT_OPTIONS = (
         str,
         None,
         "cluster mode: only watch Configurations/Instances in this namespace (default: all)",
+        metavar="NS",
     ),
     Option(
         "--device-plugin-dir",
@@ -216,7 +227,7 @@ AGENT_OPTIONS = (
     Option(
         "--extended-resources",
         "AKRI_EXTENDED_RESOURCES",
-        str,
+        one_of("auto", "dra", "device-plugins"),
         "auto",
         "how pods' limits: {akri.sh/<name>: N} are served on this node: 'dra' (ResourceSlices "
         "+ the DRA driver, KEP-5004), 'device-plugins', or 'auto': DRA when kubelet is 1.36+ "
@@ -247,7 +258,7 @@ AGENT_OPTIONS = (
     Option(
         "--udev-monitor-source",
         "AKRI_UDEV_MONITOR_SOURCE",
-        str,
+        one_of("udev", "kernel"),
         None,
         "udev hotplug events from 'udev' (needs udevd and hostNetwork) or 'kernel' "
         "(default: udev if /run/udev/control exists, else kernel)",
@@ -277,6 +288,7 @@ AGENT_OPTIONS = (
         (),
         "comma-separated CIDRs where network endpoints of external handlers may be, besides "
         "this node's own addresses (e.g. the node's pod CIDR)",
+        metavar="CIDRS",
     ),
     Option(
         "--discovery-handler-sockets-anywhere",
@@ -306,11 +318,12 @@ AGENT_OPTIONS = (
         str,
         "0.0.0.0",
         "address of the health and metrics port",
+        metavar="ADDR",
     ),
     Option(
         "--log-format",
         "AKRI_LOG_FORMAT",
-        str.lower,
+        one_of("text", "json"),
         "text",
         "text, or json (one object per line, with configuration/instance/slot/node fields)",
     ),
@@ -319,7 +332,9 @@ AGENT_OPTIONS = (
         "AKRI_POLL_INTERVAL",
         parse_interval,
         1.0,
-        "local mode: how often Configuration files and the state dir are re-checked",
+        "local mode: a changed Configuration file is read again this long after inotify "
+        "reported it, and applied when both reads agree; without inotify, how often files "
+        "and the state dir are re-checked",
     ),
     Option(
         "--max-instances",
@@ -330,6 +345,7 @@ AGENT_OPTIONS = (
         "(Configurations by namespace and name, devices by id; the rest are left out with an "
         f"Event OverBudget); 0: no limit. Default {DEFAULT_MAX_INSTANCES}: fits the "
         "DaemonSet's 384Mi memory limit, also after kubelet restarts (docs/performance.md)",
+        metavar="N",
     ),
 )
 

@@ -9,10 +9,12 @@ default (:func:`resolve`). The parsers say in their message what is allowed. Use
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+import difflib
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
@@ -25,6 +27,30 @@ class SettingsError(ValueError):
 
 class ValueProblem(argparse.ArgumentTypeError, ValueError):
     """A flag or variable value that is not allowed; the message says what is."""
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the known word closest to ``word``, or ``""``."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def one_of(*allowed: str, normalize: Callable[[str], str] = str.lower) -> Callable[[str], str]:
+    """A parser that accepts one of ``allowed`` (after ``normalize``), and otherwise says
+    which are allowed and the closest one. Its ``choices`` attribute names them for help."""
+
+    def parse(text: str) -> str:
+        value = normalize(text.strip())
+        if value in allowed:
+            return value
+        listed = ", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+        raise ValueProblem(f"must be {listed}, got {text[:40]!r}{did_you_mean(value, allowed)}")
+
+    parse.choices = allowed  # type: ignore[attr-defined]
+    return parse
+
+
+parse_log_level = one_of("DEBUG", "INFO", "WARNING", "ERROR", normalize=str.upper)
 
 
 def parse_bool(text: str) -> bool:
@@ -86,16 +112,116 @@ class Option:
     help: str
     fallbacks: tuple[str, ...] = ()
     repeat: bool = False
+    metavar: str | None = None  # default: from the parser (SECONDS, PORT, DIR, PATH, a choice)
 
     @property
     def dest(self) -> str:
         return self.flag.lstrip("-").replace("-", "_")
 
+    def shown_default(self) -> str | None:
+        """The default as ``--help`` shows it (None: the help text says it, in words)."""
+        value = self.default
+        if value is None or "default" in self.help:
+            return None
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, (list, tuple)) and not value:
+            return "none"
+        if isinstance(value, float):
+            return f"{value:g}"
+        return str(value)
+
+    def shown_metavar(self) -> str:
+        if self.metavar:
+            return self.metavar
+        choices = getattr(self.parse, "choices", None)
+        if choices:
+            return "|".join(choices)
+        if self.parse in (parse_seconds, parse_interval):
+            return "SECONDS"
+        if self.parse is parse_port:
+            return "PORT"
+        if self.parse is Path:
+            return "DIR" if self.flag.endswith("-dir") else "PATH"
+        return self.dest.upper()
+
+
+class FlagParser(argparse.ArgumentParser):
+    """``argparse`` whose errors are one line — the command, the flag, what is wrong and what
+    would be right (with a "did you mean") — instead of the whole usage and a line at its end.
+    Sub-commands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {self.explain(message)}\n")
+
+    def subparser(self, command: str) -> FlagParser:
+        """The parser of ``command`` (this one if it has no such sub-command)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+                found = action.choices[command]
+                return found if isinstance(found, FlagParser) else self
+        return self
+
+    def flags(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+
+    def commands(self) -> list[str]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return list(action.choices)
+        return []
+
+    def explain(self, message: str) -> str:
+        """argparse's message, said the way every other flag error is."""
+        invalid = re.fullmatch(
+            r"argument (\S+): invalid choice: '(.*)' \(choose from (.*)\)", message
+        )
+        if invalid:
+            what, value, allowed = invalid.groups()
+            choices = re.findall(r"'([^']*)'", allowed)
+            if what in ("command", "COMMAND"):
+                return (
+                    f"unknown command {value!r}{did_you_mean(value, choices)} "
+                    f"(commands: {', '.join(choices)})"
+                )
+            flag = what.split("/")[0]
+            hint = did_you_mean(value, choices)
+            return f"{flag}: must be {' or '.join(choices)}, got {value!r}{hint}"
+        required = re.fullmatch(r"the following arguments are required: (.*)", message)
+        if required:
+            missing = required.group(1)
+            if missing in ("command", "COMMAND"):
+                return f"which command? one of {', '.join(self.commands())} ({self.prog} --help)"
+            return f"{missing} is missing ({self.prog} --help)"
+        unrecognized = re.fullmatch(r"unrecognized arguments: (.*)", message)
+        if unrecognized:
+            return self.unknown(unrecognized.group(1).split())
+        one_value = re.fullmatch(r"argument (\S+): expected one argument", message)
+        if one_value:
+            return f"{one_value.group(1).split('/')[0]}: needs a value"
+        argument = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
+        if argument:
+            return f"{argument.group(1).split('/')[0]}: {argument.group(2)}"
+        return message
+
+    def unknown(self, words: list[str]) -> str:
+        """What to say about arguments nobody took."""
+        flag = next((w for w in words if w.startswith("-")), None)
+        if flag is not None:
+            name = flag.split("=", 1)[0]
+            return (
+                f"unknown flag {name}{did_you_mean(name, self.flags())} "
+                f"({self.prog} --help lists them)"
+            )
+        return f"unexpected argument {words[0]!r} ({self.prog} --help)"
+
 
 def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:
     """Add ``options`` to ``parser`` with defaults left unset (resolved by :func:`resolve`)."""
     for option in options:
-        help_text = f"{option.help} [env {option.env}]"
+        shown = option.shown_default()
+        default = f" (default: {shown})" if shown is not None else ""
+        help_text = f"{option.help}{default} [env {option.env}]"
         if option.parse is parse_bool:
             parser.add_argument(
                 option.flag,
@@ -116,7 +242,12 @@ def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) ->
             )
         else:
             parser.add_argument(
-                option.flag, dest=option.dest, default=None, type=option.parse, help=help_text
+                option.flag,
+                dest=option.dest,
+                default=None,
+                type=option.parse,
+                metavar=option.shown_metavar(),
+                help=help_text,
             )
 
 

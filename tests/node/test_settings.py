@@ -85,9 +85,9 @@ def test_every_setting_has_a_flag_and_env_var() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--reclaim-grace", "-5"], "argument --reclaim-grace: must be ≥ 0, got -5"),
-        (["--poll-interval", "0"], "argument --poll-interval: must be ≥ 0.05 seconds, got 0"),
-        (["--reclaim-interval", "0.001"], "argument --reclaim-interval: must be ≥ 0.05"),
+        (["--reclaim-grace", "-5"], "akri agent: --reclaim-grace: must be ≥ 0, got -5"),
+        (["--poll-interval", "0"], "akri agent: --poll-interval: must be ≥ 0.05 seconds, got 0"),
+        (["--reclaim-interval", "0.001"], "akri agent: --reclaim-interval: must be ≥ 0.05"),
         (["--shared-offline-grace", "soon"], "must be a number of seconds, got 'soon'"),
         (["--local-offline-grace", "nan"], "must be a finite number of seconds"),
     ],
