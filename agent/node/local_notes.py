@@ -15,6 +15,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, cast
 from urllib.parse import quote
 
 from agent.core.model.keys import ObjectKey
@@ -60,23 +61,80 @@ def record_notes(
         log.warning("could not record this node's notes in %s: %s", path, error)
 
 
+MAX_NOTES_BYTES = 1 << 20
+"""A notes file above this is not one an agent wrote (a few lines per Configuration)."""
+
+
 def read_notes(state_dir: Path) -> list[dict[str, object]]:
-    """The notes files of a local state directory (unreadable ones skipped)."""
-    records = []
+    """The notes files of a local state directory. One that cannot be used — unreadable, too
+    large, not JSON, nested too deeply for the parser, or of another shape — is skipped (it
+    only feeds ``akri status``, which must show the Instances whatever it holds): in its
+    place a record ``{"skipped": <path>, "reason": ...}`` that :func:`note_lines` prints."""
+    records: list[dict[str, object]] = []
     for path in sorted(state_dir.glob(f"{NOTES_PREFIX}*.json")):
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict):
-            records.append(data)
+            record = _load(path)
+        except NotesError as error:
+            records.append({"skipped": str(path), "reason": str(error)})
+        else:
+            records.append(record)
     return records
+
+
+class NotesError(Exception):
+    """Why a notes file is skipped."""
+
+
+def _load(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_NOTES_BYTES + 1)
+    except OSError as error:
+        raise NotesError(f"cannot read: {error.strerror}") from None
+    if len(raw) > MAX_NOTES_BYTES:
+        raise NotesError(f"larger than {MAX_NOTES_BYTES} bytes")
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise NotesError("not valid JSON (nested too deeply)") from None
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError too
+        raise NotesError(f"not valid JSON ({error})") from None
+    problem = _shape_problem(data)
+    if problem is not None:
+        raise NotesError(f"not a notes record ({problem})")
+    return cast(dict[str, object], data)
+
+
+def _shape_problem(data: Any) -> str | None:
+    """What makes ``data`` something :func:`notes_record` does not write (None if nothing):
+    only the values it writes are printed, so no hostile value reaches an f-string."""
+    if not isinstance(data, dict):
+        return "not an object"
+    if not isinstance(data.get("node"), str):
+        return "node is not a string"
+    if not isinstance(data.get("limit", 0), int):
+        return "limit is not a number"
+    refused = data.get("refused", {})
+    if not isinstance(refused, dict) or not all(isinstance(v, str) for v in refused.values()):
+        return "refused does not map names to reasons"
+    left_out = data.get("left_out", {})
+    if not isinstance(left_out, dict) or not all(
+        isinstance(counts, dict)
+        and isinstance(counts.get("left_out"), int)
+        and isinstance(counts.get("reported"), int)
+        for counts in left_out.values()
+    ):
+        return "left_out does not map names to counts"
+    return None
 
 
 def note_lines(records: Sequence[Mapping[str, object]]) -> list[str]:
     """``akri status`` lines for the notes of a state directory (pure)."""
     lines = []
     for record in records:
+        if "skipped" in record:
+            lines.append(f"notes file {record['skipped']} skipped: {record.get('reason')}")
+            continue
         node = record.get("node")
         refused = record.get("refused")
         if isinstance(refused, Mapping):
