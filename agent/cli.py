@@ -205,8 +205,10 @@ def _check_state_dir(path: Path) -> str | None:
     and a file is written and removed to prove it is writable."""
     import tempfile
 
+    from agent.core.store.files import ensure_directory
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        ensure_directory(path)  # "Not a directory" for a file, not mkdir's "File exists"
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:

@@ -103,6 +103,16 @@ def remove_file(path: Path, *, durable: bool = True) -> bool:
     return True
 
 
+def ensure_directory(path: Path) -> None:
+    """Create directory ``path`` and its parents unless it is one. Raises OSError naming the
+    path; a file in its place is :class:`NotADirectoryError` ("Not a directory"), not the
+    "File exists" that ``mkdir`` says there."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path)) from None
+
+
 def fsync_dir(directory: Path) -> None:
     """Persist a rename/unlink in ``directory``."""
     fd = os.open(directory, os.O_RDONLY)

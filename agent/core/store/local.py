@@ -60,6 +60,7 @@ from agent.core.store.consistent_read import ReadLock, read_instance_files
 from agent.core.store.files import (
     atomic_write_bytes,
     atomic_write_json,
+    ensure_directory,
     parse_json,
     read_json,
     remove_file,
@@ -296,7 +297,7 @@ class LocalInstanceStore(InstanceStore):
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self._instances_dir.mkdir(parents=True, exist_ok=True)
+        ensure_directory(self._instances_dir)
         # Temp files only exist while a writer holds the flock, so any found under it were
         # left by a killed writer (never another live process's write in progress).
         with self._flock():
@@ -412,7 +413,7 @@ class LocalInstanceStore(InstanceStore):
             path = self._path(instance.key)
             if path.exists():
                 raise AlreadyExistsError(str(instance.key))
-            path.parent.mkdir(exist_ok=True)
+            ensure_directory(path.parent)  # a namespace's directory
             stored = instance.evolve(
                 resource_version=self._next_version(),
                 uid=instance.uid or str(uuid.uuid4()),
