@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agent.core.aio.events import Subscription
@@ -135,6 +136,8 @@ class Agent:
         self.settings = settings
         self.freeze_gc = freeze_gc
         self.store = store
+        # POD_NAME / POD_NAMESPACE of the agent's Pod (downward API): stay_while_uninstalled
+        self.pod_environ: Mapping[str, str] = os.environ
         self.handlers = build_handlers(settings)
         node = settings.node_name
         self.kubelet: KubeletState | None = None
@@ -562,6 +565,36 @@ class Agent:
             self.loop_monitor.report()
         log.info("agent stopped")
 
+    async def stay_while_uninstalled(self) -> None:
+        """Asked to stop with DRA claims prepared here: leave at once when this agent is
+        being replaced, stay to unprepare them while the install is removed
+        (agent/node/leaving.py, issue 33.3)."""
+        if self.dra is None:
+            return
+        checkpoint = self.dra.state.checkpoint
+        if not checkpoint.claims:
+            return
+        from agent.core.store.kubernetes import KubernetesInstanceStore
+        from agent.node.leaving import Departure, linger_while_prepared, why_stopping
+
+        if not isinstance(self.store, KubernetesInstanceStore):
+            return
+        why = await why_stopping(self.store.api_client, self.pod_environ)
+        if why.departure is not Departure.UNINSTALLED:
+            log.info("stopping with %d DRA claim(s) prepared on this node (%s): the next agent "
+                     "here unprepares them", len(checkpoint.claims), why.reason)  # fmt: skip
+            return
+        self.dra.state.releases_may_fail = True
+        stop_needs = STOP_DEADLINE + 0.5
+        left = await linger_while_prepared(
+            lambda: len(checkpoint.claims), why, stop_needs=stop_needs
+        )
+        if left:
+            log.error("leaving with %d DRA claim(s) prepared: their pods stay Terminating until "
+                      "an agent runs on this node again (docs/install.md)", left)  # fmt: skip
+        else:
+            log.info("every DRA claim of this node is unprepared: leaving")
+
     async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:
         """Start, wait for ``stop``, stop — within ``stop_within`` seconds: what is left
         then is cancelled (every write is atomic, so nothing is left half-written)."""
@@ -572,6 +605,7 @@ class Agent:
             if starting.done():
                 starting.result()  # start failures (corrupt state, API down) propagate
                 await waiting
+                await self.stay_while_uninstalled()
         finally:
             for task in (starting, waiting):
                 task.cancel()

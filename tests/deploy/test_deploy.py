@@ -142,10 +142,13 @@ def test_the_daemonset_runs_as_the_issue_asks() -> None:
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in pod["tolerations"]
-    # the agent stops within STOP_DEADLINE of SIGTERM; the grace period covers it
+    # the agent stops within STOP_DEADLINE of SIGTERM, or — uninstalled with DRA claims
+    # prepared — after lingering up to LINGER_LIMIT and two bounded looks at the API
     from agent.node.app import STOP_DEADLINE
+    from agent.node.leaving import LINGER_LIMIT, LOOK_TIMEOUT
 
-    assert STOP_DEADLINE < pod["terminationGracePeriodSeconds"] <= 10
+    needed = LINGER_LIMIT + 2 * LOOK_TIMEOUT + STOP_DEADLINE
+    assert needed < pod["terminationGracePeriodSeconds"] <= 90
     node_name = next(e for e in container(daemonset)["env"] if e["name"] == "AKRI_NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     port = container(daemonset)["ports"][0]["containerPort"]
@@ -207,7 +210,10 @@ def test_the_agent_s_service_account_is_bound_to_the_rbac() -> None:
 
 @needs_kubectl
 def test_every_env_var_of_the_manifests_is_one_the_agent_reads() -> None:
+    from agent.node.leaving import POD_ENV  # the downward API's Pod name and namespace
+
     known = {o.env for o in AGENT_OPTIONS} | {f for o in AGENT_OPTIONS for f in o.fallbacks}
+    known |= set(POD_ENV)
     for tree in TREES:
         for daemonset in of_kind(render(tree), "DaemonSet"):
             for name in env_of(daemonset):

@@ -79,6 +79,9 @@ class DraState:
         self._lock = asyncio.Lock()
         self.prepares = 0
         self.unprepares = 0
+        # the agent is being uninstalled (agent/node/leaving.py): an unprepare whose slot
+        # release the API refuses still completes here, or its pod would never end
+        self.releases_may_fail = False
 
     async def prepare(self, ref: ClaimRef) -> PreparedClaim:
         """Prepare one claim; raises :class:`PrepareError`."""
@@ -286,7 +289,18 @@ class DraState:
             # checkpoint entry, dropped last and only once written, makes the retry find
             # everything again
             for key in sorted(instances):
-                await self.ledger.release_values(key, {value})
+                try:
+                    await self.ledger.release_values(key, {value})
+                except StoreError as error:
+                    if not self.releases_may_fail:
+                        raise
+                    log.warning(
+                        "claim %s: slot release in Instance %s refused (%s); unprepared "
+                        "anyway: the agent is being uninstalled",
+                        ref.uid,
+                        key,
+                        error,
+                    )
             self.cdi.remove(ref.uid)
             self.checkpoint.forget([ref.uid])
             if known is not None:

@@ -20,7 +20,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -104,8 +104,24 @@ def _set_managed_fields(obj: JSON, entries: Any) -> None:
         meta.pop("managedFields", None)
 
 
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_rfc3339(later: float = 0) -> str:
+    return (datetime.now(UTC) + timedelta(seconds=later)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+PODS_GR = GroupResource("", "pods")
+DEFAULT_POD_GRACE = 30  # seconds (core/v1 DefaultTerminationGracePeriodSeconds)
+
+
+def _pod_grace(pod: JSON, options: JSON) -> int:
+    """The grace period of a Pod's deletion: DeleteOptions.gracePeriodSeconds, else the
+    Pod's terminationGracePeriodSeconds, else 30 s."""
+    for value in (
+        options.get("gracePeriodSeconds"),
+        (pod.get("spec") or {}).get("terminationGracePeriodSeconds"),
+    ):
+        if isinstance(value, int) and value >= 0:
+            return value
+    return DEFAULT_POD_GRACE
 
 
 def _meta(obj: JSON) -> JSON:
@@ -808,8 +824,11 @@ class Store:
                 new_meta = new["metadata"]
                 new_meta["finalizers"] = finalizers
                 if not meta.get("deletionTimestamp"):
-                    new_meta["deletionTimestamp"] = now_rfc3339()
-                    new_meta["deletionGracePeriodSeconds"] = 0
+                    # a Pod's deletion is graceful (its registry's CheckGracefulDelete): the
+                    # timestamp is when its grace period ends
+                    grace = _pod_grace(current, options) if rt.gr == PODS_GR else 0
+                    new_meta["deletionTimestamp"] = now_rfc3339(grace)
+                    new_meta["deletionGracePeriodSeconds"] = grace
                     new_meta["generation"] = int(new_meta.get("generation", 0)) + 1
                 new_meta["resourceVersion"] = self._next_rv()
                 self._bucket(rt)[key] = new

@@ -1,0 +1,169 @@
+"""On SIGTERM with DRA claims prepared on this node: leave at once, or stay to unprepare them.
+
+kubelet can finish a pod that holds a DRA claim only after the driver answered its
+``NodeUnprepareResources``; once the driver is gone for good the pod stays ``Terminating``
+for ever (issue 33.3). So when the agent is told to stop while claims are prepared here, it
+asks why:
+
+* **replaced** — its DaemonSet exists and is not being deleted: a rollout (``kubectl rollout
+  restart``, an upgrade), its Pod deleted by hand, a node shutting down. The next agent on
+  this node reads the same DRA checkpoint and answers kubelet's unprepare calls; the slots
+  stay held meanwhile. It leaves at once, as fast as ever.
+* **uninstalled** — its DaemonSet is gone or being deleted, or the API server no longer lets
+  it read its own Pod or DaemonSet (401/403: ``kubectl delete -k deploy/`` deletes the RBAC
+  and the ServiceAccount with the DaemonSet). No agent will come back: it **stays**, serving
+  kubelet's unprepare calls, until no claim is prepared here or its Pod's deletion deadline
+  (minus the time a clean stop needs) — at most :data:`LINGER_LIMIT` when that is unknown.
+  Meanwhile an unprepare whose slot release the API refuses completes on the node (CDI spec
+  and checkpoint entry removed): the Instance that would keep the value is going with the
+  install.
+* **unknown** — not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no DaemonSet owner, or the
+  API server unreachable: the old behaviour, leave at once.
+
+Pure decision (:func:`decide_departure`), the look at the API (:func:`why_stopping`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent.core.kube import ApiError, KubeClient, resource_path
+
+log = logging.getLogger(__name__)
+
+POD_NAME_ENV = "POD_NAME"  # the downward API's metadata.name (deploy/base/daemonset.yaml)
+POD_NAMESPACE_ENV = "POD_NAMESPACE"  # metadata.namespace
+POD_ENV = (POD_NAME_ENV, POD_NAMESPACE_ENV)
+LOOK_TIMEOUT = 2.0  # seconds for the two GETs that tell a rollout from an uninstall
+LINGER_LIMIT = 50.0  # seconds at most when the Pod's deletion deadline is unknown
+CHECK_EVERY = 0.2  # seconds between two looks at the prepared claims while staying
+
+
+class Departure(enum.Enum):
+    REPLACED = "replaced"
+    UNINSTALLED = "uninstalled"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Why:
+    """Why the agent stops, as the API server tells it."""
+
+    departure: Departure
+    reason: str
+    deadline: float | None = None  # epoch seconds: the Pod's deletionTimestamp
+
+
+def decide_departure(
+    pod: Mapping[str, Any] | None,
+    pod_error: int | None,
+    daemonset: Mapping[str, Any] | None,
+    daemonset_error: int | None,
+) -> Why:
+    """From what the GETs of this agent's Pod and of its DaemonSet answered (an object, or
+    the HTTP status of the failure; 0: unreachable; None/None: not asked)."""
+    if pod_error in (401, 403):
+        return Why(Departure.UNINSTALLED, f"the API server refuses to show this Pod ({pod_error})")
+    if pod is None:
+        return Why(Departure.UNKNOWN, f"this Pod cannot be read ({pod_error})")
+    deadline = parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
+    owner = daemonset_owner(pod)
+    if owner is None:
+        return Why(Departure.UNKNOWN, "this Pod belongs to no DaemonSet", deadline)
+    if daemonset_error in (401, 403):
+        why = f"the API server refuses to show DaemonSet {owner} ({daemonset_error})"
+        return Why(Departure.UNINSTALLED, why, deadline)
+    if daemonset_error == 404:
+        return Why(Departure.UNINSTALLED, f"DaemonSet {owner} is deleted", deadline)
+    if daemonset is None:
+        return Why(Departure.UNKNOWN, f"DaemonSet {owner} cannot be read ({daemonset_error})")
+    meta = daemonset.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return Why(Departure.UNINSTALLED, f"DaemonSet {owner} is being deleted", deadline)
+    # (one of that name created again after a delete is replaced too: it starts an agent here)
+    return Why(Departure.REPLACED, f"DaemonSet {owner} stays", deadline)
+
+
+def daemonset_owner(pod: Mapping[str, Any]) -> str | None:
+    """The name of the DaemonSet that owns ``pod`` (its controller reference)."""
+    for ref in (pod.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == "DaemonSet" and ref.get("name"):
+            return str(ref["name"])
+    return None
+
+
+def parse_time(text: Any) -> float | None:
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+async def _get(client: KubeClient, path: str) -> tuple[dict[str, Any] | None, int | None]:
+    try:
+        return await client.get(path, request_timeout=LOOK_TIMEOUT), None
+    except ApiError as error:  # TransportError: status 0
+        return None, error.status
+
+
+async def why_stopping(
+    client: KubeClient, environ: Mapping[str, str] = os.environ
+) -> Why:
+    """Ask the API server whether this agent's DaemonSet stays (bounded by LOOK_TIMEOUT
+    each; any failure but 401/403/404 reads as unknown)."""
+    name, namespace = environ.get(POD_NAME_ENV), environ.get(POD_NAMESPACE_ENV)
+    if not name or not namespace:
+        return Why(Departure.UNKNOWN, f"not in a Pod (no {POD_NAME_ENV}/{POD_NAMESPACE_ENV})")
+    pod, pod_error = await _get(client, resource_path("", "v1", "pods", namespace, name))
+    daemonset: dict[str, Any] | None = None
+    daemonset_error: int | None = None
+    owner = daemonset_owner(pod) if pod is not None else None
+    if owner is not None:
+        path = resource_path("apps", "v1", "daemonsets", namespace, owner)
+        daemonset, daemonset_error = await _get(client, path)
+    return decide_departure(pod, pod_error, daemonset, daemonset_error)
+
+
+async def linger_while_prepared(
+    prepared: Callable[[], int],
+    why: Why,
+    *,
+    stop_needs: float,
+    wall: Callable[[], float] = time.time,
+    limit: float = LINGER_LIMIT,
+) -> int:
+    """Stay while claims are prepared, until the Pod's deletion deadline less ``stop_needs``
+    seconds (``limit`` from now when there is none). Returns how many are left."""
+    until = wall() + limit
+    if why.deadline is not None:
+        until = min(until, why.deadline - stop_needs)
+    left = prepared()
+    reported = -1
+    while left and wall() < until:
+        if left != reported:
+            log.warning(
+                "the agent is being uninstalled (%s) while %d DRA claim(s) are prepared on "
+                "this node: it stays %.0fs more at most, so that kubelet can unprepare them "
+                "and their pods can end (delete them now; after that they stay Terminating "
+                "until an agent runs here again, docs/install.md)",
+                why.reason,
+                left,
+                max(0.0, until - wall()),
+            )
+            reported = left
+        await asyncio.sleep(CHECK_EVERY)
+        left = prepared()
+    return left

@@ -1,0 +1,171 @@
+"""SIGTERM with DRA claims prepared on the node (issue 33.3): an agent that is being replaced
+(rollout, Pod deleted) leaves at once and its claims stay prepared for the next agent; one that
+is being uninstalled (DaemonSet deleted, or its access revoked with the RBAC) stays until
+kubelet has unprepared them, so their pods can end — also when the API refuses to free the
+slot."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.node.leaving import Departure, Why, decide_departure, linger_while_prepared
+from tests.doubles.apiserver import ApiServerDouble
+from tests.doubles.dra_kubelet import DraKubeletDouble
+from tests.doubles.dra_scheduler import allocate_claim, create_claim
+from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
+from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
+from tests.node.test_rbac_and_properties import allowed, grants
+
+NS = "akri"
+POD = "akri-agent-x7k2p"
+ENV = {"POD_NAME": POD, "POD_NAMESPACE": NS}
+SLICES = "resourceslices.resource.k8s.io"
+
+
+def _daemonset(**meta: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "akri-agent", "namespace": NS, "uid": "ds-1", **meta}}
+
+
+def _pod(**meta: Any) -> dict[str, Any]:
+    owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "akri-agent", "uid": "ds-1",
+             "controller": True}  # fmt: skip
+    return {"metadata": {"name": POD, "namespace": NS, "ownerReferences": [owner], **meta}}
+
+
+def test_why_the_agent_stops() -> None:
+    ending = "2026-11-27T10:00:30Z"
+    replaced = decide_departure(_pod(deletionTimestamp=ending), None, _daemonset(), None)
+    assert replaced.departure is Departure.REPLACED
+    at = datetime.datetime(2026, 11, 27, 10, 0, 30, tzinfo=datetime.UTC)
+    assert replaced.deadline == at.timestamp()
+    deleting = _daemonset(deletionTimestamp=ending)
+    assert decide_departure(_pod(), None, deleting, None).departure is Departure.UNINSTALLED
+    assert decide_departure(_pod(), None, None, 404).departure is Departure.UNINSTALLED
+    assert decide_departure(_pod(), None, None, 403).departure is Departure.UNINSTALLED
+    assert decide_departure(None, 401, None, None).departure is Departure.UNINSTALLED
+    # anything it cannot tell keeps the old behaviour: leave at once
+    assert decide_departure(_pod(), None, None, 0).departure is Departure.UNKNOWN  # unreachable
+    assert decide_departure(_pod(), None, None, 500).departure is Departure.UNKNOWN
+    assert decide_departure(None, 404, None, None).departure is Departure.UNKNOWN
+    assert decide_departure({"metadata": {}}, None, None, None).departure is Departure.UNKNOWN
+
+
+async def test_lingering_ends_with_the_last_claim_or_at_the_deadline() -> None:
+    left = [2]
+
+    async def unprepare_soon() -> None:
+        await asyncio.sleep(0.3)
+        left[0] = 0
+
+    task = asyncio.create_task(unprepare_soon())
+    why = Why(Departure.UNINSTALLED, "test", deadline=time.time() + 60)
+    assert await linger_while_prepared(lambda: left[0], why, stop_needs=2) == 0
+    await task
+    started = time.monotonic()
+    soon = Why(Departure.UNINSTALLED, "test", deadline=time.time() + 2.5)
+    assert await linger_while_prepared(lambda: 1, soon, stop_needs=2) == 1
+    assert time.monotonic() - started < 30  # bounded by the deadline (0.5 s here)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+
+
+async def _node_with_a_prepared_claim(
+    api: ApiServerDouble, tmp: Path
+) -> tuple[DpNode, DraKubeletDouble, str]:
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    daemonset = api.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "akri-agent", "namespace": NS},
+            "spec": {"selector": {"matchLabels": {"app": "akri-agent"}}, "template": {}},
+        }
+    )
+    pod = _pod(finalizers=["tests.akri.sh/kubelet"])  # terminating once deleted, like kubelet's
+    pod["metadata"]["ownerReferences"][0]["uid"] = daemonset["metadata"]["uid"]
+    api.create({"apiVersion": "v1", "kind": "Pod", **pod, "spec": {"nodeName": "node-a"}})
+    node = await start_dp_node(api, "node-a", tmp, dra=True)
+    node.agent.pod_environ = ENV
+    kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
+    await kubelet.start()
+    await kubelet.wait_for_registration("akri.sh", timeout=30)
+    await eventually(
+        lambda: any(s["spec"]["pool"]["name"] == "cam-8120fe" for s in api.list(SLICES)),
+        what="the shared pool published",
+    )
+    claim = create_claim(api, "default", "c1")
+    uid = claim["metadata"]["uid"]
+    allocate_claim(api, "default", "c1", "node-a", pod_name="app", pod_uid="app-uid")
+    await kubelet.prepare("app-uid", [("default", uid, "c1")])
+    assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
+    api.delete("pods", POD, NS)  # SIGTERM follows
+    return node, kubelet, uid
+
+
+async def test_a_replaced_agent_leaves_at_once_and_its_claims_stay_prepared(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
+    try:
+        api.clear_requests()
+        await asyncio.wait_for(node.agent.stay_while_uninstalled(), 10)
+        assert node.dra is not None and uid in node.dra.state.checkpoint.claims
+        assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
+        # what it asked is what deploy/base/rbac.yaml lets its ServiceAccount read
+        asked = {(r.info.group or "", r.info.resource, r.info.verb, r.info.namespace)
+                 for r in api.requests if r.info.namespace == NS}  # fmt: skip
+        assert asked == {("", "pods", "get", NS), ("apps", "daemonsets", "get", NS)}
+        assert all(allowed(grants(), *request) for request in asked)
+    finally:
+        await kubelet.stop()
+        await node.stop()
+
+
+async def test_an_uninstalled_agent_stays_until_kubelet_has_unprepared_its_claims(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
+    try:
+        api.delete("daemonsets.apps", "akri-agent", NS)
+        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
+        await asyncio.sleep(1.0)
+        assert not staying.done()  # a claim is prepared: kubelet still needs the driver
+        await kubelet.remove_pod("app-uid")  # the app pod ends: kubelet unprepares
+        await asyncio.wait_for(staying, 10)
+        assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == ""
+    finally:
+        await kubelet.stop()
+        await node.stop()
+
+
+async def test_with_its_access_revoked_the_unprepare_completes_on_the_node(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """``kubectl delete -k deploy/`` deletes the agent's RBAC with its DaemonSet: the API
+    refuses everything, and an unprepare that insisted on freeing the slot in the Instance
+    would leave its pod Terminating for good."""
+    node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
+    try:
+        api.fail(403, times=None)  # every request of every client: the RBAC is gone
+        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
+        await asyncio.sleep(1.0)
+        assert not staying.done()
+        await kubelet.remove_pod("app-uid")  # answered without an error: the pod can end
+        await asyncio.wait_for(staying, 10)
+        assert node.dra is not None and node.dra.state.checkpoint.claims == {}
+        assert list(node.cdi_dir.glob("*.json")) == []
+    finally:
+        api.clear_faults()
+        await kubelet.stop()
+        await node.stop()
