@@ -125,8 +125,6 @@ def builtin_resources() -> list[ResourceType]:
         _rt("", "v1", "pods", "Pod", True, ["po"], ["all"], ["status"]),
         _rt("", "v1", "services", "Service", True, ["svc"], ["all"], ["status"]),
         _rt("batch", "v1", "jobs", "Job", True, [], ["all"], ["status"]),
-        _rt("apps", "v1", "daemonsets", "DaemonSet", True, ["ds"], ["all"], ["status"]),
-        _rt("apps", "v1", "deployments", "Deployment", True, ["deploy"], ["all"], ["status"]),
         _rt("", "v1", "nodes", "Node", False, ["no"], subresources=["status"]),
         _rt("", "v1", "secrets", "Secret", True),
         _rt("", "v1", "configmaps", "ConfigMap", True, ["cm"]),
