@@ -1,5 +1,5 @@
-"""Bounded YAML loading, and short values for messages: for every YAML text users give (local
-Configuration files, kubeconfigs, handlers' ``discoveryDetails``).
+"""Bounded YAML loading, and short values and suggestions for messages: for every YAML text
+users give (local Configuration files, kubeconfigs, handlers' ``discoveryDetails``).
 
 YAML from users is bounded before it is turned into objects: a size limit, and a limit on the
 number of nodes once aliases are expanded. PyYAML shares aliased objects, so a few hundred
@@ -13,8 +13,9 @@ Standard library and PyYAML only: the discovery handlers use it too (through
 
 from __future__ import annotations
 
+import difflib
 import reprlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import yaml
@@ -36,6 +37,13 @@ _BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxset = _BRIEF.maxdict = 8
 def brief(value: Any) -> str:
     """A short ``repr`` of ``value`` for messages (nested, long or aliased values cut)."""
     return _BRIEF.repr(value)
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """``"; did you mean 'X'?"`` for the known word closest to ``word``, or ``""`` (a misspelt
+    field, flag or value: the message says what was probably meant)."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 class YamlLimitError(ValueError):

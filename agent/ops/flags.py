@@ -9,12 +9,13 @@ default (:func:`resolve`). The parsers say in their message what is allowed. Use
 from __future__ import annotations
 
 import argparse
-import difflib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
+
+from agent.core.bounded_yaml import did_you_mean
 
 TRUE = {"1", "true", "yes", "on"}
 FALSE = {"0", "false", "no", "off", ""}
@@ -27,12 +28,6 @@ class SettingsError(ValueError):
 
 class ValueProblem(argparse.ArgumentTypeError, ValueError):
     """A flag or variable value that is not allowed; the message says what is."""
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """``"; did you mean 'X'?"`` for the known word closest to ``word``, or ``""``."""
-    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def one_of(*allowed: str, normalize: Callable[[str], str] = str.lower) -> Callable[[str], str]:

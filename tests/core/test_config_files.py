@@ -125,6 +125,27 @@ def test_last_good_version_survives_a_broken_edit(
     assert [c.capacity for c in files.current()] == [4]
 
 
+def test_a_misspelt_field_is_an_error_and_the_last_good_version_keeps_running(
+    tmp_path: Path, events: list[ConfigurationEvent]
+) -> None:
+    """Issue 34.8: ``capacty: 3`` was ignored in silence (capacity 1 applied); a real API
+    server refuses unknown fields, so local files do too, naming the field and its fix."""
+    path = tmp_path / "c.yaml"
+    write(path, GOOD.format(name="one", capacity=2))
+    files = ConfigurationFiles([path], events.append)
+    settle(files)
+    write(path, GOOD.format(name="one", capacity=2).replace("capacity: 2", "capacty: 3"))
+    settle(files)
+    assert [c.capacity for c in files.current()] == [2]  # the previous good version
+    (error,) = [e.error for e in events if e.error]
+    assert error == f"{path}: spec.capacty: unknown field (did you mean 'capacity'?)"
+    write(path, GOOD.format(name="two", capacity=1) + "  brokerProperites: {A: b}\n")
+    settle(files)
+    assert files.current() == []  # "one" left the file; "two" was never valid: not applied
+    assert any("spec.brokerProperites: unknown field (did you mean 'brokerProperties'?)" in
+               (e.error or "") for e in events)  # fmt: skip
+
+
 def test_duplicate_names_first_wins(tmp_path: Path, events: list[ConfigurationEvent]) -> None:
     first, second = tmp_path / "1.yaml", tmp_path / "2.yaml"
     write(first, GOOD.format(name="same", capacity=1))

@@ -143,3 +143,89 @@ def test_hash_changes_track_discovery_and_spec() -> None:
     details = copy.deepcopy(ONVIF)
     details["spec"]["discoveryHandler"]["discoveryDetails"] = "scopes: {items: [x]}"
     assert parse_configuration(details).discovery_hash != base.discovery_hash
+
+
+# -- unknown fields (issue 34.8) -------------------------------------------------------------
+def with_typos() -> dict[str, Any]:
+    doc = copy.deepcopy(ONVIF)
+    doc["metadata"]["labls"] = {"a": "b"}
+    doc["spec"]["capacty"] = 2
+    doc["spec"]["brokerProperites"] = {"RESOLUTION": "800"}
+    doc["spec"]["discoveryHandler"]["discoveryProperties"][2]["valu"] = "y"
+    doc["spec"]["discoveryHandler"]["discoveryProperties"][0]["valueFrom"]["secretKeyRef"][
+        "optinal"
+    ] = True
+    doc["status"] = {}
+    return doc
+
+
+def test_strict_parsing_names_every_unknown_field_and_what_was_meant() -> None:
+    """Before: ``capacty: 2`` quietly gave capacity 1 and ``brokerProperites`` was dropped."""
+    with pytest.raises(ConfigurationError) as error:
+        parse_configuration(with_typos(), strict=True)
+    assert error.value.problems == [
+        "metadata.labls: unknown field (did you mean 'labels'?)",
+        "spec.discoveryHandler.discoveryProperties[0].valueFrom.secretKeyRef.optinal: "
+        "unknown field (did you mean 'optional'?)",
+        "spec.discoveryHandler.discoveryProperties[2].valu: unknown field (did you mean "
+        "'value'?)",
+        "spec.capacty: unknown field (did you mean 'capacity'?)",
+        "spec.brokerProperites: unknown field (did you mean 'brokerProperties'?)",
+        "status: unknown field",
+    ]
+
+
+def test_what_the_crd_keeps_as_it_is_may_hold_anything() -> None:
+    """Broker Pod/Job and Service specs are preserved unchecked by the CRD; brokerProperties
+    and labels are maps; the API server's own metadata fields are known."""
+    doc = copy.deepcopy(ONVIF)
+    doc["spec"]["brokerSpec"] = {"brokerPodSpec": {"containers": [{"name": "b", "anything": 1}]}}
+    doc["spec"]["instanceServiceSpec"] = {"ports": [{"port": 80}], "whatever": True}
+    doc["spec"]["brokerProperties"] = {"ANY_NAME": "v"}
+    doc["metadata"].update(
+        labels={"x": "y"}, uid="u", resourceVersion="1", generation=2, managedFields=[{}],
+        creationTimestamp="2024-01-01T00:00:00Z", finalizers=["f"],
+    )  # fmt: skip
+    assert parse_configuration(doc, strict=True).name == "cams"
+
+
+def test_without_strict_an_api_server_s_object_is_read_as_before() -> None:
+    """Cluster mode: the API server has pruned or refused unknown fields already; a field a
+    newer API server adds to metadata must not make the agent refuse a Configuration."""
+    assert parse_configuration(with_typos()).capacity == ONVIF["spec"].get("capacity", 1)
+
+
+def crd_fields(schema: dict[str, Any]) -> Any:
+    """The CRD schema as a field tree (the shape of CONFIGURATION_FIELDS)."""
+    if schema.get("x-kubernetes-preserve-unknown-fields") or "additionalProperties" in schema:
+        return None
+    if schema.get("type") == "array":
+        return [crd_fields(schema["items"])]
+    if "properties" in schema:
+        return {name: crd_fields(sub) for name, sub in schema["properties"].items()}
+    return None
+
+
+def test_the_known_fields_are_the_crd_s() -> None:
+    from agent.core.model.configuration import CONFIGURATION_FIELDS
+    from tests.paths import REPO
+
+    crd = yaml.safe_load((REPO / "crds" / "akri-configuration-crd.yaml").read_text())
+    (version,) = crd["spec"]["versions"]
+    schema = version["schema"]["openAPIV3Schema"]
+    assert set(schema["properties"]) == {"spec"}  # apiVersion, kind, metadata: every object's
+    assert CONFIGURATION_FIELDS["spec"] == crd_fields(schema["properties"]["spec"])
+
+
+def test_every_example_and_fixture_parses_strictly() -> None:
+    from tests.paths import REPO
+
+    paths = [*(REPO / "examples").glob("*.yaml"),
+             *(REPO / "tests" / "fixtures" / "crds" / "configurations").glob("*.yaml")]  # fmt: skip
+    checked = 0
+    for path in paths:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "Configuration":
+                parse_configuration(doc, strict=True)
+                checked += 1
+    assert checked >= 10

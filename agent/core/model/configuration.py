@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent.core.bounded_yaml import brief
+from agent.core.bounded_yaml import brief, did_you_mean
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
 from agent.core.model.naming import MAX_CAPACITY, is_dns_subdomain
 
@@ -17,6 +17,66 @@ API_VERSION = "akri.sh/v0"
 KIND = "Configuration"
 PROPERTY_NAME_RE = re.compile(r"^[_A-Za-z][_A-Za-z0-9]*$")
 MAX_HANDLER_NAME_LENGTH = 253
+
+
+# The fields a Configuration may have: what crds/akri-configuration-crd.yaml's schema allows
+# (tests/core/test_configuration_model.py compares the two), plus what the API server allows
+# on every object (apiVersion, kind, ObjectMeta). A dict lists the known fields of an object;
+# a one-item list is a list of such objects; None is anything (a string, a map of strings, or
+# a part the CRD keeps as it is: x-kubernetes-preserve-unknown-fields, as the broker specs).
+FieldTree = dict[str, "FieldTree"] | list["FieldTree"] | None
+OBJECT_META_FIELDS: dict[str, FieldTree] = {
+    name: None
+    for name in (
+        "name", "generateName", "namespace", "selfLink", "uid", "resourceVersion", "generation",
+        "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "labels",
+        "annotations", "ownerReferences", "finalizers", "managedFields",
+    )
+}  # fmt: skip
+_KEY_REF: FieldTree = {"name": None, "key": None, "namespace": None, "optional": None}
+CONFIGURATION_FIELDS: dict[str, FieldTree] = {
+    "apiVersion": None,
+    "kind": None,
+    "metadata": OBJECT_META_FIELDS,
+    "spec": {
+        "discoveryHandler": {
+            "name": None,
+            "discoveryDetails": None,
+            "discoveryProperties": [
+                {
+                    "name": None,
+                    "value": None,
+                    "valueFrom": {"secretKeyRef": _KEY_REF, "configMapKeyRef": _KEY_REF},
+                }
+            ],
+        },
+        "capacity": None,
+        "brokerSpec": {"brokerPodSpec": None, "brokerJobSpec": None},
+        "instanceServiceSpec": None,
+        "configurationServiceSpec": None,
+        "brokerProperties": None,
+    },
+}
+
+
+def unknown_fields(value: Any, tree: FieldTree = CONFIGURATION_FIELDS, path: str = "") -> list[str]:
+    """``path: unknown field (did you mean 'x'?)`` for every field of ``value`` that ``tree``
+    does not have, as a real API server's strict field validation (``kubectl apply``'s
+    default) refuses them: a misspelt ``capacty`` would otherwise be dropped in silence."""
+    found: list[str] = []
+    if isinstance(tree, dict) and isinstance(value, Mapping):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key not in tree:
+                name = where if isinstance(key, str) else brief(where)
+                hint = did_you_mean(key, tree).removeprefix("; ") if isinstance(key, str) else ""
+                found.append(f"{name}: unknown field" + (f" ({hint})" if hint else ""))
+            else:
+                found += unknown_fields(item, tree[key], where)
+    elif isinstance(tree, list) and isinstance(value, list):
+        for index, item in enumerate(value):
+            found += unknown_fields(item, tree[0], f"{path}[{index}]")
+    return found
 
 
 class ConfigurationError(ValueError):
@@ -178,14 +238,18 @@ def _parse_property(value: Any, path: str, problems: _Problems) -> DiscoveryProp
     return DiscoveryProperty(name=name, value=literal, value_from=ref)
 
 
-def parse_configuration(obj: Any) -> Configuration:
+def parse_configuration(obj: Any, *, strict: bool = False) -> Configuration:
     """Validate a Configuration object (as read from YAML or the API) and return it typed.
 
+    ``strict``: fields the CRD does not have are errors too (:func:`unknown_fields`), as the
+    API server refuses them; for Configurations that never went through one (local files).
     Raises :class:`ConfigurationError` listing every problem with its field path.
     """
     problems = _Problems()
     if not isinstance(obj, Mapping):
         raise ConfigurationError("?", [f"<root>: must be an object, got {type(obj).__name__}"])
+    if strict:
+        problems.items += unknown_fields(obj)
     metadata = _expect_mapping(obj.get("metadata"), "metadata", problems) or {}
     name = metadata.get("name")
     display = name[:253] if isinstance(name, str) else "?"

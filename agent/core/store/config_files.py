@@ -277,7 +277,8 @@ class ConfigurationFiles:
             where = f"{source} (document {index + 1})" if len(documents) > 1 else source
             key = object_key(document)
             try:
-                configuration = parse_configuration(document)
+                # strict: fields no API server would accept are errors, not ignored
+                configuration = parse_configuration(document, strict=True)
             except ConfigurationError as error:
                 message = "; ".join(error.problems)
                 self._error(where, key, message)
