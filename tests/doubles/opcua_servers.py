@@ -20,7 +20,8 @@ discovery services), and hand-made servers that misbehave.
   announcing 2 GB).
 
 A process serves the servers its JSON spec lists and prints ``ready <name> <url>`` for each
-once it listens (a registering server once registered), then runs until killed::
+once it listens (a registering server once registered), and ``connection <name>`` for each
+connection a hostile server accepts; then it runs until killed::
 
     python -m tests.doubles.opcua_servers '[{"kind": "discovery", "name": "LDS",
         "endpoint": "opc.tcp://127.0.0.1:48400/"}, {"kind": "server", "name": "Server A",
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import logging
@@ -203,7 +205,8 @@ def _open_response(request_id: int) -> bytes:
     return _chunk(b"OPN", b"F", payload)
 
 
-def _huge_answer(request_id: int) -> list[bytes]:
+@functools.cache
+def _huge_body() -> bytes:
     response = ua.FindServersResponse()
     for index in range(HUGE_SERVERS):
         response.Servers.append(
@@ -214,7 +217,11 @@ def _huge_answer(request_id: int) -> list[bytes]:
                 DiscoveryUrls=[f"opc.tcp://10.0.{index // 250}.{index % 250}:4840/"],
             )
         )
-    body = struct_to_binary(response)
+    return struct_to_binary(response)
+
+
+def _huge_answer(request_id: int) -> list[bytes]:
+    body = _huge_body()  # encoded once: ~1 s of CPU on a loaded machine
     size = CHUNK - 8 - 16
     parts = [body[i : i + size] for i in range(0, len(body), size)]
     return [
@@ -280,6 +287,7 @@ async def _serve_hostile(spec: dict[str, Any]) -> asyncio.Server:
     kind = spec["kind"]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        print(f"connection {spec['name']}", flush=True)  # tests count the handler's calls
         await _hostile(kind, reader, writer)
 
     return await asyncio.start_server(handle, parts.hostname, parts.port or 4840)
@@ -293,6 +301,8 @@ async def serve(specs: list[dict[str, Any]]) -> None:
     print ``ready <name> <endpoint>`` for each, and run until cancelled."""
     if any(spec["kind"] == "discovery" for spec in specs):
         binary_server_asyncio.UaProcessor = MulticastProcessor  # type: ignore[misc]
+    if any(spec["kind"] == "huge" for spec in specs):
+        _huge_body()
     running: list[Any] = []
 
     async def start(spec: dict[str, Any]) -> None:
