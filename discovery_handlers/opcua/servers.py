@@ -206,17 +206,26 @@ def listed_by_find_servers_on_network(
     return list(listed.values()), skipped
 
 
+def _endpoint(url: str) -> tuple[str, int] | None:
+    if not url.startswith(SCHEME) or url_problem(url) is not None:
+        return None
+    parts = split_url(url)
+    return (parts.hostname or "").lower(), parts.port or DEFAULT_PORT
+
+
 def own_application(url: str, applications: Sequence[Application]) -> Application | None:
-    """The application a server at ``url`` describes as itself in its FindServers answer:
-    the one listing ``url`` among its DiscoveryURLs, else the first Server or ClientAndServer
-    (a discovery server also lists others)."""
+    """The application a server at ``url`` describes as itself in its FindServers answer: the
+    one listing ``url`` among its DiscoveryURLs, else the one listing the same host and port
+    (a discovery server lists its own URL without the path its mDNS record has, and the
+    servers registered with it too), else the only one; None if that cannot tell."""
     for application in applications:
         if url in application.discovery_urls:
             return application
+    endpoint = _endpoint(url)
     for application in applications:
-        if offered_type(application):
+        if endpoint is not None and endpoint in map(_endpoint, application.discovery_urls):
             return application
-    return None
+    return applications[0] if len(applications) == 1 else None
 
 
 def device_of(listed: Listed, application: Application) -> Device:

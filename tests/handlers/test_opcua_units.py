@@ -402,7 +402,23 @@ def test_multicast_offers_what_the_server_says_of_itself_through_the_filters() -
         tracker.answered(target, 0.0, own=[app(name, target.url)])
     (device,) = tracker.devices()
     assert device.id == B and device.properties["OPCUA_SERVER_CAPABILITIES"] == "DA"
-    assert own_application(B, [app("LDS", LDS, kind=ApplicationType.DISCOVERY_SERVER)]) is None
+    lds = app("LDS", LDS, kind=ApplicationType.DISCOVERY_SERVER)
+    assert own_application(B, [lds]) == lds and not wanted(lds, None)
+
+
+def test_a_discovery_servers_own_record_is_not_taken_for_a_server_it_lists() -> None:
+    """node-opcua's LDS-ME lists itself (``…:4840/DiscoveryServer``, capability LDS); its
+    FindServers answer describes itself as ``…:4840`` and lists the servers registered with
+    it: its record is the discovery server, not the first server of the answer."""
+    lds_answer = [
+        app("LDS", "opc.tcp://10.0.0.1:4840", kind=ApplicationType.DISCOVERY_SERVER),
+        app("Server DA", "opc.tcp://10.0.0.1:48501"),
+    ]
+    own = own_application("opc.tcp://10.0.0.1:4840/DiscoveryServer", lds_answer)
+    assert own is not None and own.name == "LDS" and not wanted(own, None)
+    assert own_application("opc.tcp://10.0.0.2:4840/", lds_answer) is None  # cannot tell
+    only = [app("Server E", "opc.tcp://plc-e:4840/")]  # answers under another name
+    assert own_application("opc.tcp://10.0.0.5:4840/", only) == only[0]
 
 
 # -- the connection, against servers that misbehave ------------------------------------------------
