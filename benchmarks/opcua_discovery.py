@@ -1,0 +1,260 @@
+"""The opcua handler's figures (issue 35), local mode, everything on loopback.
+
+**footprint** — does the handler cost an agent that has no opcua Configuration anything?
+``akri agent --local`` with 3 debugEcho devices and device plugins, next to a kubelet double:
+
+- ``startup_first_list_ms``: ``Popen`` → the kubelet double's first ListAndWatch message;
+- ``idle_rss_mb``: the agent's VmRSS 3 s after that first list;
+
+for the checkout given with ``--before`` (main before the handler) and for this one, measured
+alternately (one start of each in turn, so both see the same machine load); and for this one
+with an opcua Configuration as well (``with_opcua``: what the handler costs once used; its
+server does not exist, so the handler keeps asking).
+
+**latency** — an asyncua server (``tests/doubles/opcua_servers.py``, a process) on a loopback
+port, started and killed ``--cycles`` times; the agent (this checkout, ``--shared-offline-grace
+0`` so only detection is measured) with an opcua Configuration naming it, default intervals
+(recheck 10 s, retry 1 s, timeout 3 s):
+
+- ``opcua_server_to_instance_ms``: the server prints ``ready`` (listening) → its Instance file;
+- ``opcua_server_gone_to_instance_gone_ms``: the server killed (SIGKILL) → the file is gone.
+
+``python -m benchmarks.opcua_discovery --before /tmp/opcua-before [--startups 8] [--cycles 5]
+[--out benchmarks/results-opcua.json]`` prints the JSON (and writes it with ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, rss_mb
+from benchmarks.local_agent import LocalAgent
+from benchmarks.local_mode import configuration as debug_echo_configuration
+from benchmarks.stats import summarize
+
+SETTLE = 3.0  # seconds after the first list before RSS is read
+
+
+def _opcua_configuration(url: str, name: str = "plcs") -> str:
+    return (
+        f"apiVersion: akri.sh/v0\nkind: Configuration\nmetadata: {{name: {name}}}\nspec:\n"
+        "  discoveryHandler:\n    name: opcua\n    discoveryDetails: |\n"
+        "      opcuaDiscoveryMethod:\n        standard:\n"
+        f"          discoveryUrls: ['{url}']\n"
+        "  capacity: 1\n"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _compile(root: Path, env: dict[str, str]) -> None:
+    """Bytecode as an installed agent has it (see benchmarks/local_mode.compiled_env)."""
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "agent", "discovery_handlers"],
+        cwd=root, env=env, check=True,
+    )  # fmt: skip
+
+
+async def _one_start(root: Path, env: dict[str, str], configs: list[str]) -> tuple[float, float]:
+    """(ms from Popen to the first ListAndWatch, VmRSS MB ``SETTLE`` s later) of ``akri agent
+    --local`` run from ``root`` (``python -m`` puts the checkout first on ``sys.path``)."""
+    base = Path(tempfile.mkdtemp(prefix="akri-opcua-fp-", dir="/tmp"))
+    (base / "dp").mkdir()
+    config_flags: list[str] = []
+    for index, text in enumerate(configs):
+        path = base / f"c{index}.yaml"
+        path.write_text(text)
+        config_flags += ["--config", str(path)]
+    kubelet = TimedKubelet(base / "dp", base / "pr.sock", reregistration="kubelet")
+    await kubelet.start()
+    log = (base / "agent.log").open("wb")
+    started = time.monotonic()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - timed from here, no await between
+        [
+            sys.executable, "-m", "agent.cli", "agent", "--local",
+            "--state-dir", str(base / "state"), *config_flags,
+            "--device-plugin-dir", str(base / "dp"),
+            "--pod-resources-socket", str(base / "pr.sock"),
+            "--debug-echo-availability-file", str(base / "avail"),
+            "--node-name", "bench-opcua",
+        ],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+    )  # fmt: skip
+    PROCESSES.add(proc)
+    try:
+        deadline = started + 60
+        while not kubelet.list_and_watch_log:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                tail = (base / "agent.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"no ListAndWatch from {root}:\n{tail}")
+            await asyncio.sleep(0.001)
+        first = (kubelet.list_and_watch_log[0].time - started) * 1000
+        await asyncio.sleep(SETTLE)
+        return first, rss_mb(proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        PROCESSES.discard(proc)
+        log.close()
+        await kubelet.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def measure_footprint(before: Path, startups: int) -> dict[str, Any]:
+    env = agent_env()
+    for root in (before, ROOT):
+        _compile(root, env)
+    debug_echo = debug_echo_configuration("startup", ["a", "b", "c"], 1)
+    opcua = _opcua_configuration(f"opc.tcp://127.0.0.1:{_free_port()}/")
+    runs: dict[str, tuple[Path, list[str]]] = {
+        "before": (before, [debug_echo]),
+        "after": (ROOT, [debug_echo]),
+        "with_opcua": (ROOT, [debug_echo, opcua]),
+    }
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    for _ in range(startups):
+        for name, (root, configs) in runs.items():
+            samples[name].append(await _one_start(root, env, configs))
+    return {
+        name: {
+            "root": str(runs[name][0]),
+            "commit": _commit(runs[name][0]),
+            "startup_first_list_ms": summarize([s[0] for s in values]),
+            "idle_rss_mb": summarize([s[1] for s in values]),
+        }
+        for name, values in samples.items()
+    } | {
+        "method": "akri agent --local, 3 debugEcho devices, device plugins, kubelet double; "
+        "before/after/with_opcua started in turn each round; RSS read "
+        f"{SETTLE:g} s after the first ListAndWatch",
+    }
+
+
+def _commit(root: Path) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip()
+
+
+def _instance_urls(state: Path) -> set[str]:
+    directory = state / "instances"
+    urls: set[str] = set()
+    if not directory.is_dir():
+        return urls
+    for name in os.listdir(directory):
+        if name.endswith(".json"):
+            try:
+                item = json.loads((directory / name).read_text())
+            except (OSError, ValueError):
+                continue  # a partly visible write: read again next time
+            urls.add(item["spec"]["brokerProperties"].get("OPCUA_DISCOVERY_URL", ""))
+    return urls
+
+
+async def _until(check: Any, within: float, what: str, agent: LocalAgent) -> float:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not within {within} s\n{agent.logs()}")
+        await asyncio.sleep(0.005)
+    return time.monotonic()
+
+
+async def _start_server(url: str) -> tuple[asyncio.subprocess.Process, float]:
+    spec = [{"kind": "server", "name": "Bench Server", "endpoint": url}]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.doubles.opcua_servers", json.dumps(spec),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert process.stdout is not None
+    line = await asyncio.wait_for(process.stdout.readline(), 120)
+    if not line.startswith(b"ready "):
+        raise RuntimeError(f"the server did not start: {line!r}")
+    return process, time.monotonic()
+
+
+async def measure_latency(cycles: int) -> dict[str, Any]:
+    url = f"opc.tcp://127.0.0.1:{_free_port()}/"
+    agent = LocalAgent(
+        _opcua_configuration(url), "akri-opcua-lat-", extra=["--shared-offline-grace", "0"]
+    )
+    appear: list[float] = []
+    gone: list[float] = []
+    try:
+        for _ in range(cycles):
+            server, ready = await _start_server(url)
+            try:
+                seen = await _until(
+                    lambda: url in _instance_urls(agent.state), 60, "the Instance", agent
+                )
+                appear.append((seen - ready) * 1000)
+            finally:
+                server.kill()
+                killed = time.monotonic()
+                await server.wait()
+            went = await _until(
+                lambda: url not in _instance_urls(agent.state), 60, "the Instance gone", agent
+            )
+            gone.append((went - killed) * 1000)
+    finally:
+        lag = agent.stop()
+    return {
+        "opcua_server_to_instance_ms": summarize(appear),
+        "opcua_server_gone_to_instance_gone_ms": summarize(gone),
+        "loop_lag_max_ms": lag,
+        "method": "asyncua server process on loopback started/killed in turn; akri agent "
+        "--local --shared-offline-grace 0, default intervals (recheck 10 s, retry 1 s, "
+        "timeout 3 s): 'ready' line -> Instance file; SIGKILL -> file gone",
+    }
+
+
+async def run(before: Path | None, startups: int, cycles: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
+    if before is not None:
+        results["footprint"] = await measure_footprint(before, startups)
+    results["latency"] = await measure_latency(cycles)
+    results["load_average_end"] = os.getloadavg()[0]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", type=Path, help="checkout of main before the handler")
+    parser.add_argument("--startups", type=int, default=8)
+    parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        results = asyncio.run(run(args.before, args.startups, args.cycles))
+    finally:
+        PROCESSES.kill_all()
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
