@@ -15,7 +15,17 @@ Per N (10, 25, 50 by default):
   it (one write per Instance expected: the node that sorts first writes it);
 * **loss**: half the agents stop seeing the devices (``--shared-offline-grace`` short, so the
   departure is measured, not the grace); the same figures until every Instance lists only
-  the other half.
+  the other half;
+* **delete** (issue 36): once every node is back in every Instance (not measured), the
+  Configuration is deleted while no slot is held; the same figures until no Instance of it
+  is left (Kubernetes' garbage collector, here the double's, deletes them; the
+  ``akri.sh/slots`` finalizer keeps each until it is removed);
+* **delete with held slots**: the Configuration is created again, every node joins (not
+  measured), and pods on three nodes hold slots (two nodes on one Instance, one on another)
+  through the instance-level device plugin; the Configuration is deleted (figures until the
+  Instances holding nothing are gone: ``delete_held``), then the pods end (figures until the
+  last Instance is gone: ``pods_end``; its time includes the reclaimer's
+  ``--reclaim-grace``, the wait before a slot kubelet no longer lists is freed).
 
 The agents are separate processes as in production; they share the host's two cores, so the
 times include waiting for a core (the runqueue wait is reported).
@@ -26,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -85,10 +95,12 @@ def _phase(
     cpu = [cpu_seconds(a.pid) - cpu_before[a.pid] for a in agents]
     rss = [rss_mb(a.pid) for a in agents]
     n = len(agents)
+    instance_requests = [r for r in requests if r.resource == "instances"]
     return {
         "seconds": round(seconds, 2),  # until the state converged (not the settling after)
         "requests": len(requests),
         "requests_per_agent": round(len(requests) / n, 2),
+        "instance_requests_per_agent": round(len(instance_requests) / n, 2),
         "requests_by_verb": dict(sorted(by_verb.items())),
         "instance_writes_ok": writes["writes_ok"],
         "instance_applies_ok": writes["applies"],
@@ -231,6 +243,59 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             f"many agents N={n}: half left in {loss_s:.1f}s (grace {plan.offline_grace}s "
             f"included), {loss['conflicts']} conflicts"
         )
+        await _quiet(api, 2.0, within=60)
+
+        # every node sees the devices again (not measured): the deletes start from N nodes
+        for node in leaving:
+            node.set_available(True)
+        await wait_until(joined, within=plan.within, what=f"{n} nodes back in every Instance")
+        await _settled(api)
+
+        def measure(name: str, act: Callable[[], Any], done: Callable[[], bool]) -> Any:
+            return _measured(api, nodes, pids, agents, name, act, done, plan.within)
+
+        def gone() -> bool:
+            return not api.instances(CONFIGURATION)
+
+        def delete_configuration() -> None:
+            api.api.delete("configurations.akri.sh", CONFIGURATION, "default")
+
+        delete = await measure("delete", delete_configuration, gone)
+        log(
+            f"many agents N={n}: deleted in {delete['seconds']}s, "
+            f"{delete['requests_per_agent']} requests/agent, {delete['conflicts']} conflicts"
+        )
+        await _quiet(api, 2.0, within=60)
+
+        # the same with slots held on three nodes
+        api.api.create(
+            debug_echo_configuration(
+                CONFIGURATION, [f"cam{i}" for i in range(plan.devices)], plan.capacity
+            )
+        )
+        await wait_until(joined, within=plan.within, what=f"{n} nodes in every new Instance")
+        await _settled(api)
+        held = await _hold_slots(api, nodes)
+
+        def only_held_left() -> bool:
+            left = api.instances(CONFIGURATION)
+            return {o["metadata"]["name"] for o in left} == set(held.values()) and all(
+                o["metadata"].get("deletionTimestamp") for o in left
+            )
+
+        delete_held = await measure("delete_held", delete_configuration, only_held_left)
+
+        async def end_pods() -> None:
+            for node in nodes:
+                if node.name in held:
+                    await node.kubelet.delete_pod("default", f"holder-{node.name}")
+
+        pods_end = await measure("pods_end", end_pods, gone)
+        log(
+            f"many agents N={n}: with held slots, the others gone in "
+            f"{delete_held['seconds']}s ({delete_held['conflicts']} conflicts), the held ones "
+            f"{pods_end['seconds']}s after their pods ended ({pods_end['conflicts']} conflicts)"
+        )
         problems = [line for node in nodes if node.agent for line in node.agent.problems()]
         return {
             "agents": n,
@@ -238,12 +303,98 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             "join": join,
             "edit": edit,
             "loss_of_half": loss,
+            "delete": delete,
+            "delete_held": {**delete_held, "holders": held},
+            "pods_end": {**pods_end, "reclaim_grace_s": options.reclaim_grace},
             "offline_grace_s": plan.offline_grace,
             "agent_problems": problems[:5],
         }
     finally:
         await asyncio.gather(*(node.close(grace=5.0) for node in nodes))
         api.stop()
+
+
+async def _measured(
+    api: ApiServer,
+    nodes: Sequence[Node],
+    pids: dict[str, int],
+    agents: Sequence[Any],
+    name: str,
+    act: Callable[[], Any],
+    done: Callable[[], bool],
+    within: float,
+) -> dict[str, Any]:
+    """One phase: ``act`` (a function, or one returning an awaitable), then the figures
+    until ``done`` holds and the agents settled."""
+    gave_up = _gave_up(agents)
+    mark = api.request_mark()
+    events = sum(api.api.watch_events_sent.values())
+    cpu_before = _cpu(nodes)
+    window = RunqueueWindow({**pids})
+    started = time.monotonic()
+    outcome = act()
+    if asyncio.iscoroutine(outcome):
+        await outcome
+    await wait_until(done, within=within, what=name)
+    seconds = time.monotonic() - started
+    await _settled(api)
+    return _phase(api, nodes, mark, events, cpu_before, seconds, _summary(window.result()), gave_up)
+
+
+async def _hold_slots(api: ApiServer, nodes: Sequence[Node]) -> dict[str, str]:
+    """Pods on three nodes take one slot each through the instance-level device plugin: the
+    first and the middle node on the first Instance, the last node on the second. Returns
+    node -> Instance."""
+    names = sorted(o["metadata"]["name"] for o in api.instances(CONFIGURATION))
+    plan = {nodes[0].name: names[0], nodes[len(nodes) // 2].name: names[0]}
+    plan[nodes[-1].name] = names[1]
+    taken: dict[str, int] = {}
+    for node in nodes:
+        instance = plan.get(node.name)
+        if instance is None:
+            continue
+        resource = f"akri.sh/{instance}"
+        # a slot of its own for each pod: another node's Unhealthy list may still be on its way
+        slot = f"{instance}-{taken.setdefault(instance, 0)}"
+        taken[instance] += 1
+        for attempt in range(5):
+            await wait_until(
+                lambda k=node.kubelet, r=resource, d=slot: d in k.healthy_devices(r),
+                within=60,
+                what=f"{slot} offered on {node.name}",
+            )
+            try:
+                pod = await node.kubelet.admit_pod(
+                    "default",
+                    f"holder-{node.name}",
+                    [("c", {resource: 1})],
+                    choose={resource: [slot]},
+                )
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise
+                # the plugin of the Instance's previous incarnation (same name) went away
+                # under the call: its successor registers; try again
+                log(f"{node.name}: Allocate of {slot} cut off (attempt {attempt + 1})")
+                await asyncio.sleep(1.0)
+                continue
+            if not pod.admitted:
+                raise RuntimeError(f"{node.name}: the holder pod was refused: {pod.message}")
+            break
+        else:
+            raise RuntimeError(f"{node.name}: no Allocate of {slot} got through")
+
+    def recorded() -> bool:
+        usage = [
+            value
+            for obj in api.instances(CONFIGURATION)
+            for value in (obj["spec"].get("deviceUsage") or {}).values()
+        ]
+        return sorted(v for v in usage if v) == sorted(plan)
+
+    await wait_until(recorded, within=60, what="held slots recorded")
+    return plan
 
 
 def _cpu(nodes: Sequence[Node]) -> dict[int, float]:
