@@ -179,6 +179,20 @@ class NodeCollector(Collector):
         )
         restarts.add_metric(["dra"], agent.dra.re_registrations if agent.dra is not None else 0)
         yield restarts
+        failures = CounterMetricFamily(
+            "akri_kubelet_registration_failures_total",
+            "Registrations with kubelet that failed (device plugins: Register calls; DRA: "
+            "refusals kubelet reported); logged once per streak",
+            labels=["plugin"],
+        )
+        failures.add_metric(
+            ["device_plugin"],
+            agent.plugins.registration_failures if agent.plugins is not None else 0,
+        )
+        failures.add_metric(
+            ["dra"], agent.dra.registration_failures if agent.dra is not None else 0
+        )
+        yield failures
 
         refused = CounterMetricFamily(
             "akri_resource_slice_writes_refused_total",

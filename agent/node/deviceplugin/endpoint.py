@@ -152,6 +152,7 @@ class PluginEndpoint:
             failure: Exception
             try:
                 await self._register_once()
+                self._registrar.failures.succeeded(self.resource_name)
                 self.registrations += 1
                 self.registered.set()
                 log.info(
@@ -169,11 +170,10 @@ class PluginEndpoint:
                 failure = RuntimeError(f"the Register call was cancelled {cancelled}".strip())
             except Exception as error:
                 failure = error
-            log.warning(
-                "registering %s failed (%s); retrying in %.1fs",
-                self.resource_name,
-                _describe(failure),
-                backoff,
+            # one warning per streak of failures of any plugin, not one per retry (50 agents
+            # started before kubelet wrote ~9,300 of them in 5 minutes: issue 36)
+            self._registrar.failures.failed(
+                self.resource_name, f"{_describe(failure)}; next attempt in {backoff:.1f}s"
             )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, MAX_REGISTER_BACKOFF)
@@ -196,6 +196,7 @@ class PluginEndpoint:
         async with self._lock:
             self._stopped = True
             await self._stop()
+        self._registrar.failures.forget(self.resource_name)
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 

@@ -121,6 +121,11 @@ class DevicePluginManager:
         # Instances whose plugin waits for the old meaning of its name to end
         self.held_back: set[str] = set()
 
+    @property
+    def registration_failures(self) -> int:
+        """Register calls to kubelet that failed (``akri_kubelet_registration_failures_total``)."""
+        return self._registrar.failures.failures
+
     def endpoints(self) -> list[PluginEndpoint]:
         """Every running plugin endpoint."""
         return [*self.instance_plugins.values(), *self.configuration_plugins.values()]

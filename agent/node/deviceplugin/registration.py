@@ -11,11 +11,15 @@ a channel cancels its calls, which would silently end other plugins' registratio
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
 
+from agent.ops.streaks import FailureStreak
 from agent.protos.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger("agent.node.deviceplugin.endpoint")  # where registrations are logged
 
 KUBELET_SOCKET = "kubelet.sock"
 # codes that say the connection (not kubelet's answer) failed: dial afresh next time
@@ -30,6 +34,14 @@ class KubeletRegistrar:
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[grpc.aio.Channel, int] = {}  # calls in flight per channel
         self._closing: set[asyncio.Task[None]] = set()
+        # every plugin's failed registrations (kubelet not there yet, ...): one warning when
+        # they start, one line when they end (issue 36)
+        self.failures = FailureStreak(
+            log,
+            "registering device plugins with kubelet",
+            'akri_kubelet_registration_failures_total{plugin="device_plugin"}',
+            noun="resource",
+        )
 
     @property
     def channel(self) -> grpc.aio.Channel | None:

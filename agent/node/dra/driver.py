@@ -33,6 +33,7 @@ from agent.core.store.base import StoreError
 from agent.node.dra.claim_status import ClaimStatusWriter
 from agent.node.dra.health import HEALTH_SERVICES, HealthReporter, add_health_services
 from agent.node.dra.state import ClaimRef, DraState, PrepareError
+from agent.ops.streaks import FailureStreak
 from agent.protos.dra.v1 import api_pb2 as v1
 from agent.protos.dra.v1 import api_pb2_grpc as v1_grpc
 from agent.protos.dra.v1beta1 import api_pb2 as v1beta1
@@ -52,6 +53,15 @@ class _Registration(reg_grpc.RegistrationServicer):
         self.versions = versions
         self.status: tuple[bool, str] | None = None
         self.registered = asyncio.Event()
+        # kubelet retries a refused registration about every second: one error line when the
+        # refusals start, one when they end, the count in a metric (issue 36)
+        self.refusals = FailureStreak(
+            log,
+            f"registering DRA driver {DRIVER_NAME} with kubelet",
+            'akri_kubelet_registration_failures_total{plugin="dra"}',
+            noun="driver",
+            level=logging.ERROR,
+        )
 
     async def GetInfo(self, request: Any, context: Any) -> Any:
         return reg.PluginInfo(
@@ -64,10 +74,11 @@ class _Registration(reg_grpc.RegistrationServicer):
     async def NotifyRegistrationStatus(self, request: Any, context: Any) -> Any:
         self.status = (request.plugin_registered, request.error)
         if request.plugin_registered:
+            self.refusals.succeeded(DRIVER_NAME)
             log.info("kubelet registered DRA driver %s", DRIVER_NAME)
             self.registered.set()
         else:
-            log.error("kubelet refused DRA driver %s: %s", DRIVER_NAME, request.error)
+            self.refusals.failed(DRIVER_NAME, f"kubelet refused it: {request.error}")
         return reg.RegistrationStatusResponse()
 
 
@@ -191,6 +202,11 @@ class DraDriver:
         self._reg_server: grpc.aio.Server | None = None
         self._watch: asyncio.Task[None] | None = None
         self.re_registrations = 0
+
+    @property
+    def registration_failures(self) -> int:
+        """Registrations kubelet refused (``akri_kubelet_registration_failures_total``)."""
+        return self.registration.refusals.failures
 
     async def start(self) -> None:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
