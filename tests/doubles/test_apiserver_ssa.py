@@ -171,3 +171,88 @@ async def test_preconditions_and_a_missing_object(api: ApiServerDouble, client: 
         await client.apply(PATH, membership("b"), field_manager="m/b")
     assert invalid.value.status == 422 and "spec.configurationName" in str(invalid.value)
     assert api.get(INSTANCES, "cam", "default") is None
+
+
+def finalizer_owners(obj: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
+    found = {}
+    for entry in obj["metadata"].get("managedFields") or []:
+        names = entry["fieldsV1"].get("f:metadata", {}).get("f:finalizers", {})
+        if names:
+            found[(entry["manager"], entry["operation"])] = sorted(
+                k[3:-1] for k in names if k.startswith("v:")
+            )
+    return found
+
+
+def finalizers(name: str | None = None, *names: str) -> dict[str, Any]:
+    body = membership(None)
+    del body["spec"]
+    body["metadata"]["finalizers"] = [n for n in (name, *names) if n]
+    return body
+
+
+async def test_finalizers_are_a_set_whose_elements_have_owners(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """``metadata.finalizers`` is ``+listType=set`` in ObjectMeta: under server-side apply each
+    finalizer is owned by the managers that applied it, and one a plain write added (the
+    create) by that write's manager, as on a real server (structured-merge-diff's prune adds
+    back every item any other manager owns, Update managers included). So an apply that omits
+    a finalizer a create wrote never removes it; one only appliers own goes with the last of
+    them; on a terminating object an apply may drop finalizers but not add one (422), and
+    dropping the last one deletes the object."""
+    body = {
+        "apiVersion": "akri.sh/v0",
+        "kind": "Instance",
+        "metadata": {"name": "cam", "finalizers": ["akri.sh/slots"]},
+        "spec": {"configurationName": "c", "capacity": 1, "shared": True, "nodes": ["a"]},
+    }
+    await client.create(
+        resource_path("akri.sh", "v0", "instances", namespace="default"), body, request_timeout=10
+    )
+    await client.apply(PATH, finalizers("akri.sh/slots"), field_manager="m/a")
+    both = await client.apply(PATH, finalizers("akri.sh/slots", "x/y"), field_manager="m/b")
+    assert both["metadata"]["finalizers"] == ["akri.sh/slots", "x/y"]  # merged, not replaced
+    assert finalizer_owners(both) == {
+        ("unknown", "Update"): ["akri.sh/slots"],
+        ("m/a", "Apply"): ["akri.sh/slots"],
+        ("m/b", "Apply"): ["akri.sh/slots", "x/y"],
+    }
+    await client.apply(PATH, finalizers(), field_manager="m/a")
+    kept = await client.apply(PATH, finalizers("x/y"), field_manager="m/b")
+    # every applier let akri.sh/slots go: the create's ownership keeps it
+    assert kept["metadata"]["finalizers"] == ["akri.sh/slots", "x/y"]
+    assert finalizer_owners(kept) == {
+        ("unknown", "Update"): ["akri.sh/slots"],
+        ("m/b", "Apply"): ["x/y"],
+    }
+
+    api.delete(INSTANCES, "cam", "default")
+    with pytest.raises(ApiError) as added:
+        await client.apply(PATH, finalizers("new/one"), field_manager="m/c")
+    assert added.value.status == 422 and "no new finalizers" in str(added.value)
+    # a finalizer already there may be re-applied on a terminating object
+    await client.apply(PATH, finalizers("akri.sh/slots"), field_manager="m/c")
+    dropped = await client.apply(PATH, finalizers(), field_manager="m/b")
+    assert dropped["metadata"]["finalizers"] == ["akri.sh/slots"]
+    assert api.get(INSTANCES, "cam", "default") is not None
+    # a plain write removing the last finalizer ends it
+    current = api.get(INSTANCES, "cam", "default")
+    current["metadata"]["finalizers"] = []
+    await client.replace(PATH, current)
+    assert api.get(INSTANCES, "cam", "default") is None
+
+
+async def test_an_apply_dropping_the_last_finalizer_deletes_a_terminating_object(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """No plain write ever owned the finalizer: the last applier's apply without it removes
+    it, and the terminating object is deleted by that apply."""
+    await created(client, ["a"])
+    await client.apply(PATH, finalizers("akri.sh/slots"), field_manager="m/a")
+    await client.apply(PATH, finalizers("akri.sh/slots"), field_manager="m/b")
+    api.delete(INSTANCES, "cam", "default")
+    still = await client.apply(PATH, finalizers(), field_manager="m/a")
+    assert still["metadata"]["finalizers"] == ["akri.sh/slots"]
+    await client.apply(PATH, finalizers(), field_manager="m/b")
+    assert api.get(INSTANCES, "cam", "default") is None

@@ -15,8 +15,12 @@ reduced to those lists (structured-merge-diff's set semantics):
   (``{"f:spec": {"f:nodes": {"v:\\"node-a\\"": {}}}}``); a client's own ``managedFields`` in a
   write body are ignored (as a nil list is on the real server).
 
-Other fields are not tracked: an apply merges them like a merge patch and never removes them
-(docs/testing-apiserver-double.md, "What it does not do").
+``metadata.finalizers`` is one of these lists on every object (``+listType=set`` in
+ObjectMeta; a CRD's schema cannot change it): an apply adds and drops finalizers as elements of
+a set, and a finalizer a plain write added (a create, a PUT) stays owned by that write's
+manager, so no apply that omits it removes it. Other fields are not tracked: an apply merges
+them like a merge patch and never removes them (docs/testing-apiserver-double.md, "What it
+does not do").
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ JSON = dict[str, Any]
 Path = tuple[str, ...]
 Owner = tuple[str, str]  # (manager, operation)
 UNKNOWN_MANAGER = "unknown"
+FINALIZERS: Path = ("metadata", "finalizers")
 
 
 def set_list_paths(schema: JSON | None) -> list[Path]:

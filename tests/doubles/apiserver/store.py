@@ -744,8 +744,11 @@ class Store:
         return self._output(rt, version, new)
 
     def _set_lists(self, rt: ResourceType, version: str) -> list[managed_fields.Path]:
-        """The set-typed lists of a custom resource's schema (their elements have owners)."""
-        return managed_fields.set_list_paths(rt.schemas.get(version)) if rt.custom else []
+        """The set-typed lists of a custom resource (their elements have owners): those of
+        its schema, and ``metadata.finalizers`` (``+listType=set`` in ObjectMeta)."""
+        if not rt.custom:
+            return []
+        return [*managed_fields.set_list_paths(rt.schemas.get(version)), managed_fields.FINALIZERS]
 
     def _track_ownership(
         self,
