@@ -3,17 +3,22 @@
 The write that frees the last held slot of a terminating Instance removes the finalizer itself
 (``agent.core.ledger.finalizer``). This task covers the rest: an Instance deleted while no slot
 was held, or whose last slot another agent (an Akri agent, the controller's dead-node cleanup)
-freed. Every agent runs it; the compare-and-swap lets one of them win, the others find the
-Instance gone.
+freed. One write of one node does it: every agent runs this task, but each waits its turn
+(:func:`~agent.core.ledger.finalizer.settle_delay`: the first of the Instance's ``nodes`` at
+once, the next one :data:`~agent.core.ledger.finalizer.SETTLE_STEP` seconds later if the
+Instance is still there, ...). Before, every agent wrote at once and all but one conflicted
+(issue 36).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 
 from agent.core.aio.events import Subscription
-from agent.core.ledger.finalizer import finalizer_done
+from agent.core.ledger.finalizer import finalizer_done, settle_delay
 from agent.core.ledger.ledger import SlotLedger
 from agent.core.model.keys import ObjectKey
 from agent.core.store.base import EventType, InstanceEvent, StoreError
@@ -23,37 +28,60 @@ log = logging.getLogger(__name__)
 RETRY_DELAY = 5.0  # after a failed write (API server unavailable), before the next attempt
 
 
-async def settle_finalizers(events: Subscription[InstanceEvent], ledger: SlotLedger) -> None:
-    """Follow Instance events; settle each terminating Instance that holds no slot. A write
-    that fails (API server unavailable) is tried again after :data:`RETRY_DELAY` (or at the
-    next event of that Instance); the Instance meanwhile stays terminating, nothing is lost."""
-    pending: set[ObjectKey] = set()
+async def settle_finalizers(
+    events: Subscription[InstanceEvent],
+    ledger: SlotLedger,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Follow Instance events; settle each terminating Instance that holds no slot when this
+    node's turn comes (at once for its settler). A write that fails (API server unavailable)
+    is tried again after :data:`RETRY_DELAY`; the Instance meanwhile stays terminating,
+    nothing is lost."""
+    due: dict[ObjectKey, float] = {}  # Instance -> when this node settles it
+    failed: set[ObjectKey] = set()  # failures already logged
     try:
         while True:
+            now = clock()
+            for key in sorted(k for k, when in due.items() if when <= now):
+                del due[key]
+                cached = ledger.store.get_cached(key)
+                if cached is not None and finalizer_done(cached):
+                    await _settle(ledger, key, due, failed, clock)
+            wait = max(0.0, min(due.values()) - clock()) if due else None
             try:
-                async with asyncio.timeout(RETRY_DELAY if pending else None):
+                async with asyncio.timeout(wait):
                     event = await anext(events)
             except TimeoutError:
-                keys, pending = pending, set()
-                for key in sorted(keys):
-                    cached = ledger.store.get_cached(key)
-                    if cached is not None and finalizer_done(cached):
-                        await _settle(ledger, key, pending)
                 continue
             except StopAsyncIteration:
                 return
+            key = event.instance.key
             if event.type is EventType.DELETED or not finalizer_done(event.instance):
-                pending.discard(event.instance.key)
+                due.pop(key, None)
+                failed.discard(key)
                 continue
-            await _settle(ledger, event.instance.key, pending)
+            # the turn follows the Instance's nodes as they are now (a gone settler taken
+            # out by the controller's dead-node cleanup makes the next one the settler)
+            when = clock() + settle_delay(event.instance, ledger.node)
+            if when < due.get(key, float("inf")):
+                due[key] = when
     finally:
         events.close()
 
 
-async def _settle(ledger: SlotLedger, key: ObjectKey, pending: set[ObjectKey]) -> None:
+async def _settle(
+    ledger: SlotLedger,
+    key: ObjectKey,
+    due: dict[ObjectKey, float],
+    failed: set[ObjectKey],
+    clock: Callable[[], float],
+) -> None:
     try:
         await ledger.settle_finalizer(key)
     except StoreError as error:
-        if key not in pending:
+        if key not in failed:
             log.warning("instance %s: removing its finalizer failed (retried): %s", key, error)
-        pending.add(key)
+        failed.add(key)
+        due[key] = clock() + RETRY_DELAY
+        return
+    failed.discard(key)

@@ -14,6 +14,7 @@ from agent.core.kube import make_kube_client
 from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
 from agent.node.activity_log import log_instance_changes
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
+from agent.node.finalizers import settle_finalizers
 from discovery_handlers.base import DiscoveryHandler
 from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.registry import HandlerRegistry
@@ -106,6 +107,10 @@ async def start_node(
     await manager.start()
     node = SimNode(name, store, manager, availability)
     node.tasks.append(asyncio.create_task(log_instance_changes(store.subscribe_instances())))
+    # as the agent does: the akri.sh/slots finalizer of a deleted Instance holding nothing goes
+    node.tasks.append(
+        asyncio.create_task(settle_finalizers(store.subscribe_instances(), manager.ledger))
+    )
     return node
 
 

@@ -453,7 +453,8 @@ class Leave:
 @dataclass(frozen=True)
 class Drain:
     """This node still holds ``slots``: it stays (draining). ``instance`` carries the draining
-    mark to write, or is None when already marked."""
+    mark to write, or is None when nothing is to be written (already marked, or the Instance
+    is terminating)."""
 
     slots: tuple[str, ...]
     instance: Instance | None
@@ -479,10 +480,21 @@ def with_draining(instance: Instance, node: str, draining: bool) -> Instance:
 
 
 def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
-    """Whether ``node`` may leave ``instance`` now (None: it is not a member)."""
+    """Whether ``node`` may leave ``instance`` now (None: it is not a member, or nothing is
+    to be written).
+
+    A terminating Instance (deleted, kept by the ``akri.sh/slots`` finalizer) is not written
+    to: it offers nothing already (as a draining mark would make it), and it goes as a whole
+    once no slot is held — the write that frees its last held slot, or one node's settle
+    (``agent/core/ledger/finalizer.py``), removes the finalizer. Every node leaving it, or
+    marking itself draining, would only be N writes racing for the same object (issue 36).
+    A node holding slots of it stays (:class:`Drain` with nothing to write) until they are
+    freed."""
     if node not in instance.nodes:
         return None
     held = node_slots(instance, node)
+    if instance.deletion_timestamp is not None:
+        return Drain(held, None) if held else None
     if held:
         if node in instance.draining_nodes:
             return Drain(held, None)

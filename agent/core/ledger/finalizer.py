@@ -7,8 +7,14 @@ owner reference to their Configuration) — then only marks it terminating
 are refused (``Deleting``) except kubelet re-asking for a slot its owner already holds, and the
 reclaimers free the slots as their containers and claims end. The write that frees the last
 held slot also removes the finalizer, and the API server deletes the Instance then. An Instance
-deleted while nothing is held loses the finalizer at once (:meth:`SlotLedger.settle_finalizer`,
-called by every agent that sees it; the compare-and-swap makes one of them win).
+deleted while nothing is held loses the finalizer at once (:meth:`SlotLedger.settle_finalizer`)
+by one write of one node: the *settler*, the first of its ``nodes`` in sorted order. Every
+other agent waits its turn (:func:`settle_delay`: the next node after :data:`SETTLE_STEP`
+seconds, and so on; agents not listed after all of them), so a settler whose agent is gone
+delays the deletion, never stops it; the compare-and-swap still decides every attempt. Nodes
+do not leave a terminating Instance (:func:`~agent.core.ledger.decisions.decide_leave`): it
+goes as a whole. Before (issue 36), every agent removed the finalizer and left on its own,
+and at 50 nodes the writes racing for the same objects took 27 requests per agent and 10 s.
 
 The finalizer is shared: it stays while *any* node holds a slot. A node that died holding slots
 cannot free them; the controller's dead-node cleanup releases its share with
@@ -20,6 +26,7 @@ Pure decisions first; :func:`release_finalizer_share` is the one helper that wri
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 
 from agent.core.ledger.decisions import decide_release_slots, held_count, node_slots, with_draining
@@ -30,6 +37,13 @@ from agent.core.store.base import InstanceStore, NotFoundError
 from agent.core.store.cas import DEFAULT_RETRY, RetryPolicy, cas_update
 
 log = logging.getLogger(__name__)
+
+# seconds between one settler's turn and the next (:func:`settle_delay`): long enough that a
+# live settler on a loaded node has written before the next one looks (a second attempt is
+# only a conflict, never a loss), short enough that a gone one delays the deletion little
+SETTLE_STEP = 5.0
+# agents not listed in ``nodes`` spread over this many turns after the listed ones
+UNLISTED_TURNS = 4
 
 
 def is_terminating(instance: Instance) -> bool:
@@ -60,6 +74,20 @@ def settle_finalizer(instance: Instance) -> Instance:
     if SLOTS_FINALIZER in instance.finalizers:
         return instance
     return instance.evolve(finalizers=(*instance.finalizers, SLOTS_FINALIZER))
+
+
+def settle_delay(instance: Instance, node: str) -> float:
+    """Seconds ``node`` waits before removing the finalizer of ``instance`` (terminating,
+    nothing held): 0 for the first of its ``nodes`` in sorted order, :data:`SETTLE_STEP` for
+    the second, and so on; a node not listed comes after all of them, in one of
+    :data:`UNLISTED_TURNS` turns chosen by a hash of its name and the Instance's (every node
+    computes the same). An attempt is made only if the Instance is still waiting then."""
+    members = sorted(instance.nodes)
+    if node in members:
+        return members.index(node) * SETTLE_STEP
+    digest = hashlib.blake2b(f"{instance.name}/{node}".encode(), digest_size=2).digest()
+    turn = len(members) + 1 + int.from_bytes(digest, "big") % UNLISTED_TURNS
+    return turn * SETTLE_STEP
 
 
 def decide_release_share(instance: Instance, node: str) -> Instance | None:

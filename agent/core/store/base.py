@@ -130,6 +130,10 @@ class InvalidConfiguration:
 class InstanceStore(abc.ABC):
     """Get/list/watch/create/compare-and-swap update/delete of Instances; watch Configurations."""
 
+    # whether a garbage collector deletes the Instances whose owner Configuration is gone
+    # (their ownerReferences), as Kubernetes' does: then the nodes need not leave them
+    garbage_collected = False
+
     def __init__(self) -> None:
         self._instance_events: Broadcaster[InstanceEvent] = Broadcaster()
         self._configuration_events: Broadcaster[ConfigurationEvent] = Broadcaster()

@@ -107,6 +107,10 @@ def _translate(error: BaseException, what: str) -> StoreError:
 class KubernetesInstanceStore(InstanceStore):
     """The store used in a cluster."""
 
+    # kube-controller-manager's garbage collector deletes an Instance whose owner
+    # Configuration is gone (Akri's ownerReference, kept on every Instance we write)
+    garbage_collected = True
+
     def __init__(self, api_client: KubeClient, settings: KubernetesSettings) -> None:
         super().__init__()
         self._client = api_client
