@@ -115,6 +115,7 @@ class _Session:
         loop = asyncio.get_running_loop()
         tracker = Tracker(self.details, loop.time())
         last: list[Device] | None = None
+        seen = -1  # the tracker's version the last list was made at
         while True:
             for target in tracker.take_due(loop.time()):
                 self.tasks[asyncio.create_task(self._ask(target))] = target
@@ -131,6 +132,9 @@ class _Session:
                 self._apply(tracker, self.tasks.pop(task), task.result(), loop.time())
             if last is None and not tracker.settled():
                 continue  # the first list waits for every URL's first answer (bounded)
+            if tracker.version == seen:
+                continue
+            seen = tracker.version
             devices = tracker.devices()
             if devices != last:
                 last = devices
@@ -225,8 +229,8 @@ class _Session:
                 self.problems.report(
                     "cap",
                     "DeviceCapReached",
-                    f"opcua: {tracker.over_cap} listed server(s) beyond maxServers "
-                    f"({self.details.max_servers}) are not tracked",
+                    f"opcua: more servers are listed than maxServers "
+                    f"({self.details.max_servers}): only the first ones are tracked",
                 )
             return
         failure = Failure.UNREACHABLE if result.unreachable else Failure.BROKEN

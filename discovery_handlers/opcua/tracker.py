@@ -81,6 +81,9 @@ class Tracker:
         }
         self.listed: list[Listed] = []  # the tracked servers, in order
         self.over_cap = 0  # listed servers beyond maxServers (not tracked)
+        # bumped whenever what devices() returns may have changed (a server answering again
+        # and again changes nothing: the list is not rebuilt for every answer)
+        self.version = 0
 
     # -- scheduling ---------------------------------------------------------------------------
     def take_due(self, now: float) -> list[Target]:
@@ -118,12 +121,15 @@ class Tracker:
         target.in_flight = False
         if not self.current(target):
             return
+        if target.up is not True or target.own != tuple(own):
+            self.version += 1
         target.up = True
         target.failures = 0
         target.due = now + self.details.recheck_interval
         target.own = tuple(own)
-        if target.configured and listing is not None:
+        if target.configured and listing is not None and target.listing != tuple(listing):
             target.listing = tuple(listing)
+            self.version += 1
             self._sync(now)
 
     def failed(self, target: Target, now: float, failure: Failure) -> bool:
@@ -136,6 +142,8 @@ class Tracker:
         if was_up and target.failures < FAILURES_BEFORE_GONE:
             target.due = now + self.details.retry_interval  # ask again soon before giving up
             return False
+        if target.up is not False:
+            self.version += 1
         target.up = False
         target.due = now + (
             self.details.retry_interval

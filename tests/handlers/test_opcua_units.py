@@ -320,6 +320,15 @@ def test_a_server_that_answers_is_offered_and_asked_again_a_period_later() -> No
     assert tracker.settled()
     assert [d.id for d in tracker.devices()] == [DIRECT]
     assert tracker.next_due() == 10.0 and tracker.take_due(9.9) == []
+    version = tracker.version
+    answer_direct(tracker, 10.0)  # the same answer again: nothing to rebuild
+    assert tracker.version == version
+    (target,) = tracker.take_due(20.0)
+    tracker.failed(target, 20.0, Failure.UNREACHABLE)  # still offered: nothing either
+    assert tracker.version == version
+    (target,) = tracker.take_due(21.0)
+    tracker.failed(target, 21.0, Failure.UNREACHABLE)
+    assert tracker.version > version and tracker.devices() == []
 
 
 def test_a_server_that_stops_is_gone_after_two_failures_and_back_after_the_retry() -> None:
