@@ -14,6 +14,8 @@ from agent import __version__
 
 if TYPE_CHECKING:
     import argparse
+    import asyncio
+    from collections.abc import Callable
     from pathlib import Path
 
     from agent.controller.settings import ControllerSettings
@@ -26,7 +28,10 @@ EXIT_USAGE = 2
 EXIT_CORRUPT_STATE = 3
 EXIT_UNAVAILABLE = 4
 EXIT_UNUSABLE_PATH = 5
+EXIT_INTERRUPTED = 130  # Ctrl-C before a command could stop cleanly (128 + SIGINT, as shells)
 WAIT_STEP = 0.2  # seconds between two looks of `akri status --wait`
+# the commands that run until SIGINT/SIGTERM: the signals are held until their loop takes them
+RUN_UNTIL_STOPPED = ("agent", "controller", "handler")
 
 DESCRIPTION = """\
 akri: an Akri-compatible device discovery agent for Kubernetes. It finds devices near each node
@@ -183,6 +188,31 @@ def _parser(command: str | None = None) -> FlagParser:
     return parser
 
 
+def _hold_stop_signals() -> None:
+    """Hold Ctrl-C (SIGINT) and SIGTERM until the event loop takes them (``_take_stop_signals``);
+    ``agent/launch.py`` does it first thing for the ``akri`` command (issue 34.13)."""
+    from agent.launch import hold_stop_signals
+
+    hold_stop_signals()
+
+
+def _release_stop_signals() -> None:
+    """Python's own handling of SIGINT and SIGTERM again (a command that does not run a loop)."""
+    import signal
+
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
+def _take_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
+    """The loop answers SIGINT and SIGTERM with ``stop`` from now on; one held since the start
+    arrives now."""
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
 def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
     import logging
 
@@ -220,7 +250,6 @@ async def _run_agent(settings: AgentSettings) -> int:
     import asyncio
     import gc
     import logging
-    import signal
 
     from agent.core.store.base import CorruptStateError, StoreError
     from agent.core.store.local import LocalInstanceStore
@@ -265,8 +294,7 @@ async def _run_agent(settings: AgentSettings) -> int:
         gc.disable()
         stop.set()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop_the_process)
+    _take_stop_signals(loop, stop_the_process)
     try:
         await agent.run(stop)
     except CorruptStateError as error:
@@ -293,7 +321,6 @@ async def _run_agent(settings: AgentSettings) -> int:
 async def _run_controller(settings: ControllerSettings) -> int:
     import asyncio
     import logging
-    import signal
 
     from agent.controller.app import Controller
     from agent.core.kube import ApiError, make_kube_client
@@ -311,9 +338,7 @@ async def _run_controller(settings: ControllerSettings) -> int:
         return EXIT_USAGE
     controller = Controller(settings, client)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    _take_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         await controller.run(stop)
     except StoreError as error:
@@ -525,7 +550,6 @@ def _status(args: argparse.Namespace) -> int:
 async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
     import asyncio
     import logging
-    import signal
 
     from agent.node.app import build_handlers
     from agent.node.external.serve import run_handler_process
@@ -539,9 +563,7 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
         )
         return EXIT_USAGE
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    _take_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         await run_handler_process(handler, settings.discovery_handlers_dir, port, stop)
     except OSError as error:
@@ -550,9 +572,27 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``akri`` console script."""
+def main(argv: Sequence[str] | None = None, *, signals_held: bool = False) -> int:
+    """Entry point of the ``akri`` command (through ``agent/launch.py``, which holds SIGINT
+    and SIGTERM before anything is imported: ``signals_held``)."""
+    try:
+        return _main(argv, signals_held)
+    except KeyboardInterrupt:
+        # Ctrl-C where Python still turns it into an exception (akri status --wait, a command
+        # that is not a long-running one): an exit, not a traceback
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: Sequence[str] | None, signals_held: bool) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
+    # the first word that is not an option names the command (`akri` itself has no option
+    # that takes a value)
+    command = next((word for word in arguments if not word.startswith("-")), None)
+    if command not in RUN_UNTIL_STOPPED:
+        if signals_held:
+            _release_stop_signals()  # a Ctrl-C held meanwhile arrives now (KeyboardInterrupt)
+    elif not signals_held and argv is None:
+        _hold_stop_signals()  # `python -m agent.cli agent ...`
     if arguments in (["--version"], ["version"]):
         # before the parser: building it imports the agent's settings (and their modules)
         print(f"akri {__version__}")
@@ -568,9 +608,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve,
     )
 
-    # the first word that is not an option names the command (`akri` itself has no option
-    # that takes a value)
-    command = next((word for word in arguments if not word.startswith("-")), None)
     parser = _parser(command)
     args, unknown = parser.parse_known_args(arguments)
     if unknown:
@@ -613,4 +650,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from agent.launch import main as launch
+
+    sys.exit(launch())
