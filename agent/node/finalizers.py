@@ -80,7 +80,8 @@ async def _settle(
         await ledger.settle_finalizer(key)
     except StoreError as error:
         if key not in failed:
-            log.warning("instance %s: removing its finalizer failed (retried): %s", key, error)
+            what = "deleting it" if ledger.store.local else "removing its finalizer"
+            log.warning("instance %s: %s failed (retried): %s", key, what, error)
         failed.add(key)
         due[key] = clock() + RETRY_DELAY
         return

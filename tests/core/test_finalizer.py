@@ -184,3 +184,34 @@ async def test_release_finalizer_share_for_the_controller(store: LocalInstanceSt
         await store.get(KEY)
     # a live Instance is left to the cleanup's own decisions
     assert (await store.get(ObjectKey("default", "cfg-live00"))).nodes == ("node-a", "node-b")
+
+
+async def test_local_mode_log_lines_speak_of_files_not_finalizers(
+    store: LocalInstanceStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 34.15: local mode has no API server and no finalizer for a user to know of; the
+    line says what happened in its terms. Another store (the API server's) keeps the word."""
+    import logging
+
+    ledger = SlotLedger(store, "node-a")
+    await ledger.create_instance(make())
+    await ledger.claim(KEY, SLOT0, Owner.instance_level("node-a"))
+    await store.delete(KEY)  # kept: a slot is held
+    current = await store.get(KEY)  # freed by another agent's write
+    await store.update(current.evolve(device_usage={SLOT0: "", SLOT1: ""}))
+    with caplog.at_level(logging.INFO, logger="agent"):
+        assert await ledger.settle_finalizer(KEY)
+    lines = [r.getMessage() for r in caplog.records if NAME in r.getMessage()]
+    assert any("no slot is held any more; deleted as asked" in line for line in lines), lines
+    assert not [line for line in lines if "finalizer" in line], lines
+
+    caplog.clear()
+    store.local = False  # as the API server's store is: the same write, in its terms
+    await ledger.create_instance(make())
+    await ledger.claim(KEY, SLOT0, Owner.instance_level("node-a"))
+    await store.delete(KEY)
+    current = await store.get(KEY)
+    await store.update(current.evolve(device_usage={SLOT0: "", SLOT1: ""}))
+    with caplog.at_level(logging.INFO, logger="agent"):
+        assert await ledger.settle_finalizer(KEY)
+    assert any("its finalizer is removed" in r.getMessage() for r in caplog.records)

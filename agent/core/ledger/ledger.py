@@ -562,7 +562,9 @@ class SlotLedger:
             await cas_update(self.store, key, mutate, policy=self._policy)
         except NotFoundError:
             return False
-        if removed == [True]:
+        if removed == [True] and self.store.local:
+            log.info("instance %s: no slot is held any more; deleted as asked", key)
+        elif removed == [True]:
             log.info("instance %s: no slot is held any more; its finalizer is removed", key)
         return removed == [True]
 

@@ -133,6 +133,9 @@ class InstanceStore(abc.ABC):
     # whether a garbage collector deletes the Instances whose owner Configuration is gone
     # (their ownerReferences), as Kubernetes' does: then the nodes need not leave them
     garbage_collected = False
+    # files on this machine (local mode): log lines say what happens in its terms, not in the
+    # API server's (a deleted Instance is kept while slots are held; no "finalizer" to remove)
+    local = False
 
     def __init__(self) -> None:
         self._instance_events: Broadcaster[InstanceEvent] = Broadcaster()

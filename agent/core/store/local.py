@@ -256,6 +256,8 @@ def read_state_dir(state_dir: Path) -> list[Instance]:
 class LocalInstanceStore(InstanceStore):
     """The file-backed store used by ``akri agent --local``."""
 
+    local = True
+
     def __init__(
         self,
         state_dir: Path,
