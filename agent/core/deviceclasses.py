@@ -12,9 +12,16 @@ For a Configuration ``cam`` (namespace ``ns``) and each of its Instances:
 
 Selectors are CEL over the typed attributes the slices carry (``slices.py``): ``device.driver
 == 'akri.sh' && device.attributes['akri.sh'].configuration == 'cam'`` (``.instance`` for an
-Instance). Names are unique by construction: the kind is the suffix, the Configuration or
-Instance name (itself a DNS subdomain, unique among served names) the prefix; a name that
-would pass 253 characters is cut and given a hash of the full name.
+Instance), and the slot's ``extendedResources`` must be true: only slots of nodes that serve
+``akri.sh/*`` through DRA may serve a pod's limit (a device-plugin node's slots would be
+allocated through DRA in the seconds before kubelet posts its plugin's resource, and its device
+plugin never asked). The test is guarded (``'extendedResources' in ...``): a slot without the
+attribute (an older agent) does not match, where a plain lookup would be a CEL runtime error
+that fails the pod's scheduling.
+
+Names are unique by construction: the kind is the suffix, the Configuration or Instance name
+(itself a DNS subdomain, unique among served names) the prefix; a name that would pass 253
+characters is cut and given a hash of the full name.
 
 **Namespace ownership**: the extended resource name is node-global like the device plugins'
 resource name, so only the namespace that owns a Configuration name gets its classes
@@ -36,6 +43,8 @@ from typing import Any
 from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import DNS_SUBDOMAIN_MAX, configuration_resource_name
 from agent.core.model.resource_slices import DRIVER
+
+EXTENDED_ATTRIBUTE = "extendedResources"  # agent/node/dra/slices.py publishes it on every slot
 
 API_VERSION = "resource.k8s.io/v1"
 RESOURCE_PREFIX = "akri.sh/"
@@ -91,10 +100,19 @@ def _device_class(name: str, resource: str, expression: str, key: ObjectKey) -> 
     }
 
 
+def _eligible() -> str:
+    """The CEL term every extended-resource class adds: the slot serves extended resources."""
+    attributes = f"device.attributes[{cel_string(DRIVER)}]"
+    return f"{cel_string(EXTENDED_ATTRIBUTE)} in {attributes} && {attributes}.{EXTENDED_ATTRIBUTE}"
+
+
 def configuration_class(key: ObjectKey) -> JSON:
     """The DeviceClass of a Configuration's configuration-level extended resource."""
     attribute = f"device.attributes[{cel_string(DRIVER)}].configuration"
-    expression = f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(key.name)}"
+    expression = (
+        f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(key.name)} && "
+        + _eligible()
+    )
     return _device_class(
         class_name(key.name, CONFIGURATION_SUFFIX),
         RESOURCE_PREFIX + configuration_resource_name(key.name),
@@ -106,7 +124,10 @@ def configuration_class(key: ObjectKey) -> JSON:
 def instance_class(configuration: ObjectKey, instance: str) -> JSON:
     """The DeviceClass of one Instance's instance-level extended resource."""
     attribute = f"device.attributes[{cel_string(DRIVER)}].instance"
-    expression = f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(instance)}"
+    expression = (
+        f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(instance)} && "
+        + _eligible()
+    )
     return _device_class(
         class_name(instance, INSTANCE_SUFFIX), RESOURCE_PREFIX + instance, expression, configuration
     )

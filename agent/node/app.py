@@ -179,6 +179,7 @@ class Agent:
         self.dra_options: DraOptions | None = None
         self.extended_resource_path = "device-plugins"  # dra/extended.py decides at start
         self.extended_resource_reason = ""
+        self.runtime_cdi: Any = None  # dra/extended.py's RuntimeCdi of this node, once read
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
@@ -306,8 +307,13 @@ class Agent:
         self.ownership.refresh()
         if self.settings.dra:
             self._build_dra()
+        path = await self._extended_resources_path()
         if self.publisher is not None:
-            await self._follow_allocated_claims()  # before the device plugins offer slots
+            self.publisher.extended_path = path  # its local slices say it; eligibility
+            if path == "device-plugins" and self.plugins is not None:
+                # device plugins and DRA serve the same slots here: hold back the ones the
+                # scheduler allocated to claims (on the DRA path nothing here could take them)
+                await self._follow_allocated_claims()  # before the device plugins offer slots
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
@@ -316,7 +322,7 @@ class Agent:
         )
         await self.discovery.start()
         if self.plugins is not None and self.reclaimer is not None:
-            if await self._extended_resources_path() == "device-plugins":
+            if path == "device-plugins":
                 await self.plugins.start()
             # on the DRA path too: slots pods took through device plugins before a switch
             # stay held until those pods end, then this frees them
@@ -478,16 +484,25 @@ class Agent:
         if backend is None or not isinstance(self.store, backend):
             self.extended_resource_path = "device-plugins"  # local mode: no API, no DRA
             return self.extended_resource_path
-        from agent.node.dra.extended import decide_path
+        from agent.node.dra.extended import CdiNotice, decide_path, read_node
 
+        client = self.store.api_client
+        facts = await read_node(client, self.settings.node_name) if self.dra is not None else None
         decision = await decide_path(
-            self.store.api_client,
+            client,
             self.settings.node_name,
             self.settings.extended_resources,
             dra_enabled=self.dra is not None,
+            facts=facts,
         )
         self.extended_resource_path = decision.path
         self.extended_resource_reason = decision.reason
+        runtime = facts.runtime if facts is not None else None
+        self.runtime_cdi = runtime
+        status = self.dra.claim_status if self.dra is not None else None
+        if status is not None and runtime is not None and runtime.applies is not True:
+            # explicit claims are prepared here too: each gets a warning, not silence
+            status.listeners.append(CdiNotice(client, self.settings.node_name, runtime).prepared)
         return decision.path
 
     def _wake_publisher(self) -> None:

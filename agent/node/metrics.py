@@ -84,6 +84,7 @@ class NodeCollector(Collector):
         yield from self._budget()
         yield from self._node_counters()
         yield self._extended_resource_path()
+        yield self._runtime_cdi()
 
     def _extended_resource_path(self) -> Metric:
         path = GaugeMetricFamily(
@@ -96,6 +97,20 @@ class NodeCollector(Collector):
         for name in ("dra", "device-plugins"):
             path.add_metric([name], 1 if current == name else 0)
         return path
+
+    def _runtime_cdi(self) -> Metric:
+        gauge = GaugeMetricFamily(
+            "akri_runtime_cdi",
+            "This node's container runtime (status.nodeInfo.containerRuntimeVersion) and whether "
+            "it injects CDI devices, which DRA needs to hand a container its device: yes, no, "
+            "or unknown (off by default, e.g. containerd 1.7; the Node label "
+            "akri.sh/runtime-cdi overrides); absent before the Node was read",
+            labels=["runtime", "cdi"],
+        )
+        runtime = getattr(self.agent, "runtime_cdi", None)
+        if runtime is not None:
+            gauge.add_metric([runtime.runtime, runtime.shown], 1)
+        return gauge
 
     def _budget(self) -> Iterator[Metric]:
         budget = self.agent.discovery.budget

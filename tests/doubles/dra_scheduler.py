@@ -36,8 +36,10 @@ capacity lasts: each allocation consumes the request's ``exactly.capacity.reques
 recorded as ``results[].consumedCapacity`` with a fresh ``shareID``; the sum over all claims
 stays within ``capacity.<name>.value``.
 
-Not emulated: CEL (DeviceClass and request selectors are Python callables here, see
-:func:`cel_like`), ``allocationMode: All``, ``firstAvailable``, constraints, opaque config,
+DeviceClass selectors are evaluated as CEL with cel-python (:func:`cel_selector`: missing
+domains read as empty maps, a missing attribute is a runtime error that fails the allocation,
+versions compare as text); request selectors are Python callables (:func:`cel_like`). Not
+emulated: ``allocationMode: All``, ``firstAvailable``, constraints, opaque config,
 admin access, shared counters (``consumesCounters`` is ignored), ``distinctAttribute``, and
 binding conditions (``bindsToNode`` only pins the allocation to the node, as the allocator
 does).
@@ -50,6 +52,9 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import celpy
+from celpy import celtypes
 
 if TYPE_CHECKING:
     from tests.doubles.apiserver import ApiServerDouble
@@ -778,29 +783,94 @@ def any_of(*selectors: Selector) -> Selector:
 DEVICE_CLASSES = "deviceclasses.resource.k8s.io"
 EXTENDED_RESOURCE_CLAIM_ANNOTATION = "resource.kubernetes.io/extended-resource-claim"
 IMPLICIT_PREFIX = "deviceclass.resource.kubernetes.io/"
-_CEL_TERM = re.compile(
-    r"^\s*device\.(?:driver|attributes\[\s*'(?P<domain>[^']+)'\s*\]\.(?P<attr>\w+))\s*==\s*"
-    r"'(?P<value>(?:[^'\\]|\\.)*)'\s*$"
-)
+
+
+class _AttributeDomains(celtypes.MapType):
+    """``device.attributes`` / ``device.capacity``: a domain without entries reads as an empty
+    map (``newStringInterfaceMapWithDefault`` in dynamic-resource-allocation/cel), while a
+    missing attribute of a domain stays a runtime error."""
+
+    def __getitem__(self, key: Any) -> Any:
+        try:
+            return super().__getitem__(key)
+        except KeyError:
+            return celtypes.MapType()
+
+
+def _cel_value(value: Mapping[str, Any]) -> Any:
+    if "bool" in value:
+        return celtypes.BoolType(bool(value["bool"]))
+    if "int" in value:
+        return celtypes.IntType(int(value["int"]))
+    if "string" in value:
+        return celtypes.StringType(str(value["string"]))
+    if "version" in value:  # a semver object in Kubernetes; compared as text here
+        return celtypes.StringType(str(value["version"]))
+    raise ValueError(f"attribute value not emulated: {value!r}")
+
+
+def cel_device(device: Mapping[str, Any], slice_: Mapping[str, Any]) -> dict[str, Any]:
+    """The CEL activation a DRA selector sees for ``device`` of ``slice_``: ``device.driver``,
+    ``device.attributes[<domain>].<id>`` (unqualified names in the driver's domain),
+    ``device.capacity`` (quantities as text), ``device.allowMultipleAllocations``."""
+    driver = str((slice_.get("spec") or {}).get("driver") or "")
+    domains: dict[str, dict[Any, Any]] = {}
+    for name, value in (device.get("attributes") or {}).items():
+        domain, _, ident = str(name).rpartition("/")
+        domains.setdefault(domain or driver, {})[celtypes.StringType(ident)] = _cel_value(value)
+    capacity: dict[str, dict[Any, Any]] = {}
+    for name, value in (device.get("capacity") or {}).items():
+        domain, _, ident = str(name).rpartition("/")
+        quantity = celtypes.StringType(str((value or {}).get("value", "")))
+        capacity.setdefault(domain or driver, {})[celtypes.StringType(ident)] = quantity
+    return {
+        "device": celtypes.MapType(
+            {
+                celtypes.StringType("driver"): celtypes.StringType(driver),
+                celtypes.StringType("attributes"): _AttributeDomains(
+                    {celtypes.StringType(d): celtypes.MapType(a) for d, a in domains.items()}
+                ),
+                celtypes.StringType("capacity"): _AttributeDomains(
+                    {celtypes.StringType(d): celtypes.MapType(c) for d, c in capacity.items()}
+                ),
+                celtypes.StringType("allowMultipleAllocations"): celtypes.BoolType(
+                    bool(device.get("allowMultipleAllocations"))
+                ),
+            }
+        )
+    }
+
+
+_CEL = celpy.Environment()
+
+
+def cel_selector(expression: str) -> Selector:
+    """A DRA CEL selector, evaluated with cel-python the way the allocator does: false for a
+    device that does not match; a runtime error (a missing attribute looked up unguarded)
+    raises :class:`AllocationError`, as it fails the real allocation."""
+    program = _CEL.program(_CEL.compile(expression))
+
+    def select(device: JSON, slice_: JSON) -> bool:
+        try:
+            result = program.evaluate(cel_device(device, slice_))
+        except celpy.CELEvalError as error:
+            raise AllocationError(f"CEL runtime error in {expression!r}: {error}") from error
+        if isinstance(result, celpy.CELEvalError):
+            raise AllocationError(f"CEL runtime error in {expression!r}: {result}")
+        return bool(result)
+
+    select.__name__ = f"cel({expression!r})"
+    return select
 
 
 def class_selector(device_class: Mapping[str, Any]) -> Selector:
-    """A DeviceClass's CEL selectors as a Python selector, for the forms the agent's classes
-    use: terms ``device.driver == '<d>'`` and ``device.attributes['<domain>'].<attr> ==
-    '<value>'`` joined by ``&&`` (anything else raises ``ValueError``: not emulated)."""
-    checks: list[Callable[[JSON, JSON], bool]] = []
-    for selector in (device_class.get("spec") or {}).get("selectors") or []:
-        expression = str((selector.get("cel") or {}).get("expression", ""))
-        for term in expression.split("&&"):
-            match = _CEL_TERM.match(term)
-            if match is None:
-                raise ValueError(f"CEL not emulated: {term.strip()!r}")
-            value = re.sub(r"\\(.)", r"\1", match["value"])
-            if match["attr"] is None:
-                checks.append(lambda d, s, v=value: s["spec"].get("driver") == v)
-            else:
-                checks.append(lambda d, s, a=match["attr"], v=value: attribute_value(d, s, a) == v)
-    return lambda device, slice_: all(check(device, slice_) for check in checks)
+    """A DeviceClass's CEL selectors (all must match) as a Python selector
+    (:func:`cel_selector`)."""
+    selectors = [
+        cel_selector(str((selector.get("cel") or {}).get("expression", "")))
+        for selector in (device_class.get("spec") or {}).get("selectors") or []
+    ]
+    return lambda device, slice_: all(select(device, slice_) for select in selectors)
 
 
 def _is_extended(resource: str) -> bool:

@@ -201,10 +201,14 @@ class ClaimStatusWriter:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.written = 0
         self.refused = 0
+        # told of every prepared claim first (the runtime's CDI notice, extended.py)
+        self.listeners: list[Callable[[PreparedClaim], None]] = []
 
     def prepared(self, claim: PreparedClaim) -> None:
         """Schedule the status write for ``claim`` (a repeated prepare writes again only if
         the status lacks our entries)."""
+        for listener in self.listeners:
+            listener(claim)
         if claim.uid in self._tasks or not claim.devices:
             return
         instances = {i.name: i for i in self._instances()}

@@ -9,10 +9,34 @@ a name both ways, so the agent picks one per node, at start:
 * ``--extended-resources dra`` / ``device-plugins`` force a path;
 * ``auto`` (the default) takes DRA when (1) the DRA driver runs (``--dra``), (2) the node's
   kubelet is 1.36 or newer (``DRAExtendedResource`` is beta and on by default there; alpha
-  and off in 1.34/1.35, where kubelet would not prepare the special claim), and (3) the API
-  server keeps ``extendedResourceName``: a DeviceClass the controller manages
+  and off in 1.34/1.35, where kubelet would not prepare the special claim), (3) the node's
+  container runtime is known to inject CDI (:func:`runtime_cdi`: DRA hands a container its
+  device only through CDI, a device plugin through ``Allocate`` — on a runtime without CDI a
+  DRA pod starts without its device), and (4) the API server keeps
+  ``extendedResourceName``: a DeviceClass the controller manages
   (``agent/core/deviceclasses.py``) carries it — an API server whose gate is off drops the
   field. Otherwise device plugins, with the reason.
+
+Which runtimes inject CDI, from ``status.nodeInfo.containerRuntimeVersion`` (kubelet 1.36
+passes CDI devices only in the CRI ``CDIDevices`` field, no longer as annotations):
+
+* ``containerd://`` 2.x: yes (``enable_cdi`` defaults to true since 2.0,
+  ``internal/cri/config/config_unix.go``);
+* ``containerd://`` 1.7.2 and later 1.7: only with ``enable_cdi = true``, off by default
+  (``pkg/cri/config/config_unix.go``): not known, so device plugins;
+* ``containerd://`` before 1.7.2: no (1.6 has no CDI; 1.7.0/1.7.1 read CDI devices only from
+  the annotations kubelet no longer sends);
+* ``cri-o://`` 1.28 and later: yes (CDI always on; the ``CDIDevices`` field since 1.28);
+  earlier: no;
+* anything else (``docker://`` through cri-dockerd, unknown): not known, so device plugins.
+
+The operator's word wins: the Node label ``akri.sh/runtime-cdi=true`` (say, a containerd 1.7
+with ``enable_cdi = true``) or ``=false`` (a runtime whose CDI was turned off). The decision is
+logged, exported (``akri_extended_resource_path``, ``akri_runtime_cdi``), posted as an Event on
+the Node, and each node's local ResourceSlices carry it as the label
+``akri.sh/extended-resources`` (``dra`` / ``device-plugins``), which ``akri status`` and the
+publishers of shared pools read. A ResourceClaim prepared on a node whose runtime is not known
+to inject CDI gets a warning (a log line, and an Event on the claim): :class:`CdiNotice`.
 
 On the DRA path the agent does not register its device plugins (so kubelet reports 0 of the
 ``akri.sh/*`` resources and the scheduler uses the slices); the device-plugin reclaimer keeps
@@ -23,6 +47,9 @@ it (slots live in the Instances; DRA claims keep their ``D:`` values).
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import datetime
 import logging
 import re
 from collections.abc import Iterable, Mapping
@@ -31,21 +58,93 @@ from typing import Any
 
 from agent.core.deviceclasses import LABEL_SELECTOR, RESOURCE_PREFIX
 from agent.core.kube import ApiError, KubeClient, resource_path
+from agent.node.dra.checkpoint import PreparedClaim
+from agent.node.dra.slices import PATH_LABEL
 
 log = logging.getLogger(__name__)
 
 AUTO, DRA, DEVICE_PLUGINS = "auto", "dra", "device-plugins"
 MODES = (AUTO, DRA, DEVICE_PLUGINS)
 MIN_KUBELET = (1, 36)
+RUNTIME_CDI_LABEL = "akri.sh/runtime-cdi"  # on a Node, set by its operator: "true" / "false"
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)")
+_RUNTIME = re.compile(
+    r"^(?P<name>[a-z0-9.-]+)://v?(?P<major>\d+)\.(?P<minor>\d+)(?:\.(?P<patch>\d+))?"
+)
+MAX_NOTICED_CLAIMS = 4096
+
+
+@dataclass(frozen=True)
+class RuntimeCdi:
+    """Whether the node's container runtime injects CDI devices: True, False, or None (not
+    known: off by default, or a runtime this table does not know) — and why."""
+
+    runtime: str  # status.nodeInfo.containerRuntimeVersion, as reported
+    applies: bool | None
+    why: str
+
+    @property
+    def shown(self) -> str:
+        """``yes`` / ``no`` / ``unknown`` (the metric's label, ``akri status``)."""
+        return {True: "yes", False: "no", None: "unknown"}[self.applies]
 
 
 @dataclass(frozen=True)
 class PathDecision:
-    """The path of this node and why."""
+    """The path of this node and why (``warning``: a forced path that will not deliver)."""
 
     path: str  # DRA or DEVICE_PLUGINS
     reason: str
+    warning: str = ""
+
+
+def runtime_cdi(runtime: str | None, labels: Mapping[str, str] | None = None) -> RuntimeCdi:
+    """Whether the runtime ``containerd://1.7.24`` (``status.nodeInfo.containerRuntimeVersion``)
+    injects CDI (module docstring); the Node label ``akri.sh/runtime-cdi`` overrides."""
+    text = (runtime or "").strip()
+    label = str((labels or {}).get(RUNTIME_CDI_LABEL, "")).strip().lower()
+    if label in ("true", "false"):
+        applies = label == "true"
+        return RuntimeCdi(text, applies, f"the Node is labelled {RUNTIME_CDI_LABEL}={label}")
+    match = _RUNTIME.match(text)
+    if match is None:
+        return RuntimeCdi(
+            text, None, f"container runtime {text or 'unknown'!r} is not known to inject CDI"
+        )
+    name = match["name"]
+    version = (int(match["major"]), int(match["minor"]), int(match["patch"] or 0))
+    shown = f"{name} {match['major']}.{match['minor']}" + (
+        f".{match['patch']}" if match["patch"] else ""
+    )
+    if name == "containerd":
+        if version >= (2, 0, 0):
+            return RuntimeCdi(text, True, f"{shown} injects CDI (enable_cdi is on by default)")
+        if version >= (1, 7, 2):
+            return RuntimeCdi(
+                text,
+                None,
+                f"{shown} injects CDI only with enable_cdi = true, off by default (label the "
+                f"Node {RUNTIME_CDI_LABEL}=true if it is on)",
+            )
+        if version >= (1, 7, 0):
+            return RuntimeCdi(
+                text,
+                False,
+                f"{shown} reads CDI devices only from annotations, which kubelet no longer "
+                "sends (1.7.2 or later with enable_cdi = true is needed)",
+            )
+        return RuntimeCdi(text, False, f"{shown} has no CDI support (1.7 or later is needed)")
+    if name == "cri-o":
+        if version >= (1, 28, 0):
+            return RuntimeCdi(text, True, f"{shown} injects CDI (always on)")
+        return RuntimeCdi(
+            text, False, f"{shown} reads CDI devices only from annotations (1.28 is needed)"
+        )
+    return RuntimeCdi(
+        text,
+        None,
+        f"{shown} is not known to inject CDI (label the Node {RUNTIME_CDI_LABEL}=true if it does)",
+    )
 
 
 def kubelet_version(text: str | None) -> tuple[int, int] | None:
@@ -70,15 +169,22 @@ def choose_path(
     dra_enabled: bool,
     kubelet: str | None,
     classes: Iterable[Mapping[str, Any]] | None,
+    runtime: RuntimeCdi | None = None,
 ) -> PathDecision:
     """The pure rule (module docstring). ``classes``: the managed DeviceClasses, None when they
-    could not be read."""
+    could not be read; ``runtime``: the runtime's CDI (None: the Node could not be read)."""
     if mode == DEVICE_PLUGINS:
         return PathDecision(DEVICE_PLUGINS, "forced (--extended-resources device-plugins)")
     if not dra_enabled:
         return PathDecision(DEVICE_PLUGINS, "the DRA driver is off (--no-dra)")
     if mode == DRA:
-        return PathDecision(DRA, "forced (--extended-resources dra)")
+        warning = ""
+        if runtime is not None and runtime.applies is not True:
+            warning = (
+                f"{runtime.why}: pods served through DRA on this node may start without "
+                "their device (no env vars, device nodes or mounts)"
+            )
+        return PathDecision(DRA, "forced (--extended-resources dra)", warning)
     version = kubelet_version(kubelet)
     if version is None:
         return PathDecision(DEVICE_PLUGINS, f"kubelet version unknown ({kubelet!r})")
@@ -87,6 +193,10 @@ def choose_path(
             DEVICE_PLUGINS,
             f"kubelet {kubelet} is older than 1.36 (DRAExtendedResource off by default)",
         )
+    if runtime is None:
+        return PathDecision(DEVICE_PLUGINS, "the container runtime is unknown")
+    if runtime.applies is not True:
+        return PathDecision(DEVICE_PLUGINS, runtime.why)
     if classes is None:
         return PathDecision(DEVICE_PLUGINS, "the DeviceClasses could not be read")
     keeps = api_keeps_extended_resource_name(classes)
@@ -102,22 +212,51 @@ def choose_path(
             "the API server drops DeviceClass.spec.extendedResourceName "
             "(DRAExtendedResource is off)",
         )
-    return PathDecision(DRA, f"kubelet {kubelet} and the API server support extended resources")
+    return PathDecision(
+        DRA, f"kubelet {kubelet}, {runtime.why} and the API server supports extended resources"
+    )
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the path decision read: the Node (None: not readable) and its runtime's CDI."""
+
+    node: Mapping[str, Any] | None
+    runtime: RuntimeCdi | None
+
+
+async def read_node(client: KubeClient, node: str) -> NodeFacts:
+    """The Node and its runtime's CDI (:func:`runtime_cdi`); a Node that cannot be read is
+    said once and gives None."""
+    try:
+        obj = await client.get(resource_path("", "v1", "nodes", name=node))
+    except ApiError as error:
+        log.warning("cannot read Node %s for its kubelet and runtime versions: %s", node, error)
+        return NodeFacts(None, None)
+    info = (obj.get("status") or {}).get("nodeInfo") or {}
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return NodeFacts(obj, runtime_cdi(info.get("containerRuntimeVersion"), labels))
 
 
 async def decide_path(
-    client: KubeClient, node: str, mode: str, *, dra_enabled: bool
+    client: KubeClient,
+    node: str,
+    mode: str,
+    *,
+    dra_enabled: bool,
+    facts: NodeFacts | None = None,
 ) -> PathDecision:
-    """Read what :func:`choose_path` needs (the Node, the managed DeviceClasses) and decide;
-    one log line says the path and why."""
+    """Read what :func:`choose_path` needs (the Node unless ``facts`` has it, the managed
+    DeviceClasses) and decide; one log line says the path and why, and an Event on the Node
+    (best effort)."""
     kubelet: str | None = None
     classes: list[Mapping[str, Any]] | None = None
+    if facts is None and dra_enabled:
+        facts = await read_node(client, node)
+    runtime = facts.runtime if facts is not None else None
+    if facts is not None and facts.node is not None:
+        kubelet = ((facts.node.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion")
     if mode == AUTO and dra_enabled:
-        try:
-            obj = await client.get(resource_path("", "v1", "nodes", name=node))
-            kubelet = ((obj.get("status") or {}).get("nodeInfo") or {}).get("kubeletVersion")
-        except ApiError as error:
-            log.warning("cannot read Node %s for its kubelet version: %s", node, error)
         try:
             found, _ = await client.list_all(
                 resource_path("resource.k8s.io", "v1", "deviceclasses"),
@@ -127,33 +266,179 @@ async def decide_path(
         except ApiError as error:
             log.warning("cannot list DeviceClasses (%s): extended resources stay on device "
                         "plugins", error)  # fmt: skip
-    decision = choose_path(mode, dra_enabled=dra_enabled, kubelet=kubelet, classes=classes)
-    log.info(
-        "extended resources (%s*) on node %s: %s — %s",
-        RESOURCE_PREFIX,
-        node,
+    decision = choose_path(
+        mode, dra_enabled=dra_enabled, kubelet=kubelet, classes=classes, runtime=runtime
+    )
+    line = path_line(node, decision)
+    if decision.warning:
+        log.warning("%s", line)
+    else:
+        log.info("%s", line)
+    if facts is not None and facts.node is not None:
+        await record_event(
+            client,
+            node,
+            {"apiVersion": "v1", "kind": "Node", **_ref(facts.node, namespace=False)},
+            "ExtendedResourcePath",
+            line,
+            warning=bool(decision.warning),
+        )
+    return decision
+
+
+def path_line(node: str, decision: PathDecision) -> str:
+    """The one line that says a node's path and why (log, Event)."""
+    shown = (
         "DRA (ResourceSlices, prepared by the DRA driver; device plugins not registered)"
         if decision.path == DRA
-        else "device plugins",
-        decision.reason,
+        else "device plugins"
     )
-    return decision
+    line = f"extended resources ({RESOURCE_PREFIX}*) on node {node}: {shown} — {decision.reason}"
+    return f"{line}; WARNING: {decision.warning}" if decision.warning else line
+
+
+def _ref(obj: Mapping[str, Any], *, namespace: bool = True) -> dict[str, Any]:
+    meta = obj.get("metadata") or {}
+    ref = {"name": meta.get("name"), "uid": meta.get("uid")}
+    if namespace:
+        ref["namespace"] = meta.get("namespace")
+    return {k: v for k, v in ref.items() if v}
+
+
+async def record_event(
+    client: KubeClient,
+    node: str,
+    involved: Mapping[str, Any],
+    reason: str,
+    message: str,
+    *,
+    warning: bool,
+) -> None:
+    """One core/v1 Event about ``involved`` (a Node: in ``default``, as kubelet's), best
+    effort: a failure is logged, never raised."""
+    namespace = str(involved.get("namespace") or "default")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{involved.get('name')}.", "namespace": namespace},
+        "involvedObject": dict(involved),
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": "akri-agent", "host": node},
+        "reportingComponent": "akri.sh/agent",
+        "reportingInstance": node,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        await client.create(resource_path("", "v1", "events", namespace), body)
+    except ApiError as error:
+        log.warning(
+            "could not record event %s on %s %s: %s",
+            reason,
+            involved.get("kind"),
+            involved.get("name"),
+            error,
+        )
+
+
+class CdiNotice:
+    """A ResourceClaim prepared on a node whose runtime is not known to inject CDI: its
+    containers may get none of the device (the CDI spec is written; the runtime ignores it).
+    Said once per agent run in the log, and once per claim as a Warning Event on the claim
+    (``kubectl describe resourceclaim``), so an explicit claim is never served in silence."""
+
+    def __init__(self, client: KubeClient, node: str, runtime: RuntimeCdi) -> None:
+        self._client = client
+        self._node = node
+        self.runtime = runtime
+        self._noticed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.logged = False
+
+    def message(self) -> str:
+        return (
+            f"node {self._node}: {self.runtime.why}; the containers using this claim may get "
+            "none of the device (env vars, device nodes, mounts: they are handed over through "
+            "CDI). Use the device plugins' limits akri.sh/<name> on this node, or turn CDI on "
+            f"in the runtime and label the Node {RUNTIME_CDI_LABEL}=true"
+        )
+
+    def prepared(self, claim: PreparedClaim) -> None:
+        """After a prepare (sync, from the DRA driver): warn for a claim not warned about."""
+        if claim.uid in self._noticed:
+            return
+        self._noticed[claim.uid] = None
+        if len(self._noticed) > MAX_NOTICED_CLAIMS:
+            self._noticed.popitem(last=False)
+        if not self.logged:
+            self.logged = True
+            log.warning(
+                "ResourceClaim %s/%s prepared on a runtime without known CDI support: %s "
+                "(said once; each claim gets an Event)",
+                claim.namespace,
+                claim.name,
+                self.message(),
+            )
+        involved = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "name": claim.name,
+            "namespace": claim.namespace,
+            "uid": claim.uid,
+        }
+        task = asyncio.get_running_loop().create_task(
+            record_event(
+                self._client,
+                self._node,
+                involved,
+                "RuntimeWithoutCDI",
+                self.message(),
+                warning=True,
+            )
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Until the Events are sent (tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+class ObservedPaths(dict[str, str]):
+    """Node -> path as the scheduler sees it; ``runtimes`` holds each node's container runtime
+    and whether it injects CDI (shown by ``akri status``; the JSON form stays node -> path)."""
+
+    def __init__(self, paths: Mapping[str, str], runtimes: Mapping[str, RuntimeCdi]) -> None:
+        super().__init__(paths)
+        self.runtimes = dict(runtimes)
 
 
 def observed_paths(
     nodes: Iterable[Mapping[str, Any]], slices: Iterable[Mapping[str, Any]]
-) -> dict[str, str]:
+) -> ObservedPaths:
     """Which path each node is on as the scheduler sees it (``akri status``): a node whose
     ``status.allocatable`` has an ``akri.sh/`` resource above 0 serves device plugins; a node
-    that publishes an ``akri.sh`` pool (``spec.nodeName``) and advertises none serves DRA."""
-    publishing = set()
+    that publishes an ``akri.sh`` pool (``spec.nodeName``) and advertises none serves what its
+    slices' label ``akri.sh/extended-resources`` says (DRA when they have none: an older
+    agent)."""
+    publishing: dict[str, str] = {}
     for item in slices:
         spec = item.get("spec") or {}
         if spec.get("driver") == "akri.sh" and spec.get("nodeName"):
-            publishing.add(str(spec["nodeName"]))
+            labels = (item.get("metadata") or {}).get("labels") or {}
+            label = labels.get(PATH_LABEL)
+            publishing[str(spec["nodeName"])] = label if label in (DRA, DEVICE_PLUGINS) else DRA
     paths: dict[str, str] = {}
+    runtimes: dict[str, RuntimeCdi] = {}
     for node in nodes:
         name = str(node["metadata"]["name"])
+        info = (node.get("status") or {}).get("nodeInfo") or {}
+        labels = (node.get("metadata") or {}).get("labels") or {}
         allocatable = ((node.get("status") or {}).get("allocatable")) or {}
         advertised = any(
             key.startswith(RESOURCE_PREFIX) and str(value) not in ("0", "")
@@ -162,11 +447,13 @@ def observed_paths(
         if advertised:
             paths[name] = DEVICE_PLUGINS
         elif name in publishing:
-            paths[name] = DRA
-    return paths
+            paths[name] = publishing[name]
+        if name in paths and info.get("containerRuntimeVersion"):
+            runtimes[name] = runtime_cdi(info["containerRuntimeVersion"], labels)
+    return ObservedPaths(paths, runtimes)
 
 
-async def read_observed_paths(client: KubeClient) -> dict[str, str] | None:
+async def read_observed_paths(client: KubeClient) -> ObservedPaths | None:
     """:func:`observed_paths` from the cluster (Nodes, ``akri.sh`` ResourceSlices), or None
     when they may not be read (RBAC) or DRA is not served."""
     try:
@@ -183,14 +470,26 @@ async def read_observed_paths(client: KubeClient) -> dict[str, str] | None:
 
 
 def paths_table(paths: Mapping[str, str] | None) -> str:
-    """The ``akri status`` section: which path serves ``akri.sh/<name>`` limits per node."""
+    """The ``akri status`` section: which path serves ``akri.sh/<name>`` limits per node, and
+    (from :class:`ObservedPaths`) each node's runtime and whether it injects CDI."""
     if paths is None:
         return "Extended resources (akri.sh/<name> limits): Nodes or ResourceSlices not readable"
     if not paths:
         return "Extended resources (akri.sh/<name> limits): no node serves any yet"
+    runtimes = paths.runtimes if isinstance(paths, ObservedPaths) else {}
     width = max(len("NODE"), *(len(n) for n in paths))
-    lines = [f"{'NODE':<{width}}  EXTENDED RESOURCES"]
-    for node, path in sorted(paths.items()):
-        shown = "DRA (ResourceSlices)" if path == DRA else "device plugins"
-        lines.append(f"{node:<{width}}  {shown}")
+    shown = {
+        node: "DRA (ResourceSlices)" if path == DRA else "device plugins"
+        for node, path in paths.items()
+    }
+    if not runtimes:
+        lines = [f"{'NODE':<{width}}  EXTENDED RESOURCES"]
+        lines += [f"{node:<{width}}  {shown[node]}" for node in sorted(paths)]
+        return "\n".join(lines)
+    column = max(len("EXTENDED RESOURCES"), *(len(v) for v in shown.values()))
+    lines = [f"{'NODE':<{width}}  {'EXTENDED RESOURCES':<{column}}  RUNTIME (CDI)"]
+    for node in sorted(paths):
+        runtime = runtimes.get(node)
+        detail = f"{runtime.runtime} ({runtime.shown})" if runtime is not None else ""
+        lines.append(f"{node:<{width}}  {shown[node]:<{column}}  {detail}".rstrip())
     return "\n".join(lines)

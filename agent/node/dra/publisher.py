@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from agent.core.kube import ApiError, KubeClient, resource_path
@@ -30,12 +30,14 @@ from agent.node.dra.slices import (
     DRAINING,
     DRIVER,
     HOSTNAME_LABEL,
+    PATH_LABEL,
     USABLE,
     DeviceOptions,
     OptionsOf,
     Pool,
     SlotState,
     desired_pools,
+    extended_eligibility,
     instance_devices,
     same_slice_content,
     selected_nodes,
@@ -66,6 +68,11 @@ def _label_value(text: str) -> str:
 
 def _pool_of(obj: Obj) -> str:
     return str(((obj.get("spec") or {}).get("pool") or {}).get("name") or "")
+
+
+def _has_labels(obj: Obj, labels: Mapping[str, str]) -> bool:
+    have = (obj.get("metadata") or {}).get("labels") or {}
+    return all(have.get(k) == v for k, v in labels.items())
 
 
 def _generation(obj: Obj) -> int:
@@ -115,6 +122,10 @@ class SlicePublisher:
         self.consumable_supported = True
         self.taints_supported = True
         self.binds_to_node_supported = True
+        # the path this node serves akri.sh/* through ("dra" / "device-plugins"; None: not
+        # decided): labels its local slices, and decides with the other nodes' labels which
+        # slots may serve extended resources (slices.extended_eligibility)
+        self.extended_path: str | None = None
         self.node = node
         self._list_instances = list_instances
         self._offline = offline
@@ -247,7 +258,8 @@ class SlicePublisher:
         # pure and O(Instances) (88 ms for the first pass at 1,000): off the event loop, which
         # keeps answering Allocates meanwhile. Only this task touches the device memo.
         offline = frozenset(self._offline())  # a snapshot: the loop may change the set
-        pools = await asyncio.to_thread(self._desired, instances, offline)
+        paths = self._node_paths()
+        pools = await asyncio.to_thread(self._desired, instances, offline, paths)
         self._forget_devices({i.name for i in instances})
         by_pool: dict[str, list[Obj]] = {}
         for obj in self._informer.cache.values():
@@ -305,12 +317,37 @@ class SlicePublisher:
             )
 
     def _desired(
-        self, instances: list[Instance], offline: Collection[str]
+        self, instances: list[Instance], offline: Collection[str], paths: Mapping[str, str]
     ) -> list[tuple[Pool, list[dict[str, Any]]]]:
         pools = desired_pools(
-            instances, self.node, offline, self._devices_of, self._effective_options
+            instances,
+            self.node,
+            offline,
+            self._devices_of,
+            self._effective_options,
+            extended_eligibility(self.node, paths),
         )
         return [(pool, pool.slice_specs()) for pool in pools]
+
+    def _node_paths(self) -> dict[str, str]:
+        """Node -> the path it serves ``akri.sh/*`` through: this node's own decision, the
+        others' from the label on their local slices (a node without one is unknown)."""
+        paths: dict[str, str] = {}
+        for obj in self._informer.cache.values():
+            owner = (obj.get("spec") or {}).get("nodeName")
+            label = ((obj.get("metadata") or {}).get("labels") or {}).get(PATH_LABEL)
+            if owner and label:
+                paths[str(owner)] = str(label)
+        paths.pop(self.node, None)
+        if self.extended_path is not None:
+            paths[self.node] = self.extended_path
+        return paths
+
+    def _labels(self, pool: Pool) -> dict[str, str]:
+        labels = {POOL_LABEL: _label_value(pool.name)}
+        if pool.node_name is not None and self.extended_path is not None:
+            labels[PATH_LABEL] = self.extended_path
+        return labels
 
     def _effective_options(self, instance: Instance) -> DeviceOptions:
         if self._options_of is None:
@@ -345,7 +382,10 @@ class SlicePublisher:
     async def _sync_pool(
         self, pool: Pool, specs: list[dict[str, Any]], existing: list[Obj]
     ) -> None:
-        if _unchanged(existing, specs):
+        labels = self._labels(pool)
+        # the path label is the one label that changes (the agent restarted on another path)
+        path = {k: v for k, v in labels.items() if k == PATH_LABEL}
+        if _unchanged(existing, specs) and all(_has_labels(o, path) for o in existing):
             return
         existing = sorted(existing, key=lambda o: str(o["metadata"]["name"]))
         count = len(specs)
@@ -378,7 +418,7 @@ class SlicePublisher:
                 },
             }
             if index < len(existing):
-                await self._update(existing[index], full)
+                await self._update(existing[index], full, labels)
             else:
                 await self._create(pool, full)
 
@@ -399,7 +439,7 @@ class SlicePublisher:
     def _metadata(self, pool: Pool) -> dict[str, Any]:
         metadata: dict[str, Any] = {
             "generateName": f"{DRIVER}-{_label_value(pool.name)[:40]}-",
-            "labels": {POOL_LABEL: _label_value(pool.name)},
+            "labels": self._labels(pool),
         }
         if pool.node_name is not None and self._node_uid:
             metadata["ownerReferences"] = [
@@ -427,16 +467,22 @@ class SlicePublisher:
         self._informer.apply_local(RawEvent("ADDED", created))
         self._check_dropped(spec, created)
 
-    async def _update(self, obj: Obj, spec: dict[str, Any]) -> None:
-        updated = await self._replace(obj, spec)
+    async def _update(self, obj: Obj, spec: dict[str, Any], labels: Mapping[str, str]) -> None:
+        updated = await self._replace(obj, spec, labels)
         if updated is not None:
             self._check_dropped(spec, updated)
 
-    async def _replace(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
-        """PUT ``obj`` with ``spec``; None when someone else changed or removed it meanwhile
-        (a re-decision is triggered)."""
+    async def _replace(
+        self, obj: Obj, spec: dict[str, Any], labels: Mapping[str, str] | None = None
+    ) -> Obj | None:
+        """PUT ``obj`` with ``spec`` (and ``labels`` over its own); None when someone else
+        changed or removed it meanwhile (a re-decision is triggered)."""
         body = dict(obj)
         body["spec"] = spec
+        if labels:
+            meta = dict(body.get("metadata") or {})
+            meta["labels"] = {**(meta.get("labels") or {}), **labels}
+            body["metadata"] = meta
         try:
             updated = await self._client.replace(
                 resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),

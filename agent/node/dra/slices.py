@@ -36,9 +36,20 @@ capacity (each allocation consumes 1 by default, any whole number up to the capa
 at least one slot is free or DRA-held; slots held through a device plugin lower the capacity.
 The publisher falls back to one device per slot where the API server drops those fields.
 
+**Extended resources** (KEP-5004): every device carries the bool attribute
+``extendedResources``, which the DeviceClasses behind ``akri.sh/<name>`` limits require
+(``agent/core/deviceclasses.py``). It is true only where every node that can use the slot
+serves ``akri.sh/*`` through DRA: a local slot on a DRA-path node; a shared slot when all its
+Instance's nodes are (each node says its path with the label ``akri.sh/extended-resources`` on
+its local slices; a node that says nothing counts as not). A device-plugin node's slots stay
+allocatable to explicit claims but never to a pod's extended-resource limit: in the seconds
+before kubelet posts a freshly registered plugin's resource the scheduler would otherwise
+satisfy the limit through DRA on that node, and its device plugin would never be asked.
+
 Device names are DNS labels: the slot id when it is one, else a sanitised prefix + hash.
 Attributes (≤ 32 per device, names are C identifiers ≤ 32 chars, string values ≤ 64 chars):
-``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), then device properties,
+``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), ``extendedResources``
+(bool), then device properties,
 typed — integers as ``int``, ``true``/``false`` as ``bool``, semantic versions as ``version``,
 other strings ≤ 64 chars as ``string`` — in name order until the limit. Properties that do not
 fit (long values, names that cannot be C identifiers) are left out (they still reach the
@@ -73,7 +84,11 @@ USABLE, OFFLINE, DRAINING = "usable", "offline", "draining"
 MAX_ATTRIBUTES = 32
 MAX_ATTRIBUTE_NAME = 32
 MAX_STRING_VALUE = 64
-RESERVED_ATTRIBUTES = ("configuration", "instance", "slot", "shared")
+EXTENDED_ATTRIBUTE = "extendedResources"
+# on a node's local ResourceSlices: the path that node serves akri.sh/* through ("dra" /
+# "device-plugins"), read by the publishers of shared pools and by `akri status`
+PATH_LABEL = "akri.sh/extended-resources"
+RESERVED_ATTRIBUTES = ("configuration", "instance", "slot", "shared", EXTENDED_ATTRIBUTE)
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
 _SEMVER = re.compile(
@@ -118,18 +133,23 @@ def device_name(slot: str) -> str:
     return f"{cleaned}-{digest}" if cleaned else f"d-{digest}"
 
 
-def device_attributes(instance: Instance, index: int) -> dict[str, dict[str, Any]]:
+def device_attributes(
+    instance: Instance, index: int, *, extended: bool = True
+) -> dict[str, dict[str, Any]]:
     """Typed attributes of one slot device."""
-    return _with_slot(_instance_attributes(instance), index)
+    return _with_slot(_instance_attributes(instance, extended), index)
 
 
-def _instance_attributes(instance: Instance) -> dict[str, dict[str, Any]]:
-    """The attributes every slot of ``instance`` shares (``slot`` is a placeholder)."""
+def _instance_attributes(instance: Instance, extended: bool = True) -> dict[str, dict[str, Any]]:
+    """The attributes every slot of ``instance`` shares (``slot`` is a placeholder).
+    ``extendedResources``: whether the slots may serve pods' ``akri.sh/<name>`` limits through
+    DRA (:class:`SlotState`)."""
     attributes: dict[str, dict[str, Any]] = {
         "configuration": {"string": instance.configuration_name[:MAX_STRING_VALUE]},
         "instance": {"string": instance.name[:MAX_STRING_VALUE]},
         "slot": {},
         "shared": {"bool": instance.shared},
+        EXTENDED_ATTRIBUTE: {"bool": extended},
     }
     for key, value in sorted(instance.broker_properties.items()):
         if len(attributes) >= MAX_ATTRIBUTES:
@@ -164,6 +184,9 @@ class SlotState:
     availability: str = USABLE  # USABLE, OFFLINE (grace period) or DRAINING
     options: DeviceOptions = DeviceOptions()
     node: str = ""  # the taint's value
+    # may serve pods' akri.sh/<name> limits through DRA: every node that can use the device
+    # serves akri.sh/* through DRA (the extended-resource DeviceClasses require it)
+    extended: bool = True
 
 
 def device_options(annotations: Mapping[str, str]) -> DeviceOptions:
@@ -251,6 +274,7 @@ class Pool:
 
 DevicesOf = Callable[[Instance, SlotState], Sequence[dict[str, Any]]]
 OptionsOf = Callable[[Instance], DeviceOptions]
+ExtendedOf = Callable[[Instance], bool]
 
 
 def _no_options(instance: Instance) -> DeviceOptions:
@@ -289,7 +313,7 @@ def instance_devices(
     slots = published_slots(instance, state)
     if not slots:
         return ()
-    common = _instance_attributes(instance)
+    common = _instance_attributes(instance, state.extended)
     extra: dict[str, Any] = {}
     if instance.shared and binds_to_node:
         extra["bindsToNode"] = True
@@ -330,9 +354,15 @@ def unusable_here(instance: Instance, node: str, offline: Collection[str]) -> bo
 
 
 def _state(
-    instance: Instance, node: str, offline: Collection[str], options_of: OptionsOf
+    instance: Instance,
+    node: str,
+    offline: Collection[str],
+    options_of: OptionsOf,
+    extended_of: ExtendedOf,
 ) -> SlotState:
-    return SlotState(availability(instance, node, offline), options_of(instance), node)
+    return SlotState(
+        availability(instance, node, offline), options_of(instance), node, extended_of(instance)
+    )
 
 
 def _devices(
@@ -341,11 +371,35 @@ def _devices(
     offline: Collection[str],
     devices_of: DevicesOf,
     options_of: OptionsOf,
+    extended_of: ExtendedOf,
 ) -> list[dict[str, Any]]:
     devices: list[dict[str, Any]] = []
     for instance in sorted(instances, key=lambda i: i.name):
-        devices.extend(devices_of(instance, _state(instance, node, offline, options_of)))
+        state = _state(instance, node, offline, options_of, extended_of)
+        devices.extend(devices_of(instance, state))
     return devices
+
+
+def _always_extended(instance: Instance) -> bool:
+    return True
+
+
+def extended_eligibility(node: str, paths: Mapping[str, str], dra: str = "dra") -> ExtendedOf:
+    """``extended_of`` for :func:`desired_pools`: a local Instance's slots may serve pods'
+    ``akri.sh/<name>`` limits through DRA when ``node`` is on the DRA path; a shared
+    Instance's slots only when **every** node in its ``nodes`` is (``paths``: node -> path,
+    unknown nodes count as not). The slice of a shared pool serves all its nodes, and the
+    extended-resource DeviceClasses cannot see the node: a slot eligible there would be
+    allocated for a pod on a device-plugin node too — whose kubelet had not posted the
+    resource yet (< 10 s after registration) — and that node's device plugin would never be
+    asked (KEP-5004's "never both on one node")."""
+
+    def extended_of(instance: Instance) -> bool:
+        if not instance.shared:
+            return paths.get(node) == dra
+        return bool(instance.nodes) and all(paths.get(n) == dra for n in instance.nodes)
+
+    return extended_of
 
 
 def desired_pools(
@@ -354,28 +408,31 @@ def desired_pools(
     offline: Collection[str],
     devices_of: DevicesOf = instance_devices,
     options_of: OptionsOf = _no_options,
+    extended_of: ExtendedOf = _always_extended,
 ) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
     every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
     :func:`instance_devices` (the publisher caches it per Instance version); ``options_of``
-    gives each Instance's Configuration opt-ins."""
+    gives each Instance's Configuration opt-ins, ``extended_of`` whether its slots may serve
+    extended resources (:func:`extended_eligibility`)."""
     local = [i for i in instances if not i.shared and node in i.nodes]
     pools = [
         Pool(
             name=node,
             node_name=node,
-            devices=tuple(_devices(local, node, offline, devices_of, options_of)),
+            devices=tuple(_devices(local, node, offline, devices_of, options_of, extended_of)),
         )
     ]
     for instance in sorted(instances, key=lambda i: i.name):
         if not instance.shared or not instance.nodes or min(instance.nodes) != node:
             continue
+        state = _state(instance, node, offline, options_of, extended_of)
         pools.append(
             Pool(
                 name=instance.name,
                 node_name=None,
                 nodes=tuple(sorted(instance.nodes)),
-                devices=tuple(devices_of(instance, _state(instance, node, offline, options_of))),
+                devices=tuple(devices_of(instance, state)),
             )
         )
     return pools

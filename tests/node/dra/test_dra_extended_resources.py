@@ -52,7 +52,9 @@ def test_classes_of_a_configuration_and_its_instances() -> None:
         {
             "cel": {
                 "expression": "device.driver == 'akri.sh' && "
-                "device.attributes['akri.sh'].configuration == 'cam'"
+                "device.attributes['akri.sh'].configuration == 'cam' && "
+                "'extendedResources' in device.attributes['akri.sh'] && "
+                "device.attributes['akri.sh'].extendedResources"
             }
         }
     ]
@@ -88,7 +90,7 @@ def test_names_unique_by_construction_and_fit() -> None:
     )
     # a quote in a name cannot end the CEL string literal early
     expression = configuration_class(ObjectKey("d", "it's"))["spec"]["selectors"][0]["cel"]
-    assert expression["expression"].endswith("configuration == 'it\\'s'")
+    assert "configuration == 'it\\'s' &&" in expression["expression"]
 
 
 def test_only_the_owner_namespace_gets_classes() -> None:
@@ -165,6 +167,10 @@ def install_classes(api: ApiServerDouble) -> None:
 async def test_limits_served_from_slices_and_prepared_like_kubelet(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
+    from tests.node.dra.test_extended_path import node_object
+
+    node_object(api, "v1.36.2")  # kubelet 1.36, containerd 2.1: the DRA path
+    install_classes(api)
     api.create(debug_echo_configuration("cam", ("foo0",), 2))
     node = await start_dp_node(api, "node-a", tmp_path, dra=True)
     kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
@@ -172,7 +178,6 @@ async def test_limits_served_from_slices_and_prepared_like_kubelet(
         await kubelet.start()
         await kubelet.wait_for_registration("akri.sh", timeout=10)
         await eventually(lambda: any(s["spec"].get("devices") for s in api.list(SLICES)), within=10)
-        install_classes(api)
         pod = create_pod(api, "p1", {"akri.sh/cam-8120fe": "1"})  # instance-level, unchanged
         claim = schedule_extended_resources(api, "default", "p1", "node-a")
         assert claim is not None

@@ -19,6 +19,7 @@ from agent.node.dra.extended import (
     choose_path,
     kubelet_version,
     observed_paths,
+    runtime_cdi,
 )
 from agent.node.settings import SettingsError
 from tests.doubles.apiserver import ApiServerDouble
@@ -41,7 +42,7 @@ DROPPED = [
         ("device-plugins", True, "v1.36.2", KEPT, DEVICE_PLUGINS, "forced"),
         ("dra", True, "v1.30.0", None, DRA, "forced"),
         ("dra", False, "v1.36.0", KEPT, DEVICE_PLUGINS, "--no-dra"),
-        ("auto", True, "v1.36.2", KEPT, DRA, "support extended resources"),
+        ("auto", True, "v1.36.2", KEPT, DRA, "supports extended resources"),
         ("auto", True, "v1.37.0-alpha.1", KEPT, DRA, "support"),
         ("auto", True, "v1.35.4", KEPT, DEVICE_PLUGINS, "older than 1.36"),
         ("auto", True, None, KEPT, DEVICE_PLUGINS, "unknown"),
@@ -53,7 +54,8 @@ DROPPED = [
 def test_choose_path(
     mode: str, dra: bool, kubelet: str | None, classes: Any, path: str, why: str
 ) -> None:
-    decision = choose_path(mode, dra_enabled=dra, kubelet=kubelet, classes=classes)
+    runtime = runtime_cdi("containerd://2.1.0")  # injects CDI: the other conditions decide
+    decision = choose_path(mode, dra_enabled=dra, kubelet=kubelet, classes=classes, runtime=runtime)
     assert decision.path == path and why in decision.reason
 
 
@@ -88,15 +90,23 @@ async def api() -> AsyncIterator[ApiServerDouble]:
         yield server
 
 
-def node_object(api: ApiServerDouble, version: str) -> None:
-    api.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"}})
+def node_object(
+    api: ApiServerDouble,
+    version: str,
+    runtime: str = "containerd://2.1.0",
+    labels: dict[str, str] | None = None,
+) -> None:
+    api.create(
+        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": labels or {}}}
+    )
     node = api.get("nodes", "node-a") or {}
+    info = {"kubeletVersion": version, "containerRuntimeVersion": runtime}
     api.store.update(
         api.resource("nodes"),
         "v1",
         None,
         "node-a",
-        {**node, "status": {"nodeInfo": {"kubeletVersion": version}}},
+        {**node, "status": {"nodeInfo": info}},
         subresource="status",
     )
 
