@@ -67,7 +67,9 @@ def test_kubelet_versions_and_the_flag() -> None:
     assert settings(["--extended-resources", "device-plugins"], {}).extended_resources == (
         "device-plugins"
     )
-    with pytest.raises(SettingsError, match="--extended-resources"):
+    with pytest.raises(SettingsError, match="AKRI_EXTENDED_RESOURCES"):
+        settings([], {"AKRI_EXTENDED_RESOURCES": "both"})
+    with pytest.raises(SystemExit):  # a bad flag is a usage error (agent/ops/flags.py)
         settings(["--extended-resources", "both"], {})
 
 
