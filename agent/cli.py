@@ -540,10 +540,14 @@ def _status(args: argparse.Namespace) -> int:
     where = f"in {state_dir}"
     if args.output == "json":
         return _print(to_json(instances)) or _nothing_came(args.wait, where, instances)
-    from agent.node.local_notes import note_lines, read_notes
+    from agent.node.local_notes import note_lines, offline_until, read_notes
+    from agent.node.status import local_offline
 
-    # what local agents say about budgets and refusals (local mode has no Events)
-    text = "\n".join([to_table(instances), *note_lines(read_notes(state_dir))])
+    # what local agents say about budgets, refusals and devices in their offline grace (local
+    # mode has no Events, and no kubelet or ResourceSlices to ask)
+    notes = read_notes(state_dir)
+    offline = local_offline(offline_until(notes), time.time())
+    text = "\n".join([to_table(instances, offline), *note_lines(notes)])
     return _print(text) or _nothing_came(args.wait, where, instances)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -168,6 +169,7 @@ class Agent:
         if settings.local:
             # local mode has no Events: `akri status --state-dir` reads this file instead
             self.discovery.notes_listeners.append(self._record_notes)
+            self.discovery.add_offline_listener(self._record_notes)
         self._activity: asyncio.Task[None] | None = None
         self._finalizers: asyncio.Task[None] | None = None
         self.plugins: DevicePluginManager | None = None
@@ -363,13 +365,16 @@ class Agent:
         )
 
     def _record_notes(self) -> None:
-        """Local mode: the budget's left-out devices and the refused Configurations, for
-        ``akri status --state-dir`` (:mod:`agent.node.local_notes`)."""
+        """Local mode: the budget's left-out devices, the refused Configurations and the
+        Instances in their offline grace, for ``akri status --state-dir``
+        (:mod:`agent.node.local_notes`)."""
+        now, wall = time.monotonic(), time.time()
         record_notes(
             self.settings.state_dir,
             self.settings.node_name,
             self.discovery.budget,
             self.discovery.refusals(),
+            {key: wall + until - now for key, until in self.discovery.offline_until().items()},
         )
 
     def readiness(self) -> list[str]:

@@ -4,9 +4,12 @@ In a cluster the agent's notices are Events (``OverBudget``, ``NameConflict``) a
 status`` reads them. Local mode has no Events, so a local agent keeps the standing ones in
 its state directory, one small file per node (several simulated nodes may share a state
 directory): ``STATE_DIR/notes-<node>.json`` with the devices its Instance budget leaves out
-(:mod:`agent.node.discovery.budget`) and the Configurations it refuses because another has
-their kubelet names (:mod:`agent.node.discovery.ownership`). The file is rewritten when one
-of them changes, removed when there is nothing to say, and cleared at start.
+(:mod:`agent.node.discovery.budget`), the Configurations it refuses because another has
+their kubelet names (:mod:`agent.node.discovery.ownership`), and the Instances whose device it
+no longer sees, in their offline grace (their slots Unhealthy), with when the grace ends: a
+cluster's ``akri status`` reads that from kubelet and the ResourceSlices, a state directory has
+nothing else to show it. The file is rewritten when one of them changes, removed when there is
+nothing to say, and cleared at start.
 """
 
 from __future__ import annotations
@@ -32,9 +35,13 @@ def notes_file(state_dir: Path, node: str) -> Path:
 
 
 def notes_record(
-    node: str, budget: InstanceBudget, refused: Mapping[ObjectKey, str]
+    node: str,
+    budget: InstanceBudget,
+    refused: Mapping[ObjectKey, str],
+    offline: Mapping[ObjectKey, float] | None = None,
 ) -> dict[str, object]:
-    """The JSON of one node's notes (pure)."""
+    """The JSON of one node's notes (pure). ``offline``: Instance -> when its offline grace
+    ends here (seconds since the epoch)."""
     return {
         "node": node,
         "limit": budget.limit,
@@ -43,18 +50,24 @@ def notes_record(
             for key, left in sorted(budget.left_out.items())
         },
         "refused": {str(key): reason for key, reason in sorted(refused.items())},
+        "offline": {str(key): round(until, 1) for key, until in sorted((offline or {}).items())},
     }
 
 
 def record_notes(
-    state_dir: Path, node: str, budget: InstanceBudget, refused: Mapping[ObjectKey, str]
+    state_dir: Path,
+    node: str,
+    budget: InstanceBudget,
+    refused: Mapping[ObjectKey, str],
+    offline: Mapping[ObjectKey, float] | None = None,
 ) -> None:
     """Write (or, with nothing to say, remove) this node's notes. A failure is logged, never
     raised: the file only feeds ``akri status``."""
     path = notes_file(state_dir, node)
     try:
-        if budget.left_out or refused:
-            atomic_write_json(path, notes_record(node, budget, refused), durable=False)
+        if budget.left_out or refused or offline:
+            record = notes_record(node, budget, refused, offline)
+            atomic_write_json(path, record, durable=False)
         else:
             path.unlink(missing_ok=True)
     except OSError as error:
@@ -125,7 +138,27 @@ def _shape_problem(data: Any) -> str | None:
         for counts in left_out.values()
     ):
         return "left_out does not map names to counts"
+    offline = data.get("offline", {})
+    if not isinstance(offline, dict) or not all(
+        isinstance(until, int | float) and not isinstance(until, bool) and "/" in str(key)
+        for key, until in offline.items()
+    ):
+        return "offline does not map namespace/name to times"
     return None
+
+
+def offline_until(records: Sequence[Mapping[str, object]]) -> dict[ObjectKey, dict[str, float]]:
+    """From the notes of a state directory: per Instance, the nodes that keep it in their
+    offline grace and when it ends there (seconds since the epoch)."""
+    result: dict[ObjectKey, dict[str, float]] = {}
+    for record in records:
+        offline = record.get("offline")
+        if "skipped" in record or not isinstance(offline, Mapping):
+            continue
+        for name, until in offline.items():
+            namespace, _, instance = str(name).partition("/")
+            result.setdefault(ObjectKey(namespace, instance), {})[str(record["node"])] = until
+    return result
 
 
 def note_lines(records: Sequence[Mapping[str, object]]) -> list[str]:

@@ -121,16 +121,19 @@ def cluster_json(configurations: Sequence[Mapping[str, Any]], instances: Sequenc
     return json.dumps(body, indent=2, sort_keys=True)
 
 
-def state(instance: Instance) -> str:
-    """``ok``, or ``offline (node)`` for each node in its offline grace (its slots are
-    Unhealthy there) and ``draining: N slots in use (node)`` for each node that stays in the
-    Instance only until its slots are released; ``terminating: N slots in use`` first for a
-    deleted Instance its ``akri.sh/slots`` finalizer keeps until those slots are freed."""
+def state(instance: Instance, offline: Sequence[str] = ()) -> str:
+    """``ok``, or ``offline (node, …)`` for each node in its offline grace (its slots are
+    Unhealthy there: ``offline``, what the nodes say, see :func:`local_offline` and
+    :func:`cluster_offline`; or a mark an earlier agent version stored) and ``draining: N
+    slots in use (node)`` for each node that stays in the Instance only until its slots are
+    released; ``terminating: N slots in use`` first for a deleted Instance its
+    ``akri.sh/slots`` finalizer keeps until those slots are freed."""
     parts = []
     if instance.deletion_timestamp is not None:
         held = held_count(instance)
         parts.append(f"terminating: {held} slot{'s' if held != 1 else ''} in use")
     parts += [f"offline ({node})" for node in instance.offline_nodes]
+    parts += list(offline)
     for node in instance.draining_nodes:
         count = len(node_slots(instance, node))
         parts.append(f"draining: {count} slot{'s' if count != 1 else ''} in use ({node})")
@@ -147,8 +150,25 @@ def _usage_summary(instance: Instance) -> str:
     return " ".join(parts)
 
 
-def to_table(instances: Sequence[Instance]) -> str:
-    """An aligned text table: name, configuration, nodes, shared, capacity, deviceUsage."""
+def local_offline(
+    until: Mapping[ObjectKey, Mapping[str, float]], now: float
+) -> dict[ObjectKey, list[str]]:
+    """``offline (node, N s left)`` per Instance, from the local agents' notes (when each
+    node's offline grace ends, seconds since the epoch; ``now`` likewise)."""
+    return {
+        key: [
+            f"offline ({node}, {max(0.0, end - now):.0f} s left)"
+            for node, end in sorted(nodes.items())
+        ]
+        for key, nodes in until.items()
+    }
+
+
+def to_table(
+    instances: Sequence[Instance], offline: Mapping[ObjectKey, Sequence[str]] | None = None
+) -> str:
+    """An aligned text table: name, configuration, nodes, shared, capacity, used, state (with
+    ``offline``: what the nodes say of Instances in their offline grace), deviceUsage."""
     header = (
         "NAME",
         "CONFIGURATION",
@@ -171,7 +191,7 @@ def to_table(instances: Sequence[Instance]) -> str:
                 str(inst.shared).lower(),
                 str(inst.capacity),
                 str(used),
-                state(inst),
+                state(inst, (offline or {}).get(inst.key, ())),
                 _usage_summary(inst),
             )
         )

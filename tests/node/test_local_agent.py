@@ -702,3 +702,36 @@ def test_agent_sees_other_agents_writes_despite_its_own(env: LocalEnv) -> None:
         pytest.skip("too slow to fit B's write and A's write between two polls of A")
     # A's first poll is ~4 s after its start; wait well past it.
     a.wait_for_log(rf"instance {bar0} added", timeout=max(0.1, started + 6.0 - time.monotonic()))
+
+
+# -- akri status shows the offline grace (issue 34.9) ------------------------------------------
+def test_status_shows_offline_instances_and_when_their_grace_ends(env: LocalEnv) -> None:
+    """Before: STATE said ``ok`` while the device was gone and its slots Unhealthy (nothing
+    is written to the Instance during the grace, and the state dir said nothing else)."""
+    env.start(env.config(), extra=["--shared-offline-grace", "120"])
+    env.wait_names({FOO0, FOO1}, timeout=30)
+
+    def states() -> dict[str, str]:
+        result = run_status(env.state_dir, output="table")
+        assert result.returncode == 0, result.stderr
+        rows = [re.split(r"\s{2,}", line) for line in result.stdout.splitlines()[1:]]
+        return {row[0]: row[6] for row in rows if len(row) > 6}
+
+    assert set(states().values()) == {"ok"}
+    env.avail.write_text("OFFLINE")
+
+    def all_offline() -> dict[str, str] | None:
+        now = states()
+        return now if all(v.startswith(f"offline ({NODE}, ") for v in now.values()) else None
+
+    offline = poll_until(all_offline, timeout=30, message=lambda: f"{states()}\n{env.logs()}")
+    assert len(offline) == 2
+    for value in offline.values():
+        left = re.search(r"(\d+) s left\)$", value)
+        assert left is not None and 0 < int(left.group(1)) <= 120, value
+    env.avail.write_text("ONLINE")
+    poll_until(
+        lambda: set(states().values()) == {"ok"},
+        timeout=30,
+        message=lambda: f"{states()}\n{env.logs()}",
+    )

@@ -28,6 +28,8 @@ HOSTILE = {
     "a-list": "[1, 2, 3]",
     "counts-not-numbers": json.dumps({"node": "x", "left_out": {"a/b": {"left_out": "many"}}}),
     "huge-number": '{"node": "x", "limit": ' + "9" * 5000 + "}",
+    "offline-not-times": json.dumps({"node": "x", "offline": {"default/cam-abcdef": "soon"}}),
+    "offline-not-names": json.dumps({"node": "x", "offline": {"cam": 1.0}}),
 }
 
 
@@ -71,3 +73,17 @@ def test_status_skips_a_notes_file_too_large_or_unreadable(
     assert f"notes file {notes_file(state, 'huge')} skipped: larger than" in out
     assert f"notes file {notes_file(state, 'dir')} skipped: cannot read" in out
     assert "refused on lab: default/cam: a reason" in out
+
+
+def test_status_shows_the_offline_grace_a_node_notes(
+    state: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34.9: a node that no longer sees the device notes when its grace ends."""
+    import time
+
+    until = time.time() + 100
+    notes = {"node": "lab", "offline": {"default/cam-abcdef": until}}
+    notes_file(state, "lab").write_text(json.dumps(notes))
+    assert main(["status", "--state-dir", str(state)]) == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "cam-abcdef" in line]
+    assert "offline (lab, 100 s left)" in row or "offline (lab, 99 s left)" in row, row

@@ -146,6 +146,16 @@ class DiscoveryManager:
                 result |= retirement.offline
         return frozenset(result)
 
+    def offline_until(self) -> dict[ObjectKey, float]:
+        """Instances in their offline grace on this node, and when it ends (monotonic): what
+        ``akri status`` shows as ``offline`` (local mode: through the node's notes)."""
+        result: dict[ObjectKey, float] = {}
+        for key, runner in self.runners.items():
+            if self.ownership.owns(key):
+                for name, until in runner.offline_until().items():
+                    result[ObjectKey(key.namespace, name)] = until
+        return result
+
     def draining(self) -> dict[ObjectKey, tuple[str, ...]]:
         """Instances this node stays in only because it still holds these slots."""
         result: dict[ObjectKey, tuple[str, ...]] = {}

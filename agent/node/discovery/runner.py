@@ -226,6 +226,17 @@ class ConfigurationRunner:
             return devices
         return self._budget.filter(self.key, devices)
 
+    def offline_until(self) -> dict[str, float]:
+        """Instances in their offline grace here (the device is not seen; their slots are
+        Unhealthy): name -> when the grace ends (this runner's clock). Draining ones are not
+        here: their stored mark says so."""
+        grace = self._grace_for(self.configuration, self.handler.shared)
+        return {
+            name: since + grace
+            for name, since in self._missing_since.items()
+            if name in self.offline and name not in self.draining
+        }
+
     def current_plan(self) -> DiscoveryPlan:
         """The plan for the latest device list against the cache (pure)."""
         shared = self.handler.shared
