@@ -429,12 +429,19 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
             name = (obj.get("metadata") or {}).get("name", "?")
             print(f"akri status: skipping Instance {name}: {error}", file=sys.stderr)
     instances.sort(key=lambda i: (i.namespace, i.name))
-    paths = _extended_paths(kubeconfig)
+    from agent.node.dra.extended import observed_paths
+    from agent.node.status import cluster_offline
+
+    nodes, slices = _nodes_and_slices(kubeconfig)
+    # which path serves akri.sh/<name> limits on each node, as the scheduler sees it
+    paths = observed_paths(nodes, slices) if nodes is not None and slices is not None else None
+    offline = cluster_offline(instances, nodes or [], slices or [])
     if args.output == "json":
         import json
 
         body = json.loads(cluster_json(configurations, instances))
         body["extendedResourcePaths"] = paths  # node -> "dra" | "device-plugins" (None: unread)
+        body["offline"] = {str(key): parts for key, parts in sorted(offline.items())}
         text = json.dumps(body, indent=2, sort_keys=True)
     else:
         from agent.node.dra.extended import paths_table
@@ -442,7 +449,7 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
         text = (
             configurations_table(configurations, instances, events)
             + "\n\n"
-            + to_table(instances)
+            + to_table(instances, offline)
             + "\n\n"
             + paths_table(paths)
         )
@@ -457,25 +464,40 @@ def _nothing_came(wait: float, where: str, instances: Sequence[object]) -> int:
     return EXIT_FAILURE
 
 
-def _extended_paths(kubeconfig: str | None) -> dict[str, str] | None:
-    """Which path serves ``akri.sh/<name>`` limits on each node, as the scheduler sees it
-    (docs/dra.md): None when the Nodes or ResourceSlices cannot be read."""
+def _nodes_and_slices(
+    kubeconfig: str | None,
+) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+    """The Nodes and the ``akri.sh`` ResourceSlices (each None where it cannot be read: RBAC,
+    DRA not served): which path each node is on, and what it shows of offline devices."""
     import asyncio
 
     from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
-    from agent.node.dra.extended import read_observed_paths
+    from agent.core.kube import resource_path as path
 
-    async def read() -> dict[str, str] | None:
+    async def read() -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
         client = make_kube_client(kubeconfig)
+        found: list[list[dict[str, Any]] | None] = []
         try:
-            return await read_observed_paths(client)
+            ours = {"fieldSelector": "spec.driver=akri.sh"}
+            for where, params in (
+                (path("", "v1", "nodes"), None),
+                (path("resource.k8s.io", "v1", "resourceslices"), ours),
+            ):
+                try:
+                    items, _version = await client.list_all(where, params=params)
+                except ApiError as error:
+                    if error.status not in (401, 403, 404):
+                        raise
+                    items = None
+                found.append(items)
         finally:
             await client.close()
+        return found[0], found[1]
 
     try:
         return asyncio.run(read())
     except (ApiError, ConfigError, TransportError, OSError):
-        return None
+        return None, None
 
 
 def _print(text: str) -> int:

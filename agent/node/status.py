@@ -4,7 +4,7 @@ state directory, as a table or JSON; and which of the two to read."""
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -162,6 +162,64 @@ def local_offline(
         ]
         for key, nodes in until.items()
     }
+
+
+OFFLINE_TAINT = "akri.sh/offline"  # agent/node/dra/slices.py's taint of offline devices
+INSTANCE_ATTRIBUTE_LENGTH = 64  # a ResourceSlice string attribute's limit (the name is cut)
+
+
+def cluster_offline(
+    instances: Sequence[Instance],
+    nodes: Iterable[Mapping[str, Any]],
+    slices: Iterable[Mapping[str, Any]],
+) -> dict[ObjectKey, list[str]]:
+    """What the cluster shows of Instances in a node's offline grace (nothing is written to
+    the Instance then): ``offline (node)`` where the node's agent publishes the Instance's
+    devices tainted ``akri.sh/offline:NoSchedule`` (DRA), ``unhealthy (node, kubelet)`` where
+    kubelet counts none of its slots healthy (device plugins: ``status.allocatable`` of
+    ``akri.sh/<instance>`` is 0 of a capacity above 0) though a slot is free — the device is
+    offline there, or the node's agent is not running. Draining nodes are not repeated (the
+    Instance's own mark says so)."""
+    by_name: dict[str, list[Instance]] = {}
+    for instance in instances:
+        by_name.setdefault(instance.name[:INSTANCE_ATTRIBUTE_LENGTH], []).append(instance)
+    found: dict[ObjectKey, dict[str, str]] = {}
+
+    def note(instance: Instance, node: str, text: str) -> None:
+        if node not in instance.draining_nodes:
+            found.setdefault(instance.key, {}).setdefault(node, text)
+
+    for item in slices:
+        spec = item.get("spec") or {}
+        if spec.get("driver") != "akri.sh":
+            continue
+        for device in spec.get("devices") or []:
+            tainted = [
+                t
+                for t in device.get("taints") or []
+                if t.get("key") == OFFLINE_TAINT and t.get("effect") == "NoSchedule"
+            ]
+            name = ((device.get("attributes") or {}).get("instance") or {}).get("string")
+            if not tainted or not isinstance(name, str):
+                continue
+            node = str(tainted[0].get("value") or spec.get("nodeName") or "?")
+            for instance in by_name.get(name, ()):
+                note(instance, node, f"offline ({node})")
+    for node_object in nodes:
+        node = str((node_object.get("metadata") or {}).get("name"))
+        status = node_object.get("status") or {}
+        capacity, allocatable = status.get("capacity") or {}, status.get("allocatable") or {}
+        for instance in instances:
+            resource = f"akri.sh/{instance.name}"
+            has_free = any(not value for value in instance.device_usage.values())
+            if (
+                node in instance.nodes
+                and str(capacity.get(resource, "0")) != "0"
+                and str(allocatable.get(resource, "")) == "0"
+                and has_free
+            ):
+                note(instance, node, f"unhealthy ({node}, kubelet)")
+    return {key: [text for _, text in sorted(nodes.items())] for key, nodes in found.items()}
 
 
 def to_table(

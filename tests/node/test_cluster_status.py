@@ -211,3 +211,111 @@ def test_in_a_pod_the_reason_names_the_service_account_not_kubeconfig(tmp_path: 
     # the client agrees: it loads the in-cluster settings, not the named file
     config = load_config(environ=environ, service_account_dir=tmp_path)
     assert (config.host, config.port) == ("10.0.0.1", 443)
+
+
+# -- offline devices (issue 34.9) --------------------------------------------------------------
+def test_a_cluster_agent_s_offline_device_shows_in_status(tmp_path: Path) -> None:
+    """A real agent (DRA path) against the API-server double: once its device goes, its
+    slices carry the offline taint and ``akri status`` says so (before: ``ok``, as nothing is
+    written to the Instance during the grace); back to ``ok`` when the device returns."""
+    import subprocess
+
+    from tests.doubles.apiserver.threaded import ThreadedApiServer
+    from tests.harness.agent_process import AgentProcess, akri_command, poll_until
+    from tests.harness.k8s_nodes import debug_echo_configuration
+
+    kubelet = tmp_path / "node-a"
+    available = tmp_path / "available"
+    with ThreadedApiServer(crds=CRDS) as server:
+        server.create(debug_echo_configuration("cam", descriptions=("a",), capacity=2))
+        kubeconfig = server.write_kubeconfig(tmp_path / "kubeconfig")
+        agent = AgentProcess(
+            [
+                "--kubeconfig", str(kubeconfig), "--node-name", "node-a", "--debug-echo",
+                "--debug-echo-availability-file", str(available),
+                "--shared-offline-grace", "120", "--health-port", "0",
+                "--device-plugin-dir", str(kubelet / "device-plugins"),
+                "--pod-resources-socket", str(kubelet / "pod-resources" / "kubelet.sock"),
+                "--plugins-registry-dir", str(kubelet / "plugins_registry"),
+                "--dra-plugin-dir", str(kubelet / "dra"), "--cdi-dir", str(kubelet / "cdi"),
+                "--discovery-handlers-dir", str(kubelet / "akri"),
+            ]
+        )  # fmt: skip
+
+        def state() -> str:
+            done = subprocess.run(
+                akri_command("status", "--kubeconfig", str(kubeconfig)),
+                capture_output=True, text=True, env=no_cluster_env(), timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            rows = [line.split() for line in done.stdout.splitlines() if line.startswith("cam-")]
+            return " ".join(rows[0][6:-2]) if len(rows) == 1 else ""
+
+        try:
+            agent.wait_for_log(r"instance cam-[0-9a-f]{6} added", timeout=30)
+            poll_until(lambda: state() == "ok", timeout=30, message=agent.describe)
+            available.write_text("OFFLINE")
+            poll_until(lambda: state() == "offline (node-a)", timeout=30, message=agent.describe)
+            available.write_text("ONLINE")
+            poll_until(lambda: state() == "ok", timeout=30, message=agent.describe)
+        finally:
+            agent.cleanup()
+
+
+def node(name: str, capacity: dict[str, str], allocatable: dict[str, str]) -> dict[str, object]:
+    return {
+        "metadata": {"name": name},
+        "status": {"capacity": capacity, "allocatable": allocatable},
+    }
+
+
+def test_kubelet_s_view_of_device_plugins_shows_unhealthy_slots() -> None:
+    """Device-plugin nodes: kubelet counts Unhealthy devices in capacity, not in allocatable."""
+    from agent.node.status import cluster_offline
+
+    free = Instance(
+        name="cam-8120fe",
+        configuration_name="cam",
+        capacity=2,
+        shared=True,
+        nodes=("node-a", "node-b"),
+        device_usage={"cam-8120fe-0": "node-b", "cam-8120fe-1": ""},
+    )
+    taken = free.evolve(
+        name="cam-a19705",
+        device_usage={"cam-a19705-0": "node-b", "cam-a19705-1": "C:cam-0:node-b"},
+    )
+    nodes = [
+        node("node-a", {"akri.sh/cam-8120fe": "2", "akri.sh/cam-a19705": "2"},
+             {"akri.sh/cam-8120fe": "0", "akri.sh/cam-a19705": "0"}),
+        node("node-b", {"akri.sh/cam-8120fe": "2"}, {"akri.sh/cam-8120fe": "2"}),
+        node("node-c", {"akri.sh/cam-8120fe": "2"}, {"akri.sh/cam-8120fe": "0"}),  # not in nodes
+    ]  # fmt: skip
+    found = cluster_offline([free, taken], nodes, [])
+    # a slot is free, yet kubelet has none healthy on node-a: offline there (or no agent);
+    # the other Instance's slots are all held elsewhere: Unhealthy on node-a by design
+    assert found == {free.key: ["unhealthy (node-a, kubelet)"]}
+    draining = free.evolve(annotations={"akri.sh/draining": "node-a"})
+    assert cluster_offline([draining], nodes, []) == {}  # its mark says so already
+
+
+def test_dra_taints_name_the_node_and_long_names_match() -> None:
+    from agent.node.status import cluster_offline
+
+    long_name = "c" * 60 + "-8120fe"
+    instance = Instance(
+        name=long_name, configuration_name="c" * 60, capacity=1, shared=False,
+        nodes=("node-a",), device_usage={f"{long_name}-0": ""},
+    )  # fmt: skip
+    device = {
+        "name": "d0",
+        "attributes": {"instance": {"string": long_name[:64]}},
+        "taints": [{"key": "akri.sh/offline", "effect": "NoSchedule", "value": "node-a"}],
+    }
+    evicting = {**device, "taints": [{"key": "akri.sh/offline", "effect": "NoExecute"}]}
+    slices = [
+        {"spec": {"driver": "akri.sh", "nodeName": "node-a", "devices": [device]}},
+        {"spec": {"driver": "other.example", "devices": [device]}},
+        {"spec": {"driver": "akri.sh", "devices": [evicting]}},  # draining: its own mark
+    ]
+    assert cluster_offline([instance], [], slices) == {instance.key: ["offline (node-a)"]}
