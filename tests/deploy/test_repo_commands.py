@@ -80,6 +80,9 @@ BLOCKS: dict[tuple[str, str], str] = {
     ("docs/install.md", "kubectl get akrii -A -o jsonpath"): (
         "test_the_uninstall_finalizer_loop_runs_as_written"
     ),
+    ("docs/install.md", "kubectl delete configurations.akri.sh --all -A"): (
+        "tests/deploy/test_uninstall.py::test_the_uninstall_in_the_documented_order_ends_by_itself"
+    ),
     ("docs/crds.md", "kubectl apply -f crds/"): (
         "tests/deploy/test_crd_install.py::test_the_install_block_runs_as_written"
     ),

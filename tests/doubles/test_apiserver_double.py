@@ -928,7 +928,13 @@ async def test_builtin_kinds(
     )
     assert lease["spec"]["holderIdentity"] == "me"
 
-    await core.delete_namespace("akri")  # takes its objects with it
+    api.store.namespace_cleanup_delay = 0  # the namespace controller's next pass
+    await core.delete_namespace("akri")  # takes its objects with it, then goes
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while api.get("namespaces", "akri") is not None:
+        assert loop.time() < deadline, "the namespace controller never came"
+        await asyncio.sleep(0.05)
     assert api.list("pods", "akri") == [] and api.get("configmaps", "cm", "akri") is None
 
 
@@ -1421,3 +1427,36 @@ async def test_a_deleted_crd_waits_for_its_objects_finalizers_like_a_real_server
     assert api.get("customresourcedefinitions", "instances.akri.sh") is None
     with pytest.raises(KeyError):
         api.resource("instances")
+
+
+async def test_a_deleted_namespace_terminates_like_on_a_real_server(api: ApiServerDouble) -> None:
+    """Its objects stay until the namespace controller's turn (kubectl delete -k still finds
+    them), creates in it are refused, an object held by a finalizer keeps it Terminating."""
+    api.store.namespace_cleanup_delay = 0.3
+    api.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "akri"}})
+    api.create({"apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": "c", "namespace": "akri"}})  # fmt: skip
+    api.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "akri",
+                "finalizers": ["tests.akri.sh/kubelet"]}, "spec": {}})  # fmt: skip
+    api.delete("namespaces", "akri")
+    namespace = api.get("namespaces", "akri")
+    assert namespace is not None and namespace["status"]["phase"] == "Terminating"
+    assert api.get("configmaps", "c", "akri") is not None  # not yet
+    async with aiohttp.ClientSession() as session:
+        url = f"{api.url}/api/v1/namespaces/akri/configmaps"
+        async with session.post(url, json={"metadata": {"name": "d"}}) as response:
+            assert response.status == 403
+            assert "because it is being terminated" in (await response.json())["message"]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while api.get("configmaps", "c", "akri") is not None:
+        assert loop.time() < deadline, "the namespace controller never came"
+        await asyncio.sleep(0.05)
+    pod = api.get("pods", "p", "akri")
+    assert pod is not None and pod["metadata"]["deletionTimestamp"]
+    assert api.get("namespaces", "akri") is not None  # the pod keeps it
+    pod["metadata"]["finalizers"] = []
+    api.apply(pod)
+    while api.get("namespaces", "akri") is not None:
+        assert loop.time() < deadline, "the namespace stayed"
+        await asyncio.sleep(0.05)

@@ -8,8 +8,10 @@ pod-resources socket and the kubelet checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,9 +166,12 @@ async def start_dp_node(
     dra: bool = False,
     base: Path | None = None,
     token: str | None = None,
+    changes: Mapping[str, Any] | None = None,
+    pod_environ: Mapping[str, str] | None = None,
 ) -> DpNode:
     """Start a node (``base``: reuse the directories of a stopped node, as after a restart;
-    ``token``: the agent's identity, see :func:`node_settings`)."""
+    ``token``: the agent's identity, see :func:`node_settings`; ``changes``: other settings;
+    ``pod_environ``: the agent's POD_NAME/POD_NAMESPACE, as the DaemonSet gives them)."""
     # unix socket paths are limited to 108 bytes: keep the node's directory short
     if base is None:
         base = Path(tempfile.mkdtemp(prefix=f"{name}-", dir="/tmp"))
@@ -181,6 +186,8 @@ async def start_dp_node(
         dra=dra,
         token=token,
     )
+    if changes:
+        settings = dataclasses.replace(settings, **changes)
     assert settings.device_plugin_dir is not None
     settings.device_plugin_dir.mkdir(parents=True, exist_ok=True)
     kubelet = KubeletDouble(
@@ -190,6 +197,8 @@ async def start_dp_node(
     client = make_kube_client(settings.kubeconfig)
     store = KubernetesInstanceStore(client, KubernetesSettings(name, request_timeout=5))
     agent = Agent(settings, store, freeze_gc=False)
+    if pod_environ is not None:
+        agent.pod_environ = pod_environ
     await agent.start()
     return DpNode(name, kubelet, agent, base)
 

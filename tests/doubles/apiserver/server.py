@@ -80,6 +80,8 @@ def _media_type(request: web.Request) -> str:
     return (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
 
 
+NAMESPACE_CONTROLLER_PERIOD = 0.1  # seconds between two namespace controller passes
+
 class _Target:
     """A parsed resource URL."""
 
@@ -140,6 +142,7 @@ class ApiServerDouble:
         self._runner: web.AppRunner | None = None
         self._watchers: set[Watcher] = set()
         self._offline_task: asyncio.Task[None] | None = None
+        self._namespace_task: asyncio.Task[None] | None = None
         # bearer token -> identity (add_user); requests without a token are an administrator
         self.users: dict[str, User] = {}
         if crds:
@@ -173,13 +176,29 @@ class ApiServerDouble:
             raise
         self.port = runner.addresses[0][1]
         self._runner = runner
+        if self._namespace_task is None:
+            self._namespace_task = asyncio.create_task(self._namespace_controller())
         return self.url
+
+    async def _namespace_controller(self) -> None:
+        """kube-controller-manager's namespace controller (Store.namespace_controller_pass)."""
+        while True:
+            try:
+                self.store.namespace_controller_pass()
+            except Exception as error:  # a bug of the double: seen by the tests' fixture
+                self.internal_errors.append(error)
+            await asyncio.sleep(NAMESPACE_CONTROLLER_PERIOD)
 
     async def stop(self) -> None:
         """Stop listening and end all connections (watch streams end). State is kept."""
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        task, self._namespace_task = self._namespace_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         for watcher in list(self._watchers):
             watcher.close()
         for held in list(self._held_requests):

@@ -16,6 +16,7 @@ import functools
 import json
 import random
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -93,6 +94,7 @@ PATCH_TYPES: tuple[str, ...] = (JSON_PATCH, MERGE_PATCH, STRATEGIC_PATCH, APPLY_
 
 DEFAULT_NAMESPACES: tuple[str, ...] = ("default", "kube-system", "kube-public", "kube-node-lease")
 CRD_CLEANUP_FINALIZER = "customresourcecleanup.apiextensions.k8s.io"
+NAMESPACE_CLEANUP_DELAY = 2.0  # seconds between a namespace's deletion and its objects'
 _NAME_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
 
 
@@ -236,6 +238,10 @@ class Store:
         self.validate = validate
         self.lock = threading.RLock()
         self.require_namespace = require_namespace
+        # a deleted namespace's objects go this long after it (kube-controller-manager's
+        # namespace controller is asynchronous: kubectl delete -k still finds them)
+        self.namespace_cleanup_delay = NAMESPACE_CLEANUP_DELAY
+        self._namespaces_terminating: dict[str, float] = {}  # name -> monotonic deletion time
         self._objects: dict[GroupResource, dict[Key, JSON]] = {}
         self._rv = 0
         self._history: deque[Event] = deque(maxlen=max(1, history_size))
@@ -435,6 +441,12 @@ class Store:
             key = self._key(rt, namespace, name)
             if key in self._bucket(rt):
                 raise errors.already_exists(rt.gr, name)
+            if rt.namespaced and namespace in self._namespaces_terminating:
+                raise errors.ApiError(
+                    403,
+                    f'{rt.plural} "{name}" is forbidden: unable to create new content in '
+                    f"namespace {namespace} because it is being terminated",
+                )
             if self._crd_terminating(rt):
                 raise errors.ApiError(
                     405, "create not allowed while custom resource definition is terminating"
@@ -812,7 +824,7 @@ class Store:
             if rt.gr == CRD_GR:
                 return self._output(rt, version, self._delete_crd(rt, key, current))
             if rt.gr == NAMESPACES_GR:
-                self._delete_namespace_contents(name)
+                return self._output(rt, version, self._terminate_namespace(rt, key, current))
             # the garbage collector's finalizers (orphan / foregroundDeletion) follow the
             # options, also on an object already being deleted (the server's own write)
             finalizers = (
@@ -953,12 +965,54 @@ class Store:
                 for o in items
             ]
 
-    def _delete_namespace_contents(self, namespace: str) -> None:
+    def _terminate_namespace(self, rt: ResourceType, key: Key, current: JSON) -> JSON:
+        """A deleted namespace turns ``Terminating``; the namespace controller
+        (:meth:`namespace_controller_pass`) deletes its objects later and then it."""
+        if _meta(current).get("deletionTimestamp"):
+            return current
+        new = json_copy(current)
+        meta = new["metadata"]
+        meta["deletionTimestamp"] = now_rfc3339()
+        meta["deletionGracePeriodSeconds"] = 0
+        new.setdefault("status", {})["phase"] = "Terminating"
+        meta["resourceVersion"] = self._next_rv()
+        self._bucket(rt)[key] = new
+        self._emit("MODIFIED", rt, new, current)
+        self._namespaces_terminating[key[1]] = time.monotonic()
+        return new
+
+    def _delete_namespace_contents(self, namespace: str) -> bool:
+        """Delete every object of ``namespace`` (their finalizers honoured); whether none is
+        left."""
+        left = False
         for rt in self.registry:
             if not rt.namespaced:
                 continue
             for key in [k for k in self._bucket(rt) if k[0] == namespace]:
                 self.delete(rt, rt.preferred_version, namespace, key[1])
+                left = left or key in self._bucket(rt)
+        return not left
+
+    @_collecting
+    def namespace_controller_pass(self) -> list[str]:
+        """The namespace controller: each namespace terminating for ``namespace_cleanup_delay``
+        seconds has its objects deleted, and goes once none is left (an object held by a
+        finalizer keeps it ``Terminating``). Returns the namespaces removed."""
+        removed: list[str] = []
+        ns_rt = self.registry.get(NAMESPACES_GR)
+        assert ns_rt is not None
+        now = time.monotonic()
+        for name, since in sorted(self._namespaces_terminating.items()):
+            if now - since < self.namespace_cleanup_delay:
+                continue
+            if not self._delete_namespace_contents(name):
+                continue
+            self._namespaces_terminating.pop(name, None)
+            key = self._key(ns_rt, None, name)
+            if key in self._bucket(ns_rt):
+                self._remove(ns_rt, key)
+                removed.append(name)
+        return removed
 
     # --- CRDs ----------------------------------------------------------------------------
 

@@ -1,0 +1,332 @@
+"""The uninstall of docs/install.md, end to end (issue 33.3): the install applied with kubectl,
+two nodes' agents and the controller running as the DaemonSet and the Deployment would run
+them (each as its ServiceAccount, with deploy/base's RBAC; tokens refused once the
+ServiceAccount is deleted), kubelet and the scheduler emulated per node
+(tests/harness/node_pods.py: broker Pods served through DRA on node-a, through device plugins on
+node-b; a deleted Pod ends only once kubelet has unprepared its claims), and examples/
+debug-echo-broker.yaml's brokers holding every slot.
+
+* In the documented order — the block of docs/install.md run as written — everything ends by
+  itself: the brokers go with their terminating Instances, the slots are freed, the Instances,
+  the CRDs, the agents and the controller go, and no Pod is left Terminating.
+* Out of order — ``kubectl delete -k deploy/`` while the brokers run — the agent of the DRA
+  node stays while their claims are prepared, so the broker Pods deleted then still end; the
+  Instances stay terminating (nobody removes their finalizer) until the documented loop does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from agent.controller.app import Controller
+from agent.core.kube import make_kube_client
+from tests.controller.conftest import add_node, controller_settings, eventually
+from tests.deploy.test_repo_commands import KUBECTL, VENV_BIN, block, commands
+from tests.doubles.apiserver import ApiServerDouble
+from tests.doubles.dra_kubelet import DraKubeletDouble
+from tests.harness.agent_process import clean_env
+from tests.harness.dp_nodes import DpNode, start_dp_node
+from tests.harness.node_pods import NodePods
+from tests.paths import REPO
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
+
+NS = "akri"
+NODES = ("node-a", "node-b")  # node-a: DRA; node-b: device plugins
+WITHIN = 60.0  # seconds: bound of every event-driven wait (a loaded machine)
+INSTALL = (
+    "kubectl apply -k deploy/overlays/debug-echo && kubectl wait --for condition=established "
+    "crd/configurations.akri.sh crd/instances.akri.sh"
+)  # the README's, with the broker example instead of examples/debug-echo.yaml
+
+
+def rules_of(path: Path) -> list[dict[str, Any]]:
+    """Every rule of the ClusterRoles and Roles in ``path`` (a Role's rules taken
+    cluster-wide: the double binds rules to a token, not to namespaces)."""
+    return [
+        rule
+        for document in yaml.safe_load_all(path.read_text())
+        if document["kind"] in ("ClusterRole", "Role")
+        for rule in document["rules"]
+    ]
+
+
+async def kubectl(env: dict[str, str], command: str, within: float = 120) -> str:
+    """``command`` with bash from the repository root (kubectl against the double)."""
+    process = await asyncio.create_subprocess_exec(
+        "bash", "-c", command, cwd=REPO, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        output, _ = await asyncio.wait_for(process.communicate(), within)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"{command!r} did not end within {within:g}s") from None
+    text = output.decode()
+    assert process.returncode == 0, f"{command!r} exited {process.returncode}:\n{text}"
+    return text
+
+
+@dataclass
+class Cluster:
+    api: ApiServerDouble
+    env: dict[str, str]
+    nodes: dict[str, DpNode] = field(default_factory=dict)
+    pods: dict[str, NodePods] = field(default_factory=dict)
+    dra: dict[str, DraKubeletDouble] = field(default_factory=dict)
+    stopped: set[str] = field(default_factory=set)  # agents (node names) and "controller"
+    controller: Controller | None = None
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    def broker_pods(self) -> list[dict[str, Any]]:
+        return self.api.list("pods", "default", label_selector="controller=akri.sh")
+
+    def terminating(self) -> list[str]:
+        return [name for pods in self.pods.values() for name in pods.terminating()]
+
+
+def _pod(name: str, node: str, owner: dict[str, Any] | None, grace: int) -> dict[str, Any]:
+    """A Pod as the DaemonSet / Deployment controllers would create it (not run by them)."""
+    meta: dict[str, Any] = {"name": name, "namespace": NS}
+    if owner is not None:
+        meta["ownerReferences"] = [
+            {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "controller": True,
+             "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]}
+        ]  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": meta,
+        "spec": {
+            "nodeName": node,
+            "terminationGracePeriodSeconds": grace,
+            "containers": [{"name": "main", "image": "ghcr.io/akri-py/akri-agent:0.1.0"}],
+        },
+    }
+
+
+async def _revoke_tokens_of_deleted_accounts(
+    api: ApiServerDouble, tokens: dict[str, list[str]]
+) -> None:
+    """The service-account token authenticator: a deleted ServiceAccount's tokens are refused
+    (401), as for bound tokens on a real API server."""
+    while True:
+        for account, names in tokens.items():
+            if api.get("serviceaccounts", account, NS) is None:
+                for token in names:
+                    api.users.pop(token, None)
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def installed(tmp: Path) -> AsyncIterator[Cluster]:
+    """The install (kubectl apply -k deploy/overlays/debug-echo), its agents and controller
+    started as their Pods, and examples/debug-echo-broker.yaml with its brokers running."""
+    async with ApiServerDouble() as api:
+        home = tmp / "home"
+        home.mkdir()
+        path = f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
+        env = clean_env(
+            {"KUBECONFIG": str(api.write_kubeconfig(home / "kubeconfig")), "HOME": str(home),
+             "PATH": path}
+        )  # fmt: skip
+        cluster = Cluster(api, env)
+        await kubectl(env, INSTALL)
+        daemonset = api.get("daemonsets.apps", "akri-agent", NS)
+        deployment = api.get("deployments.apps", "akri-controller", NS)
+        assert daemonset is not None and deployment is not None
+        grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        agent_rules = rules_of(REPO / "deploy" / "base" / "rbac.yaml")
+        controller_rules = rules_of(REPO / "deploy" / "base" / "controller-rbac.yaml")
+        tokens = {"akri-agent": [f"agent-{n}" for n in NODES], "akri-controller": ["controller"]}
+        for node in NODES:
+            add_node(api, node)
+            api.add_user(f"agent-{node}", "system:serviceaccount:akri:akri-agent", agent_rules,
+                         node=node)  # fmt: skip
+        api.add_user("controller", "system:serviceaccount:akri:akri-controller", controller_rules)
+        cluster.tasks.append(
+            asyncio.create_task(_revoke_tokens_of_deleted_accounts(api, tokens))
+        )
+        try:
+            for node in NODES:
+                name = f"akri-agent-{node}"
+                api.create(_pod(name, node, daemonset, grace))
+                on_dra = node == "node-a"
+                started = await start_dp_node(
+                    api, node, tmp, dra=on_dra, token=f"agent-{node}",
+                    changes={"extended_resources": "dra" if on_dra else "device-plugins"},
+                    pod_environ={"POD_NAME": name, "POD_NAMESPACE": NS},
+                )  # fmt: skip
+                cluster.nodes[node] = started
+                kubelet = None
+                if on_dra:
+                    kubelet = DraKubeletDouble(started.registry_dir, node, api)
+                    await kubelet.start()
+                    await kubelet.wait_for_registration("akri.sh", timeout=WITHIN)
+                    cluster.dra[node] = kubelet
+                pods = NodePods(api, node, device_plugins=started.kubelet, dra=kubelet)
+                pods.on_terminate(NS, name, _agent_sigterm(cluster, node))
+                cluster.pods[node] = pods
+                await pods.start()
+            kubeconfig = api.write_kubeconfig(home / "controller-kubeconfig", token="controller")
+            # a broker whose DRA claim lost its slot to node-b's device plugin (both created
+            # at once) stays Pending: the controller replaces it after this grace
+            settings = controller_settings(
+                kubeconfig=str(kubeconfig), lease_namespace=NS, identity="akri-controller-0",
+                pending_broker_grace=3.0,
+            )  # fmt: skip
+            controller = Controller(settings, make_kube_client(str(kubeconfig)))
+            cluster.controller = controller
+            stop = asyncio.Event()
+            running = asyncio.create_task(controller.run(stop))
+            cluster.tasks.append(running)
+            api.create(_pod("akri-controller-0", "node-b", deployment, 30))
+
+            async def controller_sigterm(_pod: dict[str, Any]) -> None:
+                stop.set()
+                await running
+                cluster.stopped.add("controller")
+
+            cluster.pods["node-b"].on_terminate(NS, "akri-controller-0", controller_sigterm)
+            await asyncio.wait_for(controller.elector.leading.wait(), WITHIN)
+            await kubectl(env, "kubectl apply -f examples/debug-echo-broker.yaml")
+            try:
+                await eventually(lambda: _brokers_hold_every_slot(cluster),
+                                 "brokers hold every slot", within=WITHIN)  # fmt: skip
+            except AssertionError as error:
+                raise AssertionError(f"{error}\n{_describe(cluster)}") from None
+            yield cluster
+        finally:
+            await _tear_down(cluster)
+
+
+def _agent_sigterm(cluster: Cluster, node: str) -> Any:
+    async def sigterm(_pod: dict[str, Any]) -> None:
+        agent = cluster.nodes[node].agent
+        await agent.stay_while_uninstalled()  # what Agent.run does between SIGTERM and stop
+        await agent.stop()
+        cluster.stopped.add(node)
+
+    return sigterm
+
+
+def _brokers_hold_every_slot(cluster: Cluster) -> bool:
+    """Two shared Instances (cam0, cam1) of capacity 2 on both nodes, each slot held by a
+    Running broker: through DRA on node-a (``D:<claim>:node-a``), a device plugin on node-b."""
+    instances = cluster.api.list("instances.akri.sh")
+    running = [p for p in cluster.broker_pods() if (p.get("status") or {}).get("phase") == "Running"
+               and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    if len(instances) != 2 or len(running) != 4:
+        return False
+    for instance in instances:
+        holders = sorted(instance["spec"]["deviceUsage"].values())
+        if len(holders) != 2 or holders[1] != "node-b" or not holders[0].endswith(":node-a"):
+            return False
+    return True
+
+
+def _describe(cluster: Cluster) -> str:
+    """The Instances' slots and the broker Pods (for a failure message)."""
+    lines = [
+        f"instance {i['metadata']['name']}: {i['spec'].get('nodes')} {i['spec']['deviceUsage']}"
+        for i in cluster.api.list("instances.akri.sh")
+    ]
+    lines += [
+        f"pod {p['metadata']['name']}: {(p.get('status') or {}).get('phase')} "
+        f"deleting={bool(p['metadata'].get('deletionTimestamp'))}"
+        for p in cluster.api.list("pods")
+    ]
+    lines += [f"claim {c['metadata']['name']}" for c in
+              cluster.api.list("resourceclaims.resource.k8s.io")]  # fmt: skip
+    return "\n".join(lines)
+
+
+async def _tear_down(cluster: Cluster) -> None:
+    for pods in cluster.pods.values():
+        await pods.stop()
+    if cluster.controller is not None and "controller" not in cluster.stopped:
+        cluster.controller.elector.leading.clear()
+    for task in cluster.tasks:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    for kubelet in cluster.dra.values():
+        await kubelet.stop()
+    for name, node in cluster.nodes.items():
+        if name in cluster.stopped:
+            await node.kubelet.stop()
+            shutil.rmtree(node.base, ignore_errors=True)
+        else:
+            await node.stop()
+
+
+def _uninstall_block() -> list[str]:
+    return commands(block("docs/install.md", "kubectl delete configurations.akri.sh --all -A"))
+
+
+async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Path) -> None:
+    steps = _uninstall_block()
+    assert [s.split()[:2] for s in steps] == [["kubectl", "delete"], ["kubectl", "wait"],
+                                              ["kubectl", "delete"]]  # fmt: skip
+    async with installed(tmp_path) as cluster:
+        api = cluster.api
+        delete_configurations, wait_for_instances, delete_install = steps
+        await kubectl(cluster.env, delete_configurations)
+        # the Instances are terminating, their brokers hold every slot: only the controller
+        # removing the brokers lets them go (before: they stayed, finalizer akri.sh/slots)
+        await kubectl(cluster.env, wait_for_instances, within=WITHIN + 30)
+        assert api.list("instances.akri.sh") == []
+        assert cluster.broker_pods() == []
+        assert cluster.terminating() == []
+        await kubectl(cluster.env, delete_install)
+        await eventually(lambda: cluster.stopped == {"node-a", "node-b", "controller"},
+                         "the agents and the controller stopped", within=WITHIN)  # fmt: skip
+        await eventually(lambda: api.list("pods") == [], "every Pod ended", within=WITHIN)
+        assert api.get("customresourcedefinitions", "instances.akri.sh") is None
+        assert api.get("customresourcedefinitions", "configurations.akri.sh") is None
+        assert api.get("namespaces", NS) is None
+        assert api.list("resourceclaims.resource.k8s.io") == []
+        assert cluster.dra["node-a"].claims == {}  # kubelet holds no claim prepared
+        ended = {n for pods in cluster.pods.values() for n in pods.ended}
+        assert sum(n.startswith("default/") for n in ended) == 4  # the four brokers
+
+
+async def test_deleting_the_install_first_does_not_strand_the_dra_pods(tmp_path: Path) -> None:
+    async with installed(tmp_path) as cluster:
+        api = cluster.api
+        # not the documented order: the install goes while the brokers run (--wait=false:
+        # kubectl would wait for the CRDs, which stay terminating, see below)
+        await kubectl(cluster.env, "kubectl delete -k deploy/ --wait=false")
+        await eventually(lambda: "node-b" in cluster.stopped and "controller" in cluster.stopped,
+                         "node-b's agent and the controller stopped", within=WITHIN)  # fmt: skip
+        # node-a's agent still serves kubelet: two brokers' claims are prepared there
+        assert "node-a" not in cluster.stopped
+        for pod in cluster.broker_pods():  # the user deletes what still uses the devices
+            api.delete("pods", pod["metadata"]["name"], "default")
+        await eventually(lambda: cluster.broker_pods() == [], "the brokers ended", within=WITHIN)
+        await eventually(lambda: "node-a" in cluster.stopped, "node-a's agent left",
+                         within=WITHIN)  # fmt: skip
+        await eventually(lambda: cluster.terminating() == [], "no Pod left Terminating",
+                         within=WITHIN)  # fmt: skip
+        assert cluster.dra["node-a"].claims == {}
+        # nobody can remove the Instances' finalizer now: they and their CRD stay terminating
+        crd = api.get("customresourcedefinitions", "instances.akri.sh")
+        assert crd is not None and crd["metadata"].get("deletionTimestamp")
+        assert len(api.list("instances.akri.sh")) == 2
+        await kubectl(cluster.env, block("docs/install.md", "kubectl get akrii -A -o jsonpath"))
+        await eventually(
+            lambda: api.get("customresourcedefinitions", "instances.akri.sh") is None,
+            "the Instances and their CRD gone",
+            within=WITHIN,
+        )
