@@ -307,23 +307,15 @@ def configurations_table(
     events: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """Configurations (raw API objects, valid or not) with their handler, capacity and
-    Instance count; NOTE says why one is refused (its kubelet names are another's: the rules
-    every agent applies, :func:`agent.node.discovery.ownership.decide_names`) and on which
+    Instance count; NOTE says why one is refused (its kubelet names are another's: the rule
+    every agent applies, :mod:`agent.core.name_claims`) and on which
     nodes devices of it are left out by the Instance budget (``events``:
     :func:`budget_notes`)."""
-    from agent.node.discovery.ownership import NameUser, decide_names
+    from agent.core.name_claims import decide_for_objects
+    from discovery_handlers.embedded import details_problem
 
-    users: dict[ObjectKey, NameUser] = {}
-    for obj in configurations:
-        metadata = obj.get("metadata") or {}
-        key = ObjectKey(metadata.get("namespace", DEFAULT_NAMESPACE), str(metadata.get("name")))
-        users[key] = NameUser(key, metadata.get("creationTimestamp"))
-    for instance in instances:
-        known = users.get(instance.configuration_key)
-        users[instance.configuration_key] = NameUser(
-            instance.configuration_key, known.created if known else None, has_instances=True
-        )
-    refused = decide_names(users.values()).refused
+    with_instances = {instance.configuration_key for instance in instances}
+    refused = decide_for_objects(configurations, with_instances, details_problem).refused
     over_budget = budget_notes(events)
     rows = [("CONFIGURATION", "HANDLER", "CAPACITY", "INSTANCES", "SLOTS USED", "NOTE")]
     for obj in configurations:

@@ -4,14 +4,17 @@ Configuration ``cam`` discovers device ``d0``: its Instance is ``cam-17ff2a`` an
 instance-level resource ``akri.sh/cam-17ff2a``. A Configuration *named* ``cam-17ff2a`` would
 register the same name for its configuration-level plugin (and its vdev ids ``cam-17ff2a-0``
 look like the slot ids of Instance ``cam-17ff2a``): kubelet keeps the last registration and a
-pod asking for "this camera" got the other Configuration's device. Instance names win: that
-Configuration is refused (log line, Event ``NameConflict``, ``akri status``), in the same or
-another namespace. End to end: API-server double, kubelet double, the agent as ``akri agent``
-wires it (docs/slot-model.md, "One resource name, one meaning").
+pod asking for "this camera" got the other Configuration's device. The two collide, and a
+name that serves keeps it (issue 34.4): the older of two new ones holds the names, a newcomer
+is refused (log line, Event ``NameConflict``, ``akri status``) in the same or another
+namespace, and a Configuration no agent can run claims nothing. End to end: API-server double,
+kubelet double, the agent as ``akri agent`` wires it (docs/slot-model.md, "One resource name,
+one meaning"; the rule: agent/core/name_claims.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from collections.abc import AsyncIterator
@@ -33,6 +36,7 @@ INSTANCES = "instances.akri.sh"
 CONFIGURATIONS = "configurations.akri.sh"
 CAM_D0 = "cam-17ff2a"  # Instance of Configuration "cam" for the shared debugEcho device "d0"
 NAME = "akri.sh/" + CAM_D0
+SHAPED_LIKE_CAM = "has the shape of an Instance name of Configuration default/cam"
 
 
 @pytest.fixture
@@ -72,7 +76,7 @@ async def serving_cam_only(api: ApiServerDouble, node: DpNode, namespace: str) -
     await eventually(lambda: bool(name_conflicts(api, "cam-17ff2a")), what="NameConflict Event")
     (event,) = name_conflicts(api, "cam-17ff2a")
     assert event["involvedObject"]["namespace"] == namespace
-    assert "Instance names win" in event["message"] and "'cam'" in event["message"]
+    assert SHAPED_LIKE_CAM in event["message"]
     # only cam's Instance exists: the refused Configuration created none
     assert set(instances(api)) == {("default", CAM_D0)}
     # every registration of the name was the instance-level plugin: its two slots, and
@@ -94,32 +98,35 @@ async def serving_cam_only(api: ApiServerDouble, node: DpNode, namespace: str) -
 async def test_a_configuration_named_like_an_instance_is_refused(
     api: ApiServerDouble, tmp_path: Path, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The issue's case, in the same namespace and in another one."""
+    """Issue 23's case, in the same namespace and in another one: ``cam`` is the older."""
     api.create(configuration("cam", "d0"))
+    await asyncio.sleep(1.1)  # creationTimestamps have whole seconds
     api.create(configuration("cam-17ff2a", "d1", namespace))
     caplog.set_level(logging.ERROR, logger="agent.discovery")
     node = await start_dp_node(api, "node-a", tmp_path)
     try:
         await serving_cam_only(api, node, namespace)
         assert any(
-            "cam-17ff2a" in r.getMessage() and "Instance names win" in r.getMessage()
+            "cam-17ff2a" in r.getMessage() and SHAPED_LIKE_CAM in r.getMessage()
             for r in caplog.records
         )
         # akri status shows the refusal, decided from the same objects
         table = configurations_table(api.list(CONFIGURATIONS), list(instances(api).values()))
         (row,) = [line for line in table.splitlines() if "cam-17ff2a " in line + " "]
-        assert "refused" in row and "Instance names win" in row
+        assert "refused" in row and SHAPED_LIKE_CAM in row
     finally:
         await node.stop()
 
 
-async def test_a_running_configuration_gives_way_and_the_name_waits_for_its_slots(
+async def test_a_serving_configuration_keeps_its_name_and_the_newcomer_waits(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
-    """``cam-17ff2a`` runs first, a pod holds one of its configuration-level vdevs. Then
-    ``cam`` appears: ``cam-17ff2a`` is refused and drains, and ``cam``'s Instance
-    ``cam-17ff2a`` is not offered under ``akri.sh/cam-17ff2a`` while kubelet still has that
-    pod's vdev under the name — only once the pod is gone and its slot freed."""
+    """``other/cam-17ff2a`` serves, a pod holds one of its configuration-level vdevs. Then
+    ``default/cam`` appears, whose device ``d0`` would be the Instance ``cam-17ff2a``: the
+    newcomer is refused and ``akri.sh/cam-17ff2a`` keeps its meaning (kubelet never sees a
+    second registration of it). Before (issue 34.4): "Instance names win" switched the
+    running one off. Once ``cam-17ff2a`` is deleted and its last slot freed, ``cam`` starts
+    by itself and its Instance ``cam-17ff2a`` serves ``d0`` under the name."""
     api.create(configuration("cam-17ff2a", "d1", "other"))
     node = await start_dp_node(api, "node-a", tmp_path)
     try:
@@ -130,20 +137,24 @@ async def test_a_running_configuration_gives_way_and_the_name_waits_for_its_slot
         assert pod.containers[0].envs["DEBUG_ECHO_DESCRIPTION"] == "d1"
         first = [r for r in node.kubelet.all_registrations if r.resource_name == NAME]
         api.create(configuration("cam", "d0"))
-        await eventually(lambda: bool(name_conflicts(api, "cam-17ff2a")), what="refused")
-        await eventually(
-            lambda: ("default", CAM_D0) in instances(api), what="cam's Instance cam-17ff2a"
-        )
-        await eventually(lambda: CAM_D0 in node.plugins.held_back, what="held back")
+        await eventually(lambda: bool(name_conflicts(api, "cam")), what="cam refused")
+        (event,) = name_conflicts(api, "cam")
+        holder = "include akri.sh/cam-17ff2a, the resource name of Configuration other/cam-17ff2a"
+        assert holder in event["message"]
+        assert not name_conflicts(api, "cam-17ff2a")
+        assert {namespace for namespace, _ in instances(api)} == {"other"}  # cam made none
         assert [r for r in node.kubelet.all_registrations if r.resource_name == NAME] == first
-        assert "cam-17ff2a" not in node.plugins.configuration_plugins
+        assert node.plugins.configuration_plugins.keys() == {"cam-17ff2a"}
+        # the holder goes: once its slots are free, the newcomer starts by itself
+        api.delete(CONFIGURATIONS, "cam-17ff2a", namespace="other")
         await node.kubelet.delete_pod("other", "old")
-        await node.kubelet.wait_registered(NAME, timeout=30, after=first[-1].time)
-        assert node.plugins.held_back == set()
         await eventually(
             lambda: not any(i.namespace == "other" for i in instances(api).values()),
-            within=30,
-            what="the refused Configuration's Instance drained and deleted",
+            within=60,
+            what="the deleted Configuration's Instance drained and deleted",
+        )
+        await eventually(
+            lambda: ("default", CAM_D0) in instances(api), within=60, what="cam's Instance"
         )
         await eventually(lambda: node.kubelet.allocatable(NAME) == 2, what="cam-17ff2a's slots")
         new = await node.kubelet.admit_pod("default", "new", [("c", {NAME: 1})])
@@ -158,17 +169,20 @@ def key(name: str, namespace: str = "default") -> ObjectKey:
     return ObjectKey(namespace, name)
 
 
-def test_instance_names_win_whatever_the_order_and_namespace() -> None:
-    for created in (("1", "2"), ("2", "1")):
+def test_a_name_shaped_like_an_instance_collides_and_the_older_holds() -> None:
+    """``cam-17ff2a`` beside ``cam``: the older holds, in either namespace and either order; a
+    serving one (with Instances) keeps its name against an older newcomer."""
+    for created, holder in ((("1", "2"), "cam"), (("2", "1"), "cam-17ff2a")):
         for namespace in ("default", "other"):
-            decision = decide_names(
-                [
-                    NameUser(key("cam"), created[0]),
-                    NameUser(key("cam-17ff2a", namespace), created[1], has_instances=True),
-                ]
-            )
-            assert decision.owners == {"cam": "default"}
-            assert "Instance names win" in decision.refused[key("cam-17ff2a", namespace)]
+            users = [NameUser(key("cam"), created[0]), NameUser(key(CAM_D0, namespace), created[1])]
+            decision = decide_names(users)
+            assert set(decision.owners) == {holder}
+    decision = decide_names(
+        [NameUser(key("cam"), "1"), NameUser(key("cam-17ff2a", "other"), "2", has_instances=True)]
+    )
+    assert decision.owners == {"cam-17ff2a": "other"}
+    why = decision.refused[key("cam")]
+    assert "akri.sh/cam-17ff2a, the resource name of Configuration other/cam-17ff2a" in why
     # only the Instance shape counts: cam-1 (not 6 hex) and cam-17ff2g are fine
     decision = decide_names([NameUser(key(n)) for n in ("cam", "cam-1", "cam-17ff2g")])
     assert decision.owners == {"cam": "default", "cam-1": "default", "cam-17ff2g": "default"}
@@ -241,3 +255,53 @@ def test_a_local_agent_shows_the_refusal_in_akri_status(tmp_path: Path) -> None:
         )
     finally:
         agent.cleanup()
+
+
+def no_agent_can_run(obj: dict[str, Any], why: str) -> dict[str, Any]:
+    """``obj`` with a handler no agent embeds, or discoveryDetails its handler refuses."""
+    handler = obj["spec"]["discoveryHandler"]
+    if why == "unknown-handler":
+        handler["name"] = "zigbee"
+    else:
+        handler["discoveryDetails"] = "{}"  # debugEcho: descriptions is required
+    return obj
+
+
+@pytest.mark.parametrize("why", ["unknown-handler", "bad-details"])
+@pytest.mark.parametrize("order", ["newer", "older"])
+async def test_a_configuration_no_agent_can_run_takes_no_name(
+    api: ApiServerDouble, tmp_path: Path, why: str, order: str
+) -> None:
+    """Issue 34.4: ``tenant-b/cam``, which no agent can run, beside ``default/cam-202406``
+    (whose name has the shape of ``cam``'s Instance names). Created after it (the reported
+    case: it switched the running one off, its plugins stopped and new pods failed) or
+    before it, it claims nothing: ``cam-202406`` serves, ``tenant-b/cam`` is the one refused."""
+    serving = configuration("cam-202406", "d1")
+    invalid = no_agent_can_run(configuration("cam", "d0", "tenant-b"), why)
+    resource = "akri.sh/cam-202406"
+    node: DpNode | None = None
+    try:
+        if order == "older":
+            api.create(invalid)
+            await asyncio.sleep(1.1)  # creationTimestamps have whole seconds
+        api.create(serving)
+        node = await start_dp_node(api, "node-a", tmp_path)
+        await node.kubelet.wait_registered(resource, timeout=30)
+        await eventually(lambda: node is not None and node.kubelet.allocatable(resource) == 1,
+                         what="cam-202406's vdev")  # fmt: skip
+        first = [r for r in node.kubelet.all_registrations if r.resource_name == resource]
+        if order == "newer":
+            api.create(invalid)
+        await eventually(lambda: bool(name_conflicts(api, "cam")), what="tenant-b/cam refused")
+        (event,) = name_conflicts(api, "cam")
+        assert event["involvedObject"]["namespace"] == "tenant-b"
+        assert "the resource name of Configuration default/cam-202406" in event["message"]
+        assert not name_conflicts(api, "cam-202406")
+        assert node.discovery.ownership.owns(ObjectKey("default", "cam-202406"))
+        assert [r for r in node.kubelet.all_registrations if r.resource_name == resource] == first
+        pod = await node.kubelet.admit_pod("default", "user", [("c", {resource: 1})])
+        assert pod.admitted, pod.message
+        assert pod.containers[0].envs["DEBUG_ECHO_DESCRIPTION"] == "d1"
+    finally:
+        if node is not None:
+            await node.stop()

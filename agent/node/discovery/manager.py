@@ -380,6 +380,9 @@ class DiscoveryManager:
             return
         configuration = event.configuration
         assert configuration is not None
+        # an edit can make a Configuration runnable or not, which weighs in who holds a name
+        # (agent/core/name_claims.py); the catalog only changes when one comes or goes
+        self.ownership.refresh()
         if not self.ownership.owns(key):
             await self._refuse(configuration)
             return
