@@ -1,7 +1,8 @@
 """The controller's DeviceClasses for extended resources through DRA (KEP-5004): it keeps the
 classes of ``agent/core/deviceclasses.py`` equal to the Configurations and Instances — one per
-owned Configuration, one per Instance of it — creating what is missing and deleting what is
-no longer wanted (a Configuration or Instance gone, a name now owned by another namespace).
+Configuration holding its names (``agent/core/name_claims.py``, the rule every agent applies),
+one per Instance of it — creating what is missing and deleting what is no longer wanted (a
+Configuration or Instance gone, a name now held by another Configuration).
 
 Leader only, woken by every Configuration and Instance event and every ``resync`` seconds.
 The managed classes are listed by label at each pass (a handful of objects, no watch). A class
@@ -22,15 +23,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent.core.deviceclasses import (
+    JSON,
     LABEL_SELECTOR,
     InstanceRef,
     class_changes,
     desired_device_classes,
     keeps_extended_resource_name,
-    name_owners,
 )
 from agent.core.kube import ApiError, KubeClient, resource_path
+from agent.core.name_claims import DetailsProblem, decide_for_store
 from agent.core.store.base import InstanceStore
+from discovery_handlers.embedded import details_problem
 
 log = logging.getLogger("agent.controller.deviceclasses")
 
@@ -42,9 +45,17 @@ REFUSED = frozenset({400, 403, 422})
 class DeviceClassReconciler:
     """Keeps the managed DeviceClasses right while this replica leads."""
 
-    def __init__(self, client: KubeClient, store: InstanceStore, *, resync: float = RESYNC):
+    def __init__(
+        self,
+        client: KubeClient,
+        store: InstanceStore,
+        *,
+        resync: float = RESYNC,
+        details: DetailsProblem = details_problem,
+    ):
         self.client = client
         self.store = store
+        self.details = details
         self.resync = resync
         self.wake = asyncio.Event()
         self.created = 0
@@ -82,16 +93,22 @@ class DeviceClassReconciler:
 
     async def sync(self) -> None:
         """One pass: desired classes vs the managed ones found."""
-        configurations = self.store.configurations()
-        instances = [InstanceRef(i.name, i.configuration_key) for i in self.store.list_cached()]
-        owns = name_owners([(c.key, c.creation_timestamp) for c in configurations], instances)
-        desired = desired_device_classes([c.key for c in configurations], instances, owns)
+        desired = self.desired()
         stored, _ = await self.client.list_all(PATH, params={"labelSelector": LABEL_SELECTOR})
         changes = class_changes(desired, stored)
         for obj in (*changes.delete, *changes.update):
             await self._delete(obj)
         for obj in (*changes.update, *changes.create):
             await self._create(obj)
+
+    def desired(self) -> dict[str, JSON]:
+        """The classes that must exist: those of the Configurations holding their names as
+        every agent decides (agent/core/name_claims.py), so that no two classes carry one
+        ``extendedResourceName`` and each selects the devices the agents serve under it."""
+        decision = decide_for_store(self.store, self.details)
+        instances = [InstanceRef(i.name, i.configuration_key) for i in self.store.list_cached()]
+        keys = [c.key for c in self.store.configurations()]
+        return desired_device_classes(keys, instances, decision.holds)
 
     async def _delete(self, obj: Mapping[str, Any]) -> None:
         meta = obj["metadata"]

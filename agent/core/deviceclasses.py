@@ -23,10 +23,12 @@ Names are unique by construction: the kind is the suffix, the Configuration or I
 (itself a DNS subdomain, unique among served names) the prefix; a name that would pass 253
 characters is cut and given a hash of the full name.
 
-**Namespace ownership**: the extended resource name is node-global like the device plugins'
-resource name, so only the namespace that owns a Configuration name gets its classes
-(``owns``: ``agent/node/discovery/ownership.py``'s rule, the oldest Configuration of that name);
-another namespace's Configuration of the same name gets none until the name is free.
+**Who gets classes**: the extended resource name is node-global like the device plugins'
+resource name, so only a Configuration that holds its names gets classes (``owns``: the rule
+of ``agent/core/name_claims.py`` that every agent applies — a name that serves keeps it, then
+the older runnable Configuration); a colliding one (the same name in another namespace, a name
+shaped like another's Instances, long names shortened alike) gets none until the names are
+free. No two holders collide, so no two classes carry one ``extendedResourceName``.
 
 :func:`desired_device_classes` says which classes must exist; :func:`class_changes` compares
 them with the classes found (by the ``app.kubernetes.io/managed-by`` label) and says what to
@@ -204,28 +206,3 @@ def keeps_extended_resource_name(sent: Mapping[str, Any], stored: Mapping[str, A
     ``DRAExtendedResource`` gate is off): the agent's test for the DRA path."""
     wanted = (sent.get("spec") or {}).get("extendedResourceName")
     return bool(wanted) and (stored.get("spec") or {}).get("extendedResourceName") == wanted
-
-
-def name_owners(
-    configurations: Iterable[tuple[ObjectKey, str | None]], instances: Iterable[InstanceRef]
-) -> Callable[[ObjectKey], bool]:
-    """``owns`` for :func:`desired_device_classes`: per Configuration name, the one namespace
-    with Instances of it, else the oldest Configuration (``creationTimestamp``, then namespace)
-    among those with Instances (or among all when none has any) — rules 1 and 2 of
-    ``agent/node/discovery/ownership.py``, which every node agent applies. (Its rules 3 and 4,
-    shortened and Instance-shaped names, make the agents refuse a Configuration; a class for
-    it then selects no device, since no slice publishes one.)"""
-    with_instances: dict[str, set[str]] = {}
-    for instance in instances:
-        with_instances.setdefault(instance.configuration.name, set()).add(
-            instance.configuration.namespace
-        )
-    by_name: dict[str, list[tuple[str, str]]] = {}
-    for key, created in configurations:
-        by_name.setdefault(key.name, []).append((created or "", key.namespace))
-    owner: dict[str, str] = {}
-    for name, entries in by_name.items():
-        used = with_instances.get(name, set())
-        candidates = [e for e in entries if e[1] in used] or entries
-        owner[name] = min(candidates)[1]
-    return lambda key: owner.get(key.name) == key.namespace

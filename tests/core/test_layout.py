@@ -28,7 +28,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "agent.core": ("agent.core", "agent.protos"),
     "agent.ops": ("agent.core",),
     "agent.node": ("agent.core", "agent.ops", "agent.protos", "agent.node", "discovery_handlers"),
-    "agent.controller": ("agent.core", "agent.ops", "agent.controller"),
+    # the controller asks the embedded handlers which Configurations any agent can run, as
+    # the agents do, to decide who holds a name (agent/core/name_claims.py) like them
+    "agent.controller": ("agent.core", "agent.ops", "agent.controller", "discovery_handlers"),
     "agent.protos": ("agent.protos",),
     # agent/__init__.py and the ``akri`` command (agent/cli.py) wire everything together
     "agent": ("agent", "discovery_handlers"),
