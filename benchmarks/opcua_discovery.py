@@ -4,12 +4,15 @@
 ``akri agent --local`` with 3 debugEcho devices and device plugins, next to a kubelet double:
 
 - ``startup_first_list_ms``: ``Popen`` → the kubelet double's first ListAndWatch message;
+- ``startup_cpu_ms``: the CPU time (user + system, all threads) the agent used until then,
+  which the machine's load inflates far less than the wall-clock time;
 - ``idle_rss_mb``: the agent's VmRSS 3 s after that first list;
 
-for the checkout given with ``--before`` (main before the handler) and for this one, measured
-alternately (one start of each in turn, so both see the same machine load); and for this one
-with an opcua Configuration as well (``with_opcua``: what the handler costs once used; its
-server does not exist, so the handler keeps asking).
+for the checkout given with ``--before`` (main before the handler) and the one given with
+``--after`` (default: this one; give the commit that added the handler to compare the two
+alone), measured alternately (one start of each in turn, so both see the same machine load);
+and for this checkout with an opcua Configuration as well (``with_opcua``: what the handler
+costs once used; its server does not exist, so the handler keeps asking).
 
 **latency** — an asyncua server (``tests/doubles/opcua_servers.py``, a process) on a loopback
 port, started and killed ``--cycles`` times; the agent (this checkout, ``--shared-offline-grace
@@ -19,8 +22,9 @@ port, started and killed ``--cycles`` times; the agent (this checkout, ``--share
 - ``opcua_server_to_instance_ms``: the server prints ``ready`` (listening) → its Instance file;
 - ``opcua_server_gone_to_instance_gone_ms``: the server killed (SIGKILL) → the file is gone.
 
-``python -m benchmarks.opcua_discovery --before /tmp/opcua-before [--startups 8] [--cycles 5]
-[--out benchmarks/results-opcua.json]`` prints the JSON (and writes it with ``--out``).
+``python -m benchmarks.opcua_discovery --before /tmp/opcua-before [--after /tmp/opcua-after]
+[--startups 8] [--cycles 5] [--out benchmarks/results-opcua.json]`` prints the JSON (and
+writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, rss_mb
+from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, cpu_seconds, rss_mb
 from benchmarks.local_agent import LocalAgent
 from benchmarks.local_mode import configuration as debug_echo_configuration
 from benchmarks.stats import summarize
@@ -71,9 +75,12 @@ def _compile(root: Path, env: dict[str, str]) -> None:
     )  # fmt: skip
 
 
-async def _one_start(root: Path, env: dict[str, str], configs: list[str]) -> tuple[float, float]:
-    """(ms from Popen to the first ListAndWatch, VmRSS MB ``SETTLE`` s later) of ``akri agent
-    --local`` run from ``root`` (``python -m`` puts the checkout first on ``sys.path``)."""
+async def _one_start(
+    root: Path, env: dict[str, str], configs: list[str]
+) -> tuple[float, float, float]:
+    """(ms from Popen to the first ListAndWatch, CPU ms until then, VmRSS MB ``SETTLE`` s
+    later) of ``akri agent --local`` run from ``root`` (``python -m`` puts the checkout first
+    on ``sys.path``)."""
     base = Path(tempfile.mkdtemp(prefix="akri-opcua-fp-", dir="/tmp"))
     (base / "dp").mkdir()
     config_flags: list[str] = []
@@ -105,8 +112,9 @@ async def _one_start(root: Path, env: dict[str, str], configs: list[str]) -> tup
                 raise RuntimeError(f"no ListAndWatch from {root}:\n{tail}")
             await asyncio.sleep(0.001)
         first = (kubelet.list_and_watch_log[0].time - started) * 1000
+        cpu = cpu_seconds(proc.pid) * 1000
         await asyncio.sleep(SETTLE)
-        return first, rss_mb(proc.pid)
+        return first, cpu, rss_mb(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -120,18 +128,18 @@ async def _one_start(root: Path, env: dict[str, str], configs: list[str]) -> tup
         shutil.rmtree(base, ignore_errors=True)
 
 
-async def measure_footprint(before: Path, startups: int) -> dict[str, Any]:
+async def measure_footprint(before: Path, after: Path, startups: int) -> dict[str, Any]:
     env = agent_env()
-    for root in (before, ROOT):
+    for root in {before, after, ROOT}:
         _compile(root, env)
     debug_echo = debug_echo_configuration("startup", ["a", "b", "c"], 1)
     opcua = _opcua_configuration(f"opc.tcp://127.0.0.1:{_free_port()}/")
     runs: dict[str, tuple[Path, list[str]]] = {
         "before": (before, [debug_echo]),
-        "after": (ROOT, [debug_echo]),
+        "after": (after, [debug_echo]),
         "with_opcua": (ROOT, [debug_echo, opcua]),
     }
-    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
     for _ in range(startups):
         for name, (root, configs) in runs.items():
             samples[name].append(await _one_start(root, env, configs))
@@ -140,7 +148,8 @@ async def measure_footprint(before: Path, startups: int) -> dict[str, Any]:
             "root": str(runs[name][0]),
             "commit": _commit(runs[name][0]),
             "startup_first_list_ms": summarize([s[0] for s in values]),
-            "idle_rss_mb": summarize([s[1] for s in values]),
+            "startup_cpu_ms": summarize([s[1] for s in values]),
+            "idle_rss_mb": summarize([s[2] for s in values]),
         }
         for name, values in samples.items()
     } | {
@@ -229,11 +238,14 @@ async def measure_latency(cycles: int) -> dict[str, Any]:
     }
 
 
-async def run(before: Path | None, startups: int, cycles: int) -> dict[str, Any]:
+async def run(
+    before: Path | None, after: Path, startups: int, cycles: int
+) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
     if before is not None:
-        results["footprint"] = await measure_footprint(before, startups)
-    results["latency"] = await measure_latency(cycles)
+        results["footprint"] = await measure_footprint(before, after, startups)
+    if cycles:
+        results["latency"] = await measure_latency(cycles)
     results["load_average_end"] = os.getloadavg()[0]
     return results
 
@@ -241,12 +253,13 @@ async def run(before: Path | None, startups: int, cycles: int) -> dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, help="checkout of main before the handler")
+    parser.add_argument("--after", type=Path, default=ROOT, help="checkout with the handler")
     parser.add_argument("--startups", type=int, default=8)
     parser.add_argument("--cycles", type=int, default=5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     try:
-        results = asyncio.run(run(args.before, args.startups, args.cycles))
+        results = asyncio.run(run(args.before, args.after, args.startups, args.cycles))
     finally:
         PROCESSES.kill_all()
     text = json.dumps(results, indent=2)
