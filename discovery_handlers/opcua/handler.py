@@ -18,7 +18,6 @@ when the first Configuration runs (about a second and 40 MB), never at the agent
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 import socket
@@ -141,13 +140,13 @@ class _Session:
                 yield devices
 
     async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        for task in list(self.tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        tasks = list(self.tasks)
         self.tasks.clear()
+        for task in tasks:
+            task.cancel()
         self.problems.close()  # no Events from a stopped discovery
+        if tasks:  # their connections close as they end (a cancelled wait is not swallowed)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- one call ------------------------------------------------------------------------------
     async def _ask(self, target: Target) -> _Answer | _Failed:
