@@ -519,7 +519,7 @@ def _status(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from agent.core.store.base import CorruptStateError
+    from agent.core.store.base import CorruptStateError, StoreError
     from agent.node.status import StatusUsageError, choose_source, to_json, to_table
 
     try:
@@ -547,6 +547,9 @@ def _status(args: argparse.Namespace) -> int:
             except CorruptStateError as error:
                 print(f"akri status: {error}", file=sys.stderr)
                 return EXIT_CORRUPT_STATE
+            except StoreError as error:  # kept changing while read without its lock file
+                print(f"akri status: {error}", file=sys.stderr)
+                return EXIT_UNAVAILABLE
             if instances or time.monotonic() >= deadline:
                 break
         elif time.monotonic() >= deadline:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from agent import cli
 from agent.core.model.keys import ObjectKey
 from agent.core.store import consistent_read, journal
 from agent.core.store.files import atomic_write_json
@@ -195,3 +196,31 @@ async def test_a_read_without_a_lock_file_is_validated(
         f"{NAME}-0": "", f"{NAME}-1": "n1", f"{NAME}-2": "n2", f"{NAME}-3": "n3"
     }  # fmt: skip
     assert not (state / LOCK_FILE).exists()  # a reader never makes the lock file
+
+
+def test_status_says_so_when_an_unlocked_read_never_settles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a lock file, an Instance file replaced during every one of the bounded reads
+    is a one-line message and exit 4 (unavailable), not a traceback nor "corrupt"."""
+    state = tmp_path / "state"
+
+    async def made() -> None:
+        await (await make_state(state)).close()
+
+    asyncio.run(made())
+    (state / LOCK_FILE).unlink()
+    real_read = consistent_read._read
+    reads = iter(range(10**6))
+
+    def always_replaced(file: Path) -> bytes | None:
+        data = real_read(file)
+        if file.suffix == ".json" and data is not None:
+            return data + b" " * next(reads)  # another write each time
+        return data
+
+    monkeypatch.setattr(consistent_read, "_read", always_replaced)
+    assert cli.main(["status", "--state-dir", str(state)]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("akri status: ") and "changed during each of 50 reads" in err
+    assert len(err.splitlines()) == 1
