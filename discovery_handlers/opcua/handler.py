@@ -45,6 +45,8 @@ from discovery_handlers.opcua.tracker import Call, Failure, Target, Tracker
 log = logging.getLogger("discovery_handlers.opcua")
 
 CONCURRENCY = 16  # calls in flight per Configuration
+RESOLUTIONS = 4  # host-name lookups at a time per Configuration (they take the loop's
+# default executor threads, which the rest of the agent shares)
 MAX_RESOLVED = 4096  # host names whose last resolution is remembered
 IDLE = 3600.0  # seconds to sleep when nothing is ever due (no discovery URL)
 _TRANSPORT = "discovery_handlers.opcua.transport"
@@ -109,6 +111,7 @@ class _Session:
         self.tasks: dict[asyncio.Task[_Answer | _Failed], Target] = {}
         self.calls = asyncio.Semaphore(CONCURRENCY)
         self.resolved: dict[str, bool] = {}  # host -> it resolved when last asked
+        self.lookups = asyncio.Semaphore(RESOLUTIONS)
 
     async def run(self) -> AsyncIterator[list[Device]]:
         loop = asyncio.get_running_loop()
@@ -176,12 +179,12 @@ class _Session:
         if not target.configured:
             return _Answer(own=applications, listing=None)
         names = details.application_names
-        resolvable = await self._resolve(hosts_of(applications, names))
+        resolvable = await self._resolve(hosts_of(applications, names, details.max_servers))
         listing, skipped = listed_by_find_servers(target.url, applications, names, resolvable)
         self._skipped(target.url, skipped)
         return _Answer(own=applications, listing=listing)
 
-    async def _resolve(self, hosts: set[str]) -> dict[str, bool]:
+    async def _resolve(self, hosts: list[str]) -> dict[str, bool]:
         """Does each host name resolve on this node? A temporary failure (or no answer within
         the timeout) keeps the previous verdict, so a DNS hiccup does not change device ids;
         never asked before, it counts as not resolving (Akri's rule)."""
@@ -196,7 +199,7 @@ class _Session:
     async def _resolves(self, host: str) -> bool | None:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.details.timeout):
+            async with self.lookups, asyncio.timeout(self.details.timeout):
                 await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except socket.gaierror as error:
             if error.errno in (socket.EAI_AGAIN,):

@@ -174,16 +174,22 @@ def listed_by_find_servers(
     return list(listed.values()), skipped
 
 
-def hosts_of(applications: Iterable[Application], names: FilterList | None) -> set[str]:
-    """The host names (not IP literals) of the DiscoveryURLs that would be offered: the ones
-    to resolve before :func:`listed_by_find_servers`."""
-    hosts: set[str] = set()
+def hosts_of(
+    applications: Iterable[Application], names: FilterList | None, limit: int
+) -> list[str]:
+    """The host names (not IP literals) of the DiscoveryURLs that would be offered, in answer
+    order, at most ``limit`` (``maxServers``: no more servers are tracked, so a discovery
+    server listing thousands of names cannot have them all looked up): the ones to resolve
+    before :func:`listed_by_find_servers` (the others count as resolving)."""
+    hosts: dict[str, None] = {}
     for application in applications:
+        if len(hosts) >= limit:
+            break
         if wanted(application, names):
             url = chosen_url(application)
             if url is not None and needs_resolving(url_host(url)):
-                hosts.add(url_host(url))
-    return hosts
+                hosts[url_host(url)] = None
+    return list(hosts)
 
 
 def listed_by_find_servers_on_network(

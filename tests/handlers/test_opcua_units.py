@@ -234,7 +234,8 @@ def test_a_find_servers_answer_de_duplicated_and_substituted() -> None:
         app("Client", "opc.tcp://10.0.0.9:4840/", kind=ApplicationType.CLIENT),
         app("Web only", "https://10.0.0.8/"),
     ]
-    assert hosts_of(answer, None) == {"plc-b.invalid", "plc-c.example"}
+    assert hosts_of(answer, None, 10) == ["plc-b.invalid", "plc-c.example"]
+    assert hosts_of(answer, None, 1) == ["plc-b.invalid"]  # maxServers: no more lookups
     listed, skipped = listed_by_find_servers(
         "opc.tcp://10.0.0.1:4840/",
         answer,
