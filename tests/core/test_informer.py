@@ -365,3 +365,84 @@ async def test_a_watch_backing_off_reconnects_within_a_second_of_the_api_answeri
     assert watches[-1] - back_at <= PROBE_INTERVAL
     assert max(delays) <= MAX_WATCH_BACKOFF
     assert informer.probes > 0
+
+
+# -- issue 33.1 / 36: the watch may deliver our own write before its answer ----------------
+# A real API server gives no order between a write's answer and its watch event (the answer
+# leaves the handler, the event the watch cache, on other goroutines), and a GET that
+# refreshes the cache after a conflict usually reads a version the watch brought already.
+# Versions of one resource compare as integers (KEP-5504, apimachinery's
+# CompareResourceVersion): with them, nothing the watch already delivered can be undone and
+# no later event skipped.
+
+
+def test_an_own_write_the_watch_delivered_first_does_not_freeze_the_object() -> None:
+    """The watch brings our write (5) and another node's newer one (6) before our write's
+    answer is applied: the cache keeps 6, and the next event (7) is applied at once (before,
+    5 overwrote 6 and every event of the object was skipped for 30 s)."""
+    seen: list[RawEvent] = []
+    informer = Informer("things", _no_list, _no_watch, seen.append)
+    informer._from_watch(RawEvent("ADDED", obj("a", "4")))
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "5")))  # ours, echoed early
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "6")))  # someone else's
+    informer.apply_local(RawEvent("MODIFIED", obj("a", "5")))  # our answer, late
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "6"
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "7")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "7"
+    assert versions(seen) == [
+        ("ADDED", "4"),
+        ("MODIFIED", "5"),
+        ("MODIFIED", "6"),
+        ("MODIFIED", "7"),
+    ]
+
+
+def test_a_refresh_of_a_version_the_watch_brought_hides_no_later_event() -> None:
+    """A GET after a conflict reads version 6, which the watch delivered already: the next
+    event (7) is still applied (before: skipped for 30 s, as older than "our" 6)."""
+    informer = Informer("things", _no_list, _no_watch, lambda _e: None)
+    informer._from_watch(RawEvent("ADDED", obj("a", "6")))
+    informer.apply_local(RawEvent("MODIFIED", obj("a", "6")))
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "7")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "7"
+
+
+def test_an_own_write_answered_first_still_skips_the_older_events_in_flight() -> None:
+    """The usual order: our answer (6) first, then the watch's older event (5) that was in
+    flight (skipped: it would move the object back), our own echo (6), then news (7)."""
+    informer = Informer("things", _no_list, _no_watch, lambda _e: None)
+    informer._from_watch(RawEvent("ADDED", obj("a", "4")))
+    informer.apply_local(RawEvent("MODIFIED", obj("a", "6")))
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "5")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "6"
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "6")))
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "7")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "7"
+
+
+def test_a_name_deleted_and_created_again_is_seen_at_once() -> None:
+    """We delete the object at 5; the watch then brings its last change (5: skipped), the
+    deletion (6) and a new object of the same name (7, e.g. another node's create of a slice
+    with a fixed name): the new object is in the cache at once (before: 30 s later)."""
+    informer = Informer("things", _no_list, _no_watch, lambda _e: None)
+    informer._from_watch(RawEvent("ADDED", obj("a", "5")))
+    informer.apply_local(RawEvent("DELETED", obj("a", "5")))
+    assert "default/a" not in informer.cache
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "5")))
+    assert "default/a" not in informer.cache
+    informer._from_watch(RawEvent("DELETED", obj("a", "6")))
+    informer._from_watch(RawEvent("ADDED", obj("a", "7")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "7"
+
+
+def test_a_late_local_delete_does_not_remove_a_newer_object_of_the_name() -> None:
+    """The watch brought the deletion (6) and a re-creation (7) before our delete's answer
+    (of version 5) is applied: the new object stays."""
+    informer = Informer("things", _no_list, _no_watch, lambda _e: None)
+    informer._from_watch(RawEvent("ADDED", obj("a", "5")))
+    informer._from_watch(RawEvent("DELETED", obj("a", "6")))
+    informer._from_watch(RawEvent("ADDED", obj("a", "7")))
+    informer.apply_local(RawEvent("DELETED", obj("a", "5")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "7"
+    informer._from_watch(RawEvent("MODIFIED", obj("a", "8")))
+    assert informer.cache["default/a"]["metadata"]["resourceVersion"] == "8"

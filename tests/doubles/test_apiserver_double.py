@@ -771,6 +771,35 @@ async def test_watch_flag_spellings_and_bookmarks(api: ApiServerDouble, flag: st
     assert bookmarks[0]["object"]["kind"] == "Instance"
 
 
+async def test_a_writes_watch_event_goes_out_before_its_answer(api: ApiServerDouble) -> None:
+    """A real API server gives no order between a write's answer and its watch event (the
+    answer leaves the handler, the event the watch cache); the double writes the event
+    first, so a client that assumed its own answer always comes first is caught (issue 33.1:
+    the agent's informer then skipped other nodes' later writes for 30 s). With
+    ``watch_events_first=False`` the answer may come first, as before."""
+    api.create(instance("a"), NS)
+    base = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances"
+    order: list[str] = []
+    async with aiohttp.ClientSession() as http:
+        listed = await (await http.get(base)).json()
+        params = {"watch": "true", "resourceVersion": listed["metadata"]["resourceVersion"]}
+        async with http.get(base, params=params) as stream:
+
+            async def read_one() -> None:
+                await stream.content.readline()
+                order.append("event")
+
+            reader = asyncio.create_task(read_one())
+            await asyncio.sleep(0.05)  # the watch is registered
+            patch = {"spec": {"capacity": 3}}
+            headers = {"Content-Type": "application/merge-patch+json"}
+            async with http.patch(f"{base}/a", json=patch, headers=headers) as answer:
+                assert answer.status == 200
+                order.append("answer")
+            await asyncio.wait_for(reader, 5)
+    assert order == ["event", "answer"]
+
+
 async def test_watch_send_initial_events(api: ApiServerDouble) -> None:
     api.create(instance("a"), NS)
     url = f"{api.url}/apis/akri.sh/v0/namespaces/default/instances"

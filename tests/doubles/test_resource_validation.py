@@ -430,3 +430,29 @@ async def test_the_double_answers_422_as_the_real_server_did(tmp_path: Any) -> N
             assert len(api.list(SLICES)) == 1
         finally:
             await client.close()
+
+
+async def test_slices_are_selected_by_the_real_servers_field_labels_only(tmp_path: Any) -> None:
+    """A ResourceSlice list or watch may select on ``metadata.name``, ``spec.nodeName`` and
+    ``spec.driver`` only; any other field is a 400 with the real handler's message
+    (``pkg/apis/resource/v1/conversion.go``). Before: the double filtered on any path."""
+    from agent.core.kube import make_kube_client, resource_path
+
+    async with ApiServerDouble() as api:
+        client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")))
+        path = resource_path("resource.k8s.io", "v1", "resourceslices")
+        try:
+            listed, _ = await client.list_all(
+                path, params={"fieldSelector": "spec.driver=akri.sh,spec.nodeName=node-a"}
+            )
+            assert listed == []
+            error = await _refused(
+                api, lambda: client.list_all(path, params={"fieldSelector": "spec.pool.name=x"})
+            )
+            assert error.status == 400
+            assert (
+                "field label not supported for resource.k8s.io/v1, Kind=ResourceSlice: "
+                "spec.pool.name" in str(error)
+            )
+        finally:
+            await client.close()

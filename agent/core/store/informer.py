@@ -4,10 +4,15 @@
 * on ``410 Gone`` (history compacted), or any other error event in the stream (e.g. "too
   large resource version"), relists and reports the difference against its cache as
   synthetic events, so consumers see each real change once and nothing twice;
-* resourceVersions are opaque: they are only compared for equality. The agent's own writes
-  are applied at once (:meth:`Informer.apply_local`); until the watch delivers that very
-  version, watch events for the object are older (watch order) and skipped, and a relist
-  requested before the write completed does not move the object back;
+* the agent's own writes (and reads that refresh an object) are applied at once
+  (:meth:`Informer.apply_local`); watch events older than such a version are skipped, and a
+  relist requested before the write completed does not move the object back. Versions of
+  one resource compare as integers (KEP-5504, apimachinery ``CompareResourceVersion``: a
+  positive decimal without leading zeros), so "older" is decided by comparing them, whatever
+  the order in which the write's answer and its watch event arrive (a real API server gives
+  none). A version that is not such an integer is opaque: it is compared for equality only,
+  and an own write is then assumed to reach the cache before its watch event (the old rule,
+  with its 30 s limit);
 * reconnects with capped, jittered exponential backoff while the API server is unreachable,
   keeping the cache (the agent keeps working on what it knew); with a ``probe`` (a cheap
   request), a long backoff is cut short within a second of the API server answering again.
@@ -93,6 +98,17 @@ def identity_only(obj: Obj) -> Obj:
     return {"metadata": {key: meta[key] for key in keep if key in meta}}
 
 
+def compare_versions(a: str, b: str) -> int | None:
+    """-1, 0 or 1 as resourceVersion ``a`` is older than, equal to or newer than ``b`` (two
+    versions of one resource), or None when either is not a positive decimal integer without
+    leading zeros (apimachinery ``resourceversion.CompareResourceVersion``, KEP-5504)."""
+    if not (a.isdigit() and b.isdigit()) or a[0] == "0" or b[0] == "0":
+        return None
+    if len(a) != len(b):
+        return -1 if len(a) < len(b) else 1
+    return (a > b) - (a < b)
+
+
 def diff_snapshot(cache: Mapping[str, Obj], listed: Mapping[str, Obj]) -> list[RawEvent]:
     """Events that turn ``cache`` into ``listed`` (used after a relist)."""
     events: list[RawEvent] = []
@@ -143,6 +159,9 @@ class Informer:
         # our own writes not yet seen in the watch: key -> (resourceVersion or None for a
         # delete, monotonic time the write completed)
         self._local: dict[str, tuple[str | None, float]] = {}
+        # of a pending delete: the version of the object we deleted (watch events up to it
+        # are older than the delete; a later one is its deletion or a new object of the name)
+        self._deleted_at: dict[str, str] = {}
         self.resource_version = ""
         self.relists = 0
         self.connected = asyncio.Event()
@@ -156,8 +175,13 @@ class Informer:
         items, version = await self._list()
         listed = {key_of(item): without_managed_fields(item) for item in items}
         for key, (local_version, written) in list(self._local.items()):
-            if key in listed and resource_version(listed[key]) == local_version:
-                del self._local[key]  # the list holds our write itself
+            mark = self._deleted_at.get(key) if local_version is None else local_version
+            listed_version = resource_version(listed[key]) if key in listed else ""
+            if key in listed and (
+                listed_version == local_version
+                or (mark is not None and compare_versions(listed_version, mark) == 1)
+            ):
+                self._forget_local(key)  # the list holds our write itself, or newer
             elif written > requested:
                 # our write completed after the list was asked for: the list may predate it,
                 # keep what we wrote (the watch from this list delivers it, or newer)
@@ -166,7 +190,7 @@ class Informer:
                 elif key in self.cache:
                     listed[key] = self.cache[key]
             else:
-                del self._local[key]  # the list is at least as new as our write
+                self._forget_local(key)  # the list is at least as new as our write
         events = diff_snapshot(self.cache, listed)
         self.cache = {key: self._keep(obj) for key, obj in listed.items()}
         self.resource_version = version
@@ -175,10 +199,25 @@ class Informer:
             self._on_event(event)
 
     def apply_local(self, event: RawEvent) -> None:
-        """Reflect our own successful write at once (write-through), ahead of the watch."""
+        """Reflect our own successful write at once (write-through), ahead of the watch; also
+        a read that refreshes an object (e.g. after a conflict). A version the cache already
+        holds, or an older one (the watch was faster), changes nothing."""
         key = key_of(event.obj)
-        version = None if event.type == "DELETED" else resource_version(event.obj)
-        self._local[key] = (version, time.monotonic())
+        seen = resource_version(event.obj)
+        known = self.cache.get(key)
+        order = None if known is None else compare_versions(resource_version(known), seen)
+        if event.type == "DELETED":
+            if order == 1:
+                return  # the watch already brought a newer object of this name
+            self._deleted_at.pop(key, None)
+            if compare_versions(seen, seen) is not None:  # an integer version
+                self._deleted_at[key] = seen
+            self._local[key] = (None, time.monotonic())
+        else:
+            if order is not None and order >= 0:
+                return  # the watch already brought this version, or a newer one
+            self._deleted_at.pop(key, None)
+            self._local[key] = (seen, time.monotonic())
         self._apply(event, emit=True)
 
     def _apply(self, event: RawEvent, *, emit: bool) -> None:
@@ -192,6 +231,11 @@ class Informer:
         else:
             if known is not None and resource_version(event.obj) == resource_version(known):
                 return  # already have this version (e.g. our own write echoed by the watch)
+            if (
+                known is not None
+                and compare_versions(resource_version(event.obj), resource_version(known)) == -1
+            ):
+                return  # older than what the cache holds
             self.cache[key] = self._keep(event.obj)
             if known is None and event.type == "MODIFIED":
                 event = RawEvent("ADDED", event.obj)
@@ -202,19 +246,35 @@ class Informer:
         """A watch event: skipped while it is older than our own write of the object."""
         key = key_of(event.obj)
         pending = self._local.get(key)
+        if pending is not None:
+            local_version = pending[0]
+            mark = self._deleted_at.get(key) if local_version is None else local_version
+            order = None if mark is None else compare_versions(resource_version(event.obj), mark)
+            if order is not None:
+                if order <= 0:
+                    if order == 0 and local_version is not None:
+                        self._forget_local(key)  # our write, seen by the watch (applied)
+                    return  # older than our write or delete
+                self._forget_local(key)  # news: the watch has passed our write
+                self._apply(event, emit=True)
+                return
         if pending is not None and time.monotonic() - pending[1] > LOCAL_CONFIRM_TIMEOUT:
-            del self._local[key]
+            self._forget_local(key)
             pending = None
         if pending is not None:
             local_version = pending[0]
             if local_version is None:
                 if event.type == "DELETED":
-                    del self._local[key]  # our delete, seen by the watch
+                    self._forget_local(key)  # our delete, seen by the watch
                 return  # older than our delete
             if resource_version(event.obj) == local_version:
-                del self._local[key]  # our write, seen by the watch (already applied)
+                self._forget_local(key)  # our write, seen by the watch (already applied)
             return  # either ours, or older than ours (watch events come in order)
         self._apply(event, emit=True)
+
+    def _forget_local(self, key: str) -> None:
+        self._local.pop(key, None)
+        self._deleted_at.pop(key, None)
 
     async def run(self) -> None:
         """Watch forever (call :meth:`initial_list` first)."""

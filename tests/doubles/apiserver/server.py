@@ -50,6 +50,16 @@ from tests.doubles.apiserver.store import (
 logger = logging.getLogger(__name__)
 
 JSON = dict[str, Any]
+# how long a write's answer waits for its watch events to be written (watch_events_first)
+EVENTS_FIRST_LIMIT = 0.2
+# the field selectors a kind's list and watch accept, where the double knows them (the real
+# API server's field-label conversion functions); other kinds accept any field path
+SELECTABLE_FIELDS: dict[GroupResource, frozenset[str]] = {
+    # pkg/apis/resource/v1/conversion.go (ResourceSlice); spec.pool.name is not one
+    GroupResource("resource.k8s.io", "resourceslices"): frozenset(
+        {"metadata.name", "spec.nodeName", "spec.driver"}
+    ),
+}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # One value or several, for fault matching (verbs, resources).
 Names = str | tuple[str, ...] | list[str] | None
@@ -123,6 +133,7 @@ class ApiServerDouble:
         require_namespace: bool = False,
         validate: bool = True,
         store: Store | None = None,
+        watch_events_first: bool = True,
     ) -> None:
         self.host = host
         self.port = port
@@ -131,6 +142,10 @@ class ApiServerDouble:
         )
         self.bookmark_interval = bookmark_interval
         self.strict_strategic_merge = strict_strategic_merge
+        # a real API server gives no order between a write's answer and its watch events
+        # (other goroutines write them): the double writes the events first, the order that
+        # catches a client assuming its own answer always comes first
+        self.watch_events_first = watch_events_first
         self.faults = FaultInjector()
         self._held_requests: set[asyncio.Future[web.StreamResponse]] = set()
         self.requests: builtins.list[RecordedRequest] = []
@@ -728,12 +743,23 @@ class ApiServerDouble:
             ) from exc
 
     @staticmethod
-    def _selectors(request: web.Request) -> tuple[LabelSelector, FieldSelector]:
+    def _selectors(
+        request: web.Request, target: _Target | None = None
+    ) -> tuple[LabelSelector, FieldSelector]:
         try:
             labels = LabelSelector.parse(request.query.get("labelSelector"))
             fields = FieldSelector.parse(request.query.get("fieldSelector"))
         except SelectorError as exc:
             raise errors.bad_request(str(exc)) from exc
+        if target is not None:
+            supported = SELECTABLE_FIELDS.get(target.rt.gr)
+            for requirement in fields.requirements if supported is not None else ():
+                if requirement.path not in supported:
+                    # the real handler's field-label conversion (a 400, list and watch)
+                    raise errors.bad_request(
+                        f"field label not supported for {target.rt.group}/{target.version}, "
+                        f"Kind={target.rt.kind}: {requirement.path}"
+                    )
         return labels, fields
 
     def _render(
@@ -761,7 +787,7 @@ class ApiServerDouble:
         return self._render(request, target, obj)
 
     def _list(self, request: web.Request, target: _Target) -> web.Response:
-        labels, fields = self._selectors(request)
+        labels, fields = self._selectors(request, target)
         rt = target.rt
         rv_param = request.query.get("resourceVersion")
         if (
@@ -848,6 +874,7 @@ class ApiServerDouble:
             dry_run=request.query.get("dryRun") == "All",
             field_validation=request.query.get("fieldValidation", "Warn"),
         )
+        await self._events_out(obj)
         return self._render(request, target, obj, 201)
 
     async def _update(self, request: web.Request, target: _Target) -> web.Response:
@@ -862,6 +889,7 @@ class ApiServerDouble:
             dry_run=request.query.get("dryRun") == "All",
             field_validation=request.query.get("fieldValidation", "Warn"),
         )
+        await self._events_out(obj)
         return self._render(request, target, obj)
 
     async def _patch(self, request: web.Request, target: _Target) -> web.Response:
@@ -882,6 +910,7 @@ class ApiServerDouble:
             field_validation=request.query.get("fieldValidation", "Warn"),
             strict_strategic=self.strict_strategic_merge,
         )
+        await self._events_out(obj)
         return self._render(request, target, obj, 201 if created else 200)
 
     async def _delete_options(self, request: web.Request) -> JSON:
@@ -918,12 +947,13 @@ class ApiServerDouble:
         status = 200
         if options.get("orphanDependents") is False and obj["metadata"].get("deletionTimestamp"):
             status = 202
+        await self._events_out(obj)
         return self._render(request, target, obj, status)
 
     async def _delete_collection(self, request: web.Request, target: _Target) -> web.Response:
         if target.rt.namespaced and target.namespace is None:
             raise errors.method_not_allowed()
-        labels, fields = self._selectors(request)
+        labels, fields = self._selectors(request, target)
         options = await self._delete_options(request)
         items = self.store.delete_collection(
             target.rt,
@@ -943,10 +973,27 @@ class ApiServerDouble:
             }
         )
 
+    async def _events_out(self, written: JSON) -> None:
+        """With :attr:`watch_events_first`: return once every watch that is to see the write
+        of ``written`` has written its event (at most :data:`EVENTS_FIRST_LIMIT` seconds: a
+        client that does not read its watch does not hold other clients' writes)."""
+        if not self.watch_events_first:
+            return
+        version = str((written.get("metadata") or {}).get("resourceVersion") or "")
+        if not version.isdigit():
+            return
+        rv = int(version)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + EVENTS_FIRST_LIMIT
+        while any(w.waits_to_send(rv) for w in list(self._watchers)):
+            if loop.time() >= deadline:
+                return
+            await asyncio.sleep(0.0005)
+
     # --- watch ---------------------------------------------------------------------------
 
     async def _watch(self, request: web.Request, target: _Target) -> web.StreamResponse:
-        labels, fields = self._selectors(request)
+        labels, fields = self._selectors(request, target)
         if target.name:
             fields = FieldSelector(
                 (*fields.requirements, FieldRequirement("metadata.name", "=", target.name))
@@ -1055,6 +1102,8 @@ class ApiServerDouble:
                     await send("BOOKMARK", self._bookmark(rt, version, int(obj["rv"])))
                 else:
                     await send(event_type, render(obj))
+                    with contextlib.suppress(KeyError, TypeError, ValueError):
+                        watcher.sent = int(obj["metadata"]["resourceVersion"])
             await response.write_eof()
         except ConnectionError:
             pass  # the client went away

@@ -172,6 +172,10 @@ class Watcher:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[tuple[str, JSON] | None] = field(default_factory=asyncio.Queue)
     closed: bool = False
+    # resourceVersion of the last event queued for this watch, and of the last one its
+    # stream has written (the server answers a write once its watch events are out)
+    offered: int = 0
+    sent: int = 0
 
     def matches(self, obj: JSON | None) -> bool:
         if obj is None:
@@ -205,7 +209,12 @@ class Watcher:
             return
         seen = self.translate(event)
         if seen is not None:
+            self.offered = max(self.offered, event.rv)
             self.push(seen)
+
+    def waits_to_send(self, rv: int) -> bool:
+        """Whether the event of version ``rv`` (or a later one) is queued but not written."""
+        return not self.closed and self.offered >= rv > self.sent
 
     def close(self) -> None:
         """End the watch stream (server stopping or ``Store.close_watchers``)."""

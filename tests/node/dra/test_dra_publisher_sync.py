@@ -25,7 +25,7 @@ class RecordingClient:
     def __init__(self) -> None:
         self.writes: list[tuple[str, str]] = []
         self._names = itertools.count(999, -1)
-        self._versions = itertools.count(1)
+        self._versions = itertools.count(1000)  # newer than any test slice
 
     async def create(self, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
         name = f"akri.sh-n1-{next(self._names):04d}"
