@@ -13,6 +13,7 @@ Instance is still there, ...). Before, every agent wrote at once and all but one
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -34,19 +35,21 @@ async def settle_finalizers(
     clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Follow Instance events; settle each terminating Instance that holds no slot when this
-    node's turn comes (at once for its settler). A write that fails (API server unavailable)
-    is tried again after :data:`RETRY_DELAY`; the Instance meanwhile stays terminating,
-    nothing is lost."""
+    node's turn comes (at once for its settler). Instances are settled concurrently (one task
+    each: a deleted Configuration's Instances go together, not one write after the other). A
+    write that fails (API server unavailable) is tried again after :data:`RETRY_DELAY`; the
+    Instance meanwhile stays terminating, nothing is lost."""
     due: dict[ObjectKey, float] = {}  # Instance -> when this node settles it
-    failed: set[ObjectKey] = set()  # failures already logged
+    running: dict[ObjectKey, asyncio.Task[None]] = {}
     try:
         while True:
             now = clock()
             for key in sorted(k for k, when in due.items() if when <= now):
                 del due[key]
-                cached = ledger.store.get_cached(key)
-                if cached is not None and finalizer_done(cached):
-                    await _settle(ledger, key, due, failed, clock)
+                if key not in running:
+                    running[key] = asyncio.create_task(
+                        _settle(ledger, key, running), name=f"settle-{key.name}"
+                    )
             wait = max(0.0, min(due.values()) - clock()) if due else None
             try:
                 async with asyncio.timeout(wait):
@@ -58,7 +61,6 @@ async def settle_finalizers(
             key = event.instance.key
             if event.type is EventType.DELETED or not finalizer_done(event.instance):
                 due.pop(key, None)
-                failed.discard(key)
                 continue
             # the turn follows the Instance's nodes as they are now (a gone settler taken
             # out by the controller's dead-node cleanup makes the next one the settler)
@@ -67,22 +69,32 @@ async def settle_finalizers(
                 due[key] = when
     finally:
         events.close()
+        for task in list(running.values()):
+            task.cancel()
+        for task in list(running.values()):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def _settle(
-    ledger: SlotLedger,
-    key: ObjectKey,
-    due: dict[ObjectKey, float],
-    failed: set[ObjectKey],
-    clock: Callable[[], float],
+    ledger: SlotLedger, key: ObjectKey, running: dict[ObjectKey, asyncio.Task[None]]
 ) -> None:
+    """Remove the finalizer of ``key`` while the cache says it may go, retrying failed
+    writes; then leave ``running``."""
+    logged = False
     try:
-        await ledger.settle_finalizer(key)
-    except StoreError as error:
-        if key not in failed:
-            what = "deleting it" if ledger.store.local else "removing its finalizer"
-            log.warning("instance %s: %s failed (retried): %s", key, what, error)
-        failed.add(key)
-        due[key] = clock() + RETRY_DELAY
-        return
-    failed.discard(key)
+        while True:
+            cached = ledger.store.get_cached(key)
+            if cached is None or not finalizer_done(cached):
+                return
+            try:
+                await ledger.settle_finalizer(key)
+                return
+            except StoreError as error:
+                if not logged:
+                    what = "deleting it" if ledger.store.local else "removing its finalizer"
+                    log.warning("instance %s: %s failed (retried): %s", key, what, error)
+                    logged = True
+            await asyncio.sleep(RETRY_DELAY)
+    finally:
+        running.pop(key, None)
