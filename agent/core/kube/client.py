@@ -13,7 +13,7 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -201,13 +201,16 @@ class KubeClient:
         params: Params | None = None,
         page_size: int = LIST_PAGE_SIZE,
         request_timeout: float | None = None,
+        keep: Callable[[JSON], JSON | None] | None = None,
     ) -> tuple[list[JSON], str]:
         """Every item of a collection, ``page_size`` at a time (``limit``/``continue``, so a
         large collection never arrives as one huge answer), and the list's resourceVersion.
         A continue token the server no longer honours (410 Expired: the snapshot was
         compacted while paging) restarts the list from the beginning. A page over the body
         limit is asked again at half the size (the same continue token: ``limit`` may change
-        from page to page); one object over the limit raises :class:`ResponseTooLargeError`."""
+        from page to page); one object over the limit raises :class:`ResponseTooLargeError`.
+        ``keep`` sees each item as its page arrives and returns what to keep of it (None: drop
+        it), so that only one page of whole objects is ever held."""
         for _ in range(LIST_RESTARTS):
             items: list[JSON] = []
             token: str | None = None
@@ -230,7 +233,11 @@ class KubeClient:
                             page_size,
                         )
                         continue
-                    items.extend(page.get("items") or [])
+                    found = page.get("items") or []
+                    if keep is None:
+                        items.extend(found)
+                    else:
+                        items.extend(k for k in map(keep, found) if k is not None)
                     meta = page.get("metadata") or {}
                     token = meta.get("continue") or None
                     if not token:

@@ -12,11 +12,20 @@ Allocate that asks for it anyway is refused (``Reserved``) — the device-plugin
 and its pod's controller retries with another slot. The CAS stays the final arbiter.
 
 The agent watches ResourceClaims of every namespace (RBAC ``list``/``watch`` on
-``resourceclaims``, read-only; no field selector can narrow claims to a driver or node) and
-keeps of each only its ``akri.sh`` allocation results. A result resolves to a slot when its
-pool is this node's pool or a shared Instance's pool this node serves. Once the claim is
-prepared its slot holds ``D:<uid>:<node>`` and the reservation has nothing left to do; it
-ends when the claim is deallocated or deleted.
+``resourceclaims``, read-only) and keeps of each only its ``akri.sh`` allocation results. A
+result resolves to a slot when its pool is this node's pool or a shared Instance's pool this
+node serves. Once the claim is prepared its slot holds ``D:<uid>:<node>`` and the reservation
+has nothing left to do; it ends when the claim is deallocated or deleted.
+
+**Only where the race can happen** (issue 33.5): a node on the DRA path registers no device
+plugin, so nothing there could take an allocated slot; the agent follows claims only on a
+device-plugin node that also runs the DRA driver (``agent/node/app.py``). The API cannot narrow
+the stream (a ResourceClaim's selectable fields are ``metadata.name``/``namespace`` only, and
+claims carry no label of their driver), so what the agent holds is narrowed instead: a list
+page is reduced to the claims with ``akri.sh`` results as it arrives (never the whole
+collection at once), and the cache holds only those claims, in :func:`compact` form; a watch
+event of any other claim only advances the resourceVersion (or removes a claim that no longer
+has ``akri.sh`` results).
 """
 
 from __future__ import annotations
@@ -54,12 +63,25 @@ def akri_results(claim: Mapping[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
-def trimmed(claim: Obj) -> Obj:
-    """What the informer's cache keeps of a claim: its identity (claims of other drivers are
-    most of them; their specs and statuses are not kept)."""
+def compact(claim: Obj) -> Obj:
+    """What the agent keeps of a claim: its identity and its ``akri.sh`` allocation results
+    (specs, other drivers' results, statuses are not kept)."""
     meta = claim.get("metadata") or {}
     kept = ("name", "namespace", "uid", "resourceVersion")
-    return {"metadata": {k: meta[k] for k in kept if k in meta}}
+    results = [
+        {"driver": DRIVER, "pool": pool, "device": device} for pool, device in akri_results(claim)
+    ]
+    found: Obj = {"metadata": {k: meta[k] for k in kept if k in meta}}
+    if results:
+        found["status"] = {"allocation": {"devices": {"results": results}}}
+    return found
+
+
+def ours(claim: Obj) -> Obj | None:
+    """:func:`compact` for a claim with ``akri.sh`` results; None for any other (a list keeps
+    only ours)."""
+    found = compact(claim)
+    return found if "status" in found else None
 
 
 def reserved_slots(
@@ -92,7 +114,7 @@ class AllocatedClaims:
         self._instances = instances
         self.reservations = reservations
         self._informer = Informer(
-            PLURAL, self._list, self._watch, self._on_event, keep=trimmed, probe=self._probe
+            PLURAL, self._list, self._watch, self._on_event, keep=compact, probe=self._probe
         )
         self._tasks: list[asyncio.Task[None]] = []
         # namespace/name -> its akri.sh (pool, device) results, for allocated claims only
@@ -146,14 +168,32 @@ class AllocatedClaims:
     # -- informer plumbing ---------------------------------------------------------------
     async def _list(self) -> tuple[list[Obj], str]:
         return await self._client.list_all(
-            resource_path(GROUP, VERSION, PLURAL), page_size=PAGE_SIZE, request_timeout=30
+            resource_path(GROUP, VERSION, PLURAL),
+            page_size=PAGE_SIZE,
+            request_timeout=30,
+            keep=ours,
         )
 
-    def _watch(self, version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+    async def _watch(self, version: str) -> AsyncGenerator[tuple[str, Obj], None]:
+        """The watch, narrowed: events of claims with ``akri.sh`` results pass (compacted); a
+        claim that no longer has any leaves the cache (DELETED); any other event only moves
+        the resourceVersion on (as a bookmark)."""
         stream = self._client.watch(
             resource_path(GROUP, VERSION, PLURAL), version, timeout_seconds=WATCH_TIMEOUT
         )
-        return watch_events(stream, PLURAL)
+        async with contextlib.aclosing(watch_events(stream, PLURAL)) as events:
+            async for kind, obj in events:
+                if kind == "BOOKMARK":
+                    yield kind, obj
+                    continue
+                found = compact(obj)
+                if kind == "DELETED" or "status" in found:
+                    yield kind, found
+                elif key_of(found) in self._informer.cache:
+                    yield "DELETED", found  # deallocated, or allocated elsewhere
+                else:
+                    meta = found.get("metadata") or {}
+                    yield "BOOKMARK", {"metadata": {"resourceVersion": meta.get("resourceVersion")}}
 
     async def _probe(self) -> None:
         await self._client.get("/version", request_timeout=2.0)
