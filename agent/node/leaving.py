@@ -20,6 +20,11 @@ asks why:
 * **unknown** — not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no DaemonSet owner, or the
   API server unreachable: the old behaviour, leave at once.
 
+Why not a ``preStop`` hook: it would be another process, without the DRA state, asking the
+same questions; the agent itself knows what is prepared and keeps serving kubelet meanwhile.
+The DaemonSet's ``terminationGracePeriodSeconds`` (60) covers :data:`LINGER_LIMIT`, the two
+looks and the stop.
+
 Pure decision (:func:`decide_departure`), the look at the API (:func:`why_stopping`).
 """
 
