@@ -86,7 +86,7 @@ class ControllerCollector(Collector):
             ("akri_controller_instances_deleted_total", stats.instances_deleted,
              "Instances deleted because their last node was dead"),
             ("akri_controller_slices_handed_over_total", stats.slices_handed_over,
-             "Shared ResourceSlices of dead nodes deleted for their next publisher"),
+             "Shared ResourceSlices deleted because they listed only dead nodes"),
             ("akri_controller_write_errors_total", stats.write_errors,
              "Broker/Service writes the API server refused (other than 404/409)"),
             ("akri_controller_leader_changes_total", self.elector.transitions,

@@ -450,7 +450,10 @@ class Reconciler:
     async def _hand_over_slices(self, node: str) -> None:
         if not self.dra_slices:
             return
-        for name, version in slices.stale_shared_slices(self.slice_cache.cache.values(), node):
+        now = self._monotonic()
+        for name, version in slices.stale_shared_slices(
+            self.slice_cache.cache.values(), node, lambda name: self.nodes.is_dead(name, now)
+        ):
             path = resource_path("resource.k8s.io", "v1", "resourceslices", None, name)
             body = {"kind": "DeleteOptions", "apiVersion": "v1",
                     "preconditions": {"resourceVersion": version}}  # fmt: skip
@@ -461,7 +464,7 @@ class Reconciler:
                     raise
                 continue  # gone, or rewritten by a live publisher: theirs now
             self.stats.slices_handed_over += 1
-            log.info("ResourceSlice %s of dead node %s deleted for the next publisher", name, node)
+            log.info("ResourceSlice %s listed only dead nodes (%s): deleted", name, node)
 
     # -- brokers ---------------------------------------------------------------------------
     def _by_instance(

@@ -158,7 +158,7 @@ async def test_a_dead_node_never_keeps_a_terminating_instance(
     assert _stored(api) is None
 
 
-async def test_stale_shared_slices_of_the_dead_node_are_deleted(
+async def test_shared_slices_listing_only_dead_nodes_are_deleted(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
     for name in ("node-a", "node-b"):
@@ -181,16 +181,18 @@ async def test_stale_shared_slices_of_the_dead_node_are_deleted(
         }
 
     api.create(shared_slice("cams-8120fe", ["node-a", "node-b"]))
+    api.create(shared_slice("cams-gone", ["node-a"]))  # its Instance went with node-a
     api.create(shared_slice("cams-other", ["node-b"]))
     clock = FakeClock()
     async with reconciler_for(api, tmp_path, clock, node_grace=10) as reconciler:
-        await eventually(lambda: len(reconciler.slice_cache.cache) == 2, "slices cached")
+        await eventually(lambda: len(reconciler.slice_cache.cache) == 3, "slices cached")
         set_ready(api, "node-a", False)
         await _sees(reconciler, "node-a", False)
         clock.advance(10)
         await reconciler.reconcile_once()
+    # cams-8120fe lists live node-b, its publisher now: rewritten in place by node-b's agent
     names = sorted(s["metadata"]["name"] for s in api.list("resourceslices"))
-    assert names == ["cams-other"]
+    assert names == ["cams-8120fe", "cams-other"]
 
 
 async def test_running_controller_frees_a_dead_nodes_slots_after_the_grace(

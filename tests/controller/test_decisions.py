@@ -351,7 +351,10 @@ def test_services_are_created_replaced_and_deleted() -> None:
 # -- ResourceSlices --------------------------------------------------------------------------
 
 
-def test_stale_shared_slices_are_those_listing_the_dead_node() -> None:
+def test_stale_shared_slices_are_those_listing_the_dead_node_and_no_live_one() -> None:
+    """A shared slice that still lists a live node is that node's to rewrite in place (the
+    pool's publisher, issue 36: no gap for the scheduler); one listing only dead nodes has
+    nobody left to delete it."""
     def slice_(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return {"metadata": {"name": name, "resourceVersion": "7"},
                 "spec": {"driver": "akri.sh", **spec}}  # fmt: skip
@@ -360,16 +363,19 @@ def test_stale_shared_slices_are_those_listing_the_dead_node() -> None:
         requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": list(nodes)}
         return {"nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]}}
 
+    dead = {"node-a", "node-c"}
     found = slices.stale_shared_slices(
         [
-            slice_("shared-1", hostnames("node-a", "node-b")),
+            slice_("shared-1", hostnames("node-a", "node-b")),  # node-b rewrites it
             slice_("shared-2", hostnames("node-b")),
+            slice_("shared-3", hostnames("node-a", "node-c")),  # nobody alive lists it
             slice_("local-a", {"nodeName": "node-a"}),
             {"metadata": {"name": "other"}, "spec": {"driver": "x", **hostnames("node-a")}},
         ],
         "node-a",
+        lambda node: node in dead,
     )
-    assert found == [("shared-1", "7")]
+    assert found == [("shared-3", "7")]
 
 
 def test_the_broker_example_plans_one_pod_per_node_and_both_services() -> None:

@@ -1,14 +1,54 @@
-"""What the node agent and the controller both know of ResourceSlices: the driver name and
-the node-selector form of a shared pool (written by the node that publishes it, read back by
-the publishers and by the controller handing a dead node's pools over)."""
+"""What the node agent and the controller both know of ResourceSlices: the driver name, who
+publishes a shared pool for which nodes, and the node-selector form of a shared pool (written by
+the node that publishes it, read back by the publishers and by the controller cleaning up after
+dead nodes).
+
+**One publisher per shared pool, decided from the Instance** (docs/dra.md, "Who publishes a
+shared pool"): the pool of a shared Instance is available on its *serving* nodes — ``nodes``
+without those that only drain it (``akri.sh/draining``: they lost the device and refuse
+prepares) — and published by the serving node whose name sorts first. Every node reads the
+same Instance, so once their caches agree exactly one node publishes. While they disagree
+(an Instance change not yet seen everywhere), the slice itself says which Instance version it
+was written from (:data:`INSTANCE_VERSION_ANNOTATION`, with the Instance's uid): a node whose
+view is older than that leaves the slice alone, so a slice only moves forward and two nodes
+never take turns rewriting it.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, Protocol
 
 DRIVER = "akri.sh"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# on a shared pool's slices: the Instance (uid, resourceVersion) whose view wrote them
+INSTANCE_UID_ANNOTATION = "akri.sh/instance-uid"
+INSTANCE_VERSION_ANNOTATION = "akri.sh/instance-version"
+
+
+class SharedInstance(Protocol):
+    """What the rule needs of an Instance (``agent.core.model.instance.Instance``)."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]: ...
+
+    @property
+    def draining_nodes(self) -> tuple[str, ...]: ...
+
+
+def serving_nodes(instance: SharedInstance) -> tuple[str, ...]:
+    """The nodes a shared Instance's pool is available on, sorted: ``nodes`` without those
+    that only drain it; all of ``nodes`` when every node drains (the pool then holds no
+    device, or only evicting ones, and its selector may not be empty)."""
+    draining: Collection[str] = set(instance.draining_nodes)
+    serving = sorted({node for node in instance.nodes if node not in draining})
+    return tuple(serving or sorted(set(instance.nodes)))
+
+
+def shared_publisher(instance: SharedInstance) -> str | None:
+    """The node that publishes a shared Instance's pool: its first serving node."""
+    serving = serving_nodes(instance)
+    return serving[0] if serving else None
 
 
 def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:

@@ -5,10 +5,18 @@
   re-created at once;
 * pool rules: when a pool's content changes every slice of it gets ``generation + 1`` and the
   current ``resourceSliceCount``; ≤ 128 devices per slice; an empty pool keeps one empty slice;
-* a shared Instance's pool may change publisher (the first node in ``nodes`` changes): the new
-  publisher adopts the existing slices (updates them in place with a higher generation);
-  slices of shared pools whose Instance is gone are deleted by whoever notices;
-* every write is a create, or a PUT/DELETE with the resourceVersion it was decided on;
+* a shared Instance's pool has one publisher, decided from the Instance
+  (``agent/core/model/resource_slices.py``: its first serving node). Its slices have fixed
+  names (``akri.sh-<pool>-<index>``), so two nodes that both create the pool at once make one
+  slice, not two; a new publisher adopts the existing slices (updates them in place with a
+  higher generation), so the scheduler never sees the pool missing or twice. Each write
+  records the Instance version it was decided on; a node whose view of the Instance is older
+  than the slice's leaves it alone (it is behind, not the publisher);
+* slices of shared pools whose Instance is gone are deleted by the first node their
+  nodeSelector lists, or by any listed node once :data:`ORPHAN_GRACE` has passed;
+* every write is a create, or a PUT/DELETE with the resourceVersion it was decided on. A
+  conflict (409: someone else wrote the slice first) re-reads that slice and leaves the pool
+  alone for a jittered, doubling pause (:data:`CONFLICT_BACKOFF`) before deciding again;
 * after each write the returned spec is compared with what was sent: fields the API server
   dropped (feature gate off, validation differences) are reported once, loudly.
 """
@@ -17,15 +25,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+import random
 import re
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from agent.core.kube import ApiError, KubeClient, resource_path
 from agent.core.model.instance import Instance
-from agent.core.store.informer import Informer, Obj, RawEvent, watch_events
+from agent.core.model.resource_slices import (
+    INSTANCE_UID_ANNOTATION,
+    INSTANCE_VERSION_ANNOTATION,
+)
+from agent.core.store.informer import Informer, Obj, RawEvent, compare_versions, watch_events
 from agent.node.dra.slices import (
     DRAINING,
     DRIVER,
@@ -59,6 +74,30 @@ SLICE_PAGE_SIZE = 32
 # answers that waiting will not change: forbidden (RBAC, the slice admission policy), invalid
 REFUSED = frozenset({400, 403, 422})
 MAX_REPORTED_REFUSALS = 1024  # (pool, status, reason) already logged; forgotten when full
+# after a conflict on a pool: seconds before it is decided again (the first pause, doubling
+# per conflict in a row, up to the last), jittered down to half so nodes drift apart
+CONFLICT_BACKOFF = (0.05, 5.0)
+# a shared slice whose Instance is gone: deleted at once by the first node it lists, by the
+# others (that node may be gone too) once it has been an orphan this long
+ORPHAN_GRACE = 10.0
+MAX_SLICE_NAME = 253
+
+
+class SliceConflict(Exception):
+    """A slice write met a newer version (409): the pool is decided again later."""
+
+
+def shared_slice_name(pool: str, index: int) -> str:
+    """The fixed name of slice ``index`` of a shared pool: ``akri.sh-<pool>-<index>`` (a pool
+    name is an Instance name, a DNS subdomain), shortened with a digest of the pool name when
+    too long. Fixed, so that nodes creating one pool at once collide on the name (one wins,
+    the others get 409 AlreadyExists) instead of making two slices of one pool."""
+    name = f"{DRIVER}-{pool}-{index}"
+    if len(name) <= MAX_SLICE_NAME:
+        return name
+    digest = hashlib.sha256(pool.encode()).hexdigest()[:10]
+    keep = MAX_SLICE_NAME - len(f"{DRIVER}--{digest}-{index}")
+    return f"{DRIVER}-{pool[:keep].rstrip('.-')}-{digest}-{index}"
 
 
 def _label_value(text: str) -> str:
@@ -82,6 +121,30 @@ def _generation(obj: Obj) -> int:
 def _selected_nodes(obj: Obj) -> set[str]:
     """Node names a shared slice's nodeSelector lists (either stored form)."""
     return selected_nodes(obj.get("spec") or {})
+
+
+def written_from(obj: Obj) -> tuple[str, str]:
+    """The Instance (uid, resourceVersion) a shared slice was written from; empty strings for
+    a slice written before slices recorded it."""
+    annotations = (obj.get("metadata") or {}).get("annotations") or {}
+    return (
+        str(annotations.get(INSTANCE_UID_ANNOTATION) or ""),
+        str(annotations.get(INSTANCE_VERSION_ANNOTATION) or ""),
+    )
+
+
+def behind(existing: Sequence[Obj], pool: Pool) -> bool:
+    """Whether a slice of the shared ``pool`` was written from a newer version of its Instance
+    than this node's view: the node's cache is behind (it will catch up through the watch), so
+    it must not write the pool now, whoever it believes the publisher is. A slice of another
+    Instance of the name (another uid), or one that recorded nothing, is not newer."""
+    if pool.instance_uid is None or pool.instance_version is None:
+        return False
+    for obj in existing:
+        uid, version = written_from(obj)
+        if uid == pool.instance_uid and compare_versions(version, pool.instance_version) == 1:
+            return True
+    return False
 
 
 def _unchanged(existing: list[Obj], specs: list[dict[str, Any]]) -> bool:
@@ -137,6 +200,12 @@ class SlicePublisher:
         self._reported_drops: set[str] = set()
         self._reported_refusals: set[tuple[str, int, str]] = set()
         self.refused_writes = 0  # pool writes the API server refused (403/400/422), skipped
+        self.conflicts = 0  # slice writes that met a newer version (409)
+        self.deferred = 0  # pool syncs left to a node with a newer view of the Instance
+        # per pool after conflicts: (conflicts in a row, monotonic time it may be written again)
+        self._backoff: dict[str, tuple[int, float]] = {}
+        # shared pools whose Instance is gone: monotonic time this node first saw it so
+        self._orphaned_since: dict[str, float] = {}
         # per Instance: (resourceVersion, state) -> its slice devices; a sync with 1000
         # Instances otherwise rebuilds 4000 attribute maps for every Instance event
         self._devices: dict[str, tuple[tuple[str, SlotState], Sequence[dict[str, Any]]]] = {}
@@ -264,39 +333,83 @@ class SlicePublisher:
         by_pool: dict[str, list[Obj]] = {}
         for obj in self._informer.cache.values():
             by_pool.setdefault(_pool_of(obj), []).append(obj)
+        now = time.monotonic()
         for index, (pool, specs) in enumerate(pools):
-            await self._refusal_tolerant(
-                pool.name, self._sync_pool(pool, specs, by_pool.get(pool.name, []))
-            )
+            if not self._backing_off(pool.name, now):
+                await self._guarded(
+                    pool.name, self._sync_pool(pool, specs, by_pool.get(pool.name, []))
+                )
             if index % YIELD_EVERY_POOLS == YIELD_EVERY_POOLS - 1:
                 # an unchanged pool costs a comparison and no I/O: let the loop breathe
                 await asyncio.sleep(0)
         existing_instances = {i.name for i in instances}
+        orphans: set[str] = set()
         for name, objs in by_pool.items():
             local_of_this_node = any(
                 (o.get("spec") or {}).get("nodeName") == self.node for o in objs
             )
+            if local_of_this_node and name != self.node:
+                if not self._backing_off(name, now):
+                    await self._guarded(name, self._delete_all(objs))
+                continue
+            listed = set().union(*(_selected_nodes(o) for o in objs))
             # an orphaned shared pool is removed by a node its nodeSelector lists (the only
-            # nodes deploy/base/resourceslice-policy.yaml lets write it)
+            # nodes deploy/base/resourceslice-policy.yaml lets write it): the first one at
+            # once, the others if it is still there after ORPHAN_GRACE (that node may be gone)
             shared_orphan = (
                 all(not (o.get("spec") or {}).get("nodeName") for o in objs)
                 and name not in existing_instances
-                and any(self.node in _selected_nodes(o) for o in objs)
+                and self.node in listed
             )
-            if (local_of_this_node and name != self.node) or shared_orphan:
-                await self._refusal_tolerant(name, self._delete_all(objs))
+            if not shared_orphan:
+                continue
+            orphans.add(name)
+            since = self._orphaned_since.setdefault(name, now)
+            if min(listed) != self.node and now - since < ORPHAN_GRACE:
+                self._wake_at(since + ORPHAN_GRACE - now)
+                continue
+            if not self._backing_off(name, now):
+                await self._guarded(name, self._delete_all(objs))
+        for name in self._orphaned_since.keys() - orphans:
+            del self._orphaned_since[name]
+
+    def _backing_off(self, pool: str, now: float) -> bool:
+        """Whether ``pool`` waits after a conflict (a sync is scheduled for its end)."""
+        state = self._backoff.get(pool)
+        if state is None or now >= state[1]:
+            return False
+        self._wake_at(state[1] - now)
+        return True
+
+    def _wake_at(self, delay: float) -> None:
+        asyncio.get_running_loop().call_later(max(delay, 0.0), self.trigger)
+
+    def _conflicted(self, pool: str) -> None:
+        """A write of ``pool`` met a newer version: leave the pool alone for a while (the
+        slice was re-read; the wait lets the watch bring what changed, and two nodes that
+        both still want to write drift apart instead of trading 409s every debounce)."""
+        self.conflicts += 1
+        in_a_row = self._backoff.get(pool, (0, 0.0))[0] + 1
+        first, last = CONFLICT_BACKOFF
+        pause = min(last, first * 2 ** (in_a_row - 1)) * random.uniform(0.5, 1.0)
+        self._backoff[pool] = (in_a_row, time.monotonic() + pause)
+        self._wake_at(pause)
 
     async def _delete_all(self, objs: list[Obj]) -> None:
         for obj in objs:
             await self._delete(obj)
 
-    async def _refusal_tolerant(self, pool: str, write: Awaitable[None]) -> None:
-        """Run one pool's writes. A write the API server refuses for good (403: RBAC or the
-        ResourceSlice admission policy; 400/422: invalid) is logged once per pool and reason,
-        counted, and skipped: before, it aborted the sync of every pool after it, and the
-        retry loop then refused the same write again for ever. The next sync tries again."""
+    async def _guarded(self, pool: str, write: Awaitable[None]) -> None:
+        """Run one pool's writes. A conflict (:class:`SliceConflict`) backs the pool off. A
+        write the API server refuses for good (403: RBAC or the ResourceSlice admission
+        policy; 400/422: invalid) is logged once per pool and reason, counted, and skipped:
+        before, it aborted the sync of every pool after it, and the retry loop then refused
+        the same write again for ever. The next sync tries again."""
         try:
             await write
+        except SliceConflict:
+            self._conflicted(pool)
+            return
         except ApiError as error:
             if error.status not in REFUSED:
                 raise
@@ -315,6 +428,8 @@ class SlicePublisher:
                 error.reason,
                 str(error)[:500],
             )
+            return
+        self._backoff.pop(pool, None)
 
     def _desired(
         self, instances: list[Instance], offline: Collection[str], paths: Mapping[str, str]
@@ -387,13 +502,17 @@ class SlicePublisher:
         path = {k: v for k, v in labels.items() if k == PATH_LABEL}
         if _unchanged(existing, specs) and all(_has_labels(o, path) for o in existing):
             return
+        shared = pool.node_name is None
+        if shared and behind(existing, pool):
+            self.deferred += 1  # a node with a newer view of the Instance wrote it
+            return
         existing = sorted(existing, key=lambda o: str(o["metadata"]["name"]))
         count = len(specs)
         generation = max((_generation(o) for o in existing), default=0)
         generation += 1
         for obj in existing[count:]:
             if self._foreign(obj):
-                if "nodeSelector" not in specs[0]:
+                if not shared:
                     # a shared slice in the pool named like this node's own (a shared
                     # Instance's name can be a node's): not ours to adopt or delete
                     log.warning(
@@ -403,10 +522,7 @@ class SlicePublisher:
                         pool.name,
                     )
                     continue
-                adopted = await self._adopt(obj, specs[0])
-                if adopted is None:
-                    continue
-                obj = adopted
+                obj = await self._adopt(obj, pool, specs[0])
             await self._delete(obj)
         for index, spec in enumerate(specs):
             full = {
@@ -418,29 +534,46 @@ class SlicePublisher:
                 },
             }
             if index < len(existing):
-                await self._update(existing[index], full, labels)
+                await self._update(existing[index], pool, full)
             else:
-                await self._create(pool, full)
+                await self._create(pool, index, full)
 
     def _foreign(self, obj: Obj) -> bool:
         """A shared slice whose nodeSelector does not list this node: the pool's publisher
         before it changed (the admission policy lets this node rewrite it, not delete it)."""
         return not (obj.get("spec") or {}).get("nodeName") and self.node not in _selected_nodes(obj)
 
-    async def _adopt(self, obj: Obj, spec: dict[str, Any]) -> Obj | None:
+    async def _adopt(self, obj: Obj, pool: Pool, spec: dict[str, Any]) -> Obj:
         """Rewrite a surplus slice of an adopted shared pool to the pool's new nodeSelector
         (content and generation unchanged), so that it may be deleted: a DELETE carries no new
         object, and deploy/base/resourceslice-policy.yaml lets only a node a shared slice lists
-        delete it. Returns the stored slice, or None when it changed or went meanwhile."""
+        delete it. Returns the stored slice."""
         return await self._replace(
-            obj, {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
+            obj, pool, {**(obj.get("spec") or {}), "nodeSelector": spec["nodeSelector"]}
         )
 
-    def _metadata(self, pool: Pool) -> dict[str, Any]:
-        metadata: dict[str, Any] = {
-            "generateName": f"{DRIVER}-{_label_value(pool.name)[:40]}-",
-            "labels": self._labels(pool),
+    def _annotations(self, pool: Pool) -> dict[str, str]:
+        """What a shared pool's slices record of the Instance view they were written from."""
+        if pool.node_name is not None or pool.instance_uid is None:
+            return {}
+        return {
+            INSTANCE_UID_ANNOTATION: pool.instance_uid,
+            INSTANCE_VERSION_ANNOTATION: pool.instance_version or "",
         }
+
+    def _metadata(self, pool: Pool, index: int) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"labels": self._labels(pool)}
+        name = shared_slice_name(pool.name, index) if pool.node_name is None else None
+        taken = self._informer.cache.get(f"/{name}") if name else None
+        if name is not None and (taken is None or _pool_of(taken) == pool.name):
+            metadata["name"] = name
+        else:
+            # a node's pool (kubelet's convention), or a fixed name another pool's slice
+            # already has (a slice nobody of ours named)
+            metadata["generateName"] = f"{DRIVER}-{_label_value(pool.name)[:40]}-"
+        annotations = self._annotations(pool)
+        if annotations:
+            metadata["annotations"] = annotations
         if pool.node_name is not None and self._node_uid:
             metadata["ownerReferences"] = [
                 {
@@ -453,46 +586,54 @@ class SlicePublisher:
             ]
         return metadata
 
-    async def _create(self, pool: Pool, spec: dict[str, Any]) -> None:
+    async def _create(self, pool: Pool, index: int, spec: dict[str, Any]) -> None:
+        metadata = self._metadata(pool, index)
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "ResourceSlice",
-            "metadata": self._metadata(pool),
+            "metadata": metadata,
             "spec": spec,
         }
-        created = await self._client.create(
-            resource_path(GROUP, VERSION, PLURAL), body, request_timeout=30
-        )
+        try:
+            created = await self._client.create(
+                resource_path(GROUP, VERSION, PLURAL), body, request_timeout=30
+            )
+        except ApiError as error:
+            if error.status == 409 and "name" in metadata:
+                # another node created this slice of the pool first: see what it wrote
+                await self._reread(metadata["name"])
+                raise SliceConflict(metadata["name"]) from error
+            raise
         self.writes += 1
         self._informer.apply_local(RawEvent("ADDED", created))
         self._check_dropped(spec, created)
 
-    async def _update(self, obj: Obj, spec: dict[str, Any], labels: Mapping[str, str]) -> None:
-        updated = await self._replace(obj, spec, labels)
-        if updated is not None:
-            self._check_dropped(spec, updated)
+    async def _update(self, obj: Obj, pool: Pool, spec: dict[str, Any]) -> None:
+        updated = await self._replace(obj, pool, spec)
+        self._check_dropped(spec, updated)
 
-    async def _replace(
-        self, obj: Obj, spec: dict[str, Any], labels: Mapping[str, str] | None = None
-    ) -> Obj | None:
-        """PUT ``obj`` with ``spec`` (and ``labels`` over its own); None when someone else
-        changed or removed it meanwhile (a re-decision is triggered)."""
+    async def _replace(self, obj: Obj, pool: Pool, spec: dict[str, Any]) -> Obj:
+        """PUT ``obj`` with ``spec`` (its labels and, for a shared pool, the Instance version
+        it was decided on, over its own metadata), with the resourceVersion it was decided on.
+        Raises :class:`SliceConflict` when someone else changed or removed it meanwhile (after
+        reading it again)."""
         body = dict(obj)
+        meta = dict(body.get("metadata") or {})
+        meta["labels"] = {**(meta.get("labels") or {}), **self._labels(pool)}
+        annotations = self._annotations(pool)
+        if annotations:
+            meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
+        body["metadata"] = meta
         body["spec"] = spec
-        if labels:
-            meta = dict(body.get("metadata") or {})
-            meta["labels"] = {**(meta.get("labels") or {}), **labels}
-            body["metadata"] = meta
+        name = obj["metadata"]["name"]
         try:
             updated = await self._client.replace(
-                resource_path(GROUP, VERSION, PLURAL, name=obj["metadata"]["name"]),
-                body,
-                request_timeout=30,
+                resource_path(GROUP, VERSION, PLURAL, name=name), body, request_timeout=30
             )
         except ApiError as error:
             if error.status in (404, 409):
-                self.trigger()
-                return None
+                await self._reread(name, obj)
+                raise SliceConflict(name) from error
             raise
         self.writes += 1
         self._informer.apply_local(RawEvent("MODIFIED", updated))
@@ -508,9 +649,28 @@ class SlicePublisher:
             )
             self.writes += 1
         except ApiError as error:
-            if error.status not in (404, 409):
+            if error.status == 409:
+                # changed since we decided: it is not gone, see what it is now
+                await self._reread(name, obj)
+                raise SliceConflict(name) from error
+            if error.status != 404:
                 raise
         self._informer.apply_local(RawEvent("DELETED", obj))
+
+    async def _reread(self, name: str, known: Obj | None = None) -> None:
+        """Read slice ``name`` into the cache after a conflict (the watch may take a while
+        to bring it; deciding again from the stale copy would only conflict again)."""
+        try:
+            current = await self._client.get(
+                resource_path(GROUP, VERSION, PLURAL, name=name), request_timeout=30
+            )
+        except ApiError as error:
+            if error.status != 404:
+                return  # the pause after the conflict, then the watch, will tell
+            if known is not None:
+                self._informer.apply_local(RawEvent("DELETED", known))
+            return
+        self._informer.apply_local(RawEvent("MODIFIED", current))
 
     def _check_dropped(self, sent: dict[str, Any], stored: Obj) -> None:
         got = without_taint_times(stored.get("spec") or {})

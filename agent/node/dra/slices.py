@@ -6,10 +6,11 @@ without feature gates.
 * **Local (unshared) Instances** go in the node's pool: pool name = node name,
   ``spec.nodeName`` = node.
 * **Shared Instances** get a pool of their own, named after the Instance, available on exactly
-  the nodes in ``instance.nodes`` (``nodeSelector``: one term, ``kubernetes.io/hostname In
-  <nodes>``, the only many-node form the API server validates), and published by one
-  deterministic agent: the node that sorts first in ``instance.nodes``. So the scheduler sees
-  each slot once, whichever node it schedules on.
+  the nodes that serve it — ``instance.nodes`` without the nodes that only drain it
+  (``nodeSelector``: one term, ``kubernetes.io/hostname In <nodes>``, the only many-node form
+  the API server validates) — and published by one deterministic agent: the serving node that
+  sorts first (``agent/core/model/resource_slices.py``). So the scheduler sees each slot once,
+  whichever node it schedules on.
 * A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
   scheduler's accounting of existing allocations is unchanged). A slot taken through a device
   plugin (IL ``<node>`` or CL ``C:…``) leaves the slice; so do all slots of an Instance that
@@ -72,7 +73,9 @@ from agent.core.model.naming import is_dns_label
 from agent.core.model.resource_slices import DRIVER as DRIVER
 from agent.core.model.resource_slices import HOSTNAME_LABEL as HOSTNAME_LABEL
 from agent.core.model.resource_slices import selected_nodes as selected_nodes
+from agent.core.model.resource_slices import serving_nodes as serving_nodes
 from agent.core.model.resource_slices import shared_node_selector as shared_node_selector
+from agent.core.model.resource_slices import shared_publisher as shared_publisher
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
@@ -249,6 +252,9 @@ class Pool:
     node_name: str | None  # local pool
     nodes: tuple[str, ...] = ()  # shared pool: nodeSelector over these node names
     devices: tuple[dict[str, Any], ...] = field(default=())
+    # shared pool: the Instance (uid, resourceVersion) this node's view of it comes from
+    instance_uid: str | None = None
+    instance_version: str | None = None
 
     def slice_specs(self) -> list[dict[str, Any]]:
         """Slice ``spec``s (without pool generation/count) of ≤ 128 devices each; an empty
@@ -387,8 +393,9 @@ def _always_extended(instance: Instance) -> bool:
 def extended_eligibility(node: str, paths: Mapping[str, str], dra: str = "dra") -> ExtendedOf:
     """``extended_of`` for :func:`desired_pools`: a local Instance's slots may serve pods'
     ``akri.sh/<name>`` limits through DRA when ``node`` is on the DRA path; a shared
-    Instance's slots only when **every** node in its ``nodes`` is (``paths``: node -> path,
-    unknown nodes count as not). The slice of a shared pool serves all its nodes, and the
+    Instance's slots only when **every** node its pool serves (:func:`serving_nodes`) is
+    (``paths``: node -> path, unknown nodes count as not). The slice of a shared pool serves
+    all those nodes, and the
     extended-resource DeviceClasses cannot see the node: a slot eligible there would be
     allocated for a pod on a device-plugin node too — whose kubelet had not posted the
     resource yet (< 10 s after registration) — and that node's device plugin would never be
@@ -397,7 +404,8 @@ def extended_eligibility(node: str, paths: Mapping[str, str], dra: str = "dra") 
     def extended_of(instance: Instance) -> bool:
         if not instance.shared:
             return paths.get(node) == dra
-        return bool(instance.nodes) and all(paths.get(n) == dra for n in instance.nodes)
+        nodes = serving_nodes(instance)
+        return bool(nodes) and all(paths.get(n) == dra for n in nodes)
 
     return extended_of
 
@@ -411,10 +419,11 @@ def desired_pools(
     extended_of: ExtendedOf = _always_extended,
 ) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
-    every shared Instance for which it is the publishing node. ``devices_of`` may be a memoized
-    :func:`instance_devices` (the publisher caches it per Instance version); ``options_of``
-    gives each Instance's Configuration opt-ins, ``extended_of`` whether its slots may serve
-    extended resources (:func:`extended_eligibility`)."""
+    every shared Instance for which it is the publishing node (:func:`shared_publisher`), over
+    the Instance's serving nodes. ``devices_of`` may be a memoized :func:`instance_devices`
+    (the publisher caches it per Instance version); ``options_of`` gives each Instance's
+    Configuration opt-ins, ``extended_of`` whether its slots may serve extended resources
+    (:func:`extended_eligibility`)."""
     local = [i for i in instances if not i.shared and node in i.nodes]
     pools = [
         Pool(
@@ -424,15 +433,17 @@ def desired_pools(
         )
     ]
     for instance in sorted(instances, key=lambda i: i.name):
-        if not instance.shared or not instance.nodes or min(instance.nodes) != node:
+        if not instance.shared or shared_publisher(instance) != node:
             continue
         state = _state(instance, node, offline, options_of, extended_of)
         pools.append(
             Pool(
                 name=instance.name,
                 node_name=None,
-                nodes=tuple(sorted(instance.nodes)),
+                nodes=serving_nodes(instance),
                 devices=tuple(devices_of(instance, state)),
+                instance_uid=instance.uid,
+                instance_version=instance.resource_version,
             )
         )
     return pools

@@ -1,20 +1,32 @@
 """SlicePublisher.sync against a recording client: no writes when nothing changed (whatever
-the slices' generated names), and slice devices computed once per Instance version."""
+the slices' generated names), and slice devices computed once per Instance version; one
+publisher per shared pool, conflicts that back off, orphans deleted by one node (issue 36)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
+import time
+from pathlib import Path
 from typing import Any
 
-from agent.core.kube import ApiError
+from agent.core.kube import ApiError, make_kube_client
 from agent.core.model.instance import Instance
 from agent.core.store.informer import RawEvent
 from agent.node.dra import publisher as publisher_module
-from agent.node.dra.publisher import SlicePublisher, _pool_of, _selected_nodes
+from agent.node.dra.publisher import (
+    CONFLICT_BACKOFF,
+    ORPHAN_GRACE,
+    SlicePublisher,
+    _pool_of,
+    _selected_nodes,
+)
 from agent.node.dra.slices import Pool, instance_devices
 from tests.doubles.admission_policy import admit
+from tests.doubles.apiserver import ApiServerDouble
+from tests.node.dra.test_dra_e2e import SLICES
 from tests.node.dra.test_dra_units import inst
 
 
@@ -223,3 +235,159 @@ async def test_a_shared_slice_in_a_pool_named_like_this_node_is_not_adopted() ->
     assert ("delete", "akri.sh-node-a-y") not in client.writes
     assert stored["akri.sh-node-a-y"] == old[1]  # left alone
     assert "cam-b" in {_pool_of(o) for o in pub._informer.cache.values()}  # the others go on
+
+
+# -- one publisher per shared pool, conflicts that back off (issue 36) -----------------------
+
+
+def shared_instance(version: int, nodes: tuple[str, ...], uid: str = "u-1") -> Instance:
+    return dataclasses.replace(
+        inst("cam-s", True, nodes, 2), uid=uid, resource_version=str(version)
+    )
+
+
+def stored_shared_slice(
+    nodes: tuple[str, ...], version: int, written_from: tuple[str, int] | None
+) -> dict[str, Any]:
+    """A shared slice of cam-s as the API server holds it (``written_from``: the Instance
+    uid and version its publisher recorded)."""
+    pool = Pool(name="cam-s", node_name=None, nodes=nodes, devices=())
+    (spec,) = pool.slice_specs()
+    metadata: dict[str, Any] = {"name": "akri.sh-cam-s-0", "resourceVersion": str(version)}
+    if written_from is not None:
+        metadata["annotations"] = {
+            "akri.sh/instance-uid": written_from[0],
+            "akri.sh/instance-version": str(written_from[1]),
+        }
+    return {
+        "metadata": metadata,
+        "spec": {**spec, "pool": {"name": "cam-s", "generation": 3, "resourceSliceCount": 1}},
+    }
+
+
+class ConflictingClient(RecordingClient):
+    """Every write of an existing slice meets a newer version (409); GET returns it."""
+
+    def __init__(self, current: dict[str, Any]) -> None:
+        super().__init__()
+        self.current = current
+        self.reads = 0
+
+    async def replace(self, path: str, body: dict[str, Any], **_: Any) -> dict[str, Any]:
+        self.writes.append(("replace", body["metadata"]["name"]))
+        raise ApiError(409, "Conflict", "the object has been modified")
+
+    async def get(self, path: str, **_: Any) -> dict[str, Any]:
+        self.reads += 1
+        return self.current
+
+
+async def test_a_conflict_rereads_the_slice_and_backs_the_pool_off() -> None:
+    """A PUT that meets a newer version reads the slice again and leaves the pool alone for
+    a while: the syncs right after it (any event wakes the publisher) write nothing. Before:
+    each sync 20 ms later PUT the same stale version again (hundreds of 409s a phase)."""
+    cached = stored_shared_slice(("n1",), 100, None)
+    newer = stored_shared_slice(("n1", "n3"), 150, None)
+    client = ConflictingClient(newer)
+    instances = [shared_instance(7, ("n1", "n2"))]
+    pub = SlicePublisher(client, "n1", lambda: instances, lambda: ())  # type: ignore[arg-type]
+    pub._informer.apply_local(RawEvent("ADDED", cached))
+    await pub.sync()
+    assert [w for w in client.writes if w[0] == "replace"] == [("replace", "akri.sh-cam-s-0")]
+    assert client.reads == 1
+    assert pub._informer.cache["/akri.sh-cam-s-0"]["metadata"]["resourceVersion"] == "150"
+    for _ in range(5):
+        await pub.sync()
+    assert [w for w in client.writes if w[0] == "replace"] == [("replace", "akri.sh-cam-s-0")]
+    assert pub.conflicts == 1
+
+
+async def test_a_node_behind_the_slice_leaves_it_alone() -> None:
+    """n1's view of the Instance is version 5, where it publishes the pool for n1 and n2;
+    the slice was written from version 7 (n2 publishes it for n2 alone there): n1 is
+    behind and writes nothing until its view catches up. Before: it rewrote the slice, the
+    node with the newer view rewrote it back, and so on, until n1's cache caught up."""
+    client = RecordingClient()
+    instances = [shared_instance(5, ("n1", "n2"))]
+    pub = SlicePublisher(client, "n1", lambda: instances, lambda: ())  # type: ignore[arg-type]
+    pub._informer.apply_local(RawEvent("ADDED", stored_shared_slice(("n2",), 100, ("u-1", 7))))
+    await pub.sync()
+    assert [w for w in client.writes if w[1] == "akri.sh-cam-s-0"] == []
+    assert pub.deferred == 1
+    # its view catches up (version 8: n1 serves the device again): it publishes, recording 8
+    instances[0] = shared_instance(8, ("n1", "n2"))
+    await pub.sync()
+    assert [w for w in client.writes if w[1] == "akri.sh-cam-s-0"] == [
+        ("replace", "akri.sh-cam-s-0")
+    ]
+    stored = pub._informer.cache["/akri.sh-cam-s-0"]
+    assert stored["metadata"]["annotations"]["akri.sh/instance-version"] == "8"
+    assert _selected_nodes(stored) == {"n1", "n2"}
+
+
+async def test_a_slice_of_another_instance_of_the_name_is_taken_over() -> None:
+    """The slice records another Instance's uid (the Instance was deleted and created again
+    under its name) or nothing (an agent before this rule): the publisher writes it."""
+    instances = [shared_instance(5, ("n1", "n2"))]
+    for written in (("u-0", 99), None):
+        client = RecordingClient()
+        pub = SlicePublisher(client, "n1", lambda: instances, lambda: ())  # type: ignore[arg-type]
+        pub._informer.apply_local(RawEvent("ADDED", stored_shared_slice(("n2",), 100, written)))
+        await pub.sync()
+        assert ("replace", "akri.sh-cam-s-0") in client.writes, written
+
+
+async def test_two_nodes_creating_one_shared_pool_make_one_slice(tmp_path: Path) -> None:
+    """Two nodes believe they publish the same new pool (node-b's view is older: it still
+    sees itself alone) and create it at once on the API-server double: the slice has a fixed
+    name, so one create wins and the other re-reads it; the pool ends up in one slice, as
+    the newer view has it. Before: two slices of one pool (generated names), each with
+    generation 1 and resourceSliceCount 1."""
+    async with ApiServerDouble() as api:
+        views = {
+            "node-a": [shared_instance(12, ("node-a", "node-b"))],
+            "node-b": [shared_instance(11, ("node-b",))],
+        }
+        publishers = {
+            node: SlicePublisher(
+                make_kube_client(str(api.write_kubeconfig(tmp_path / f"{node}.kubeconfig"))),
+                node,
+                lambda node=node: views[node],  # type: ignore[misc]
+                lambda: (),
+            )
+            for node in views
+        }
+        await asyncio.gather(*(p.sync() for p in publishers.values()))
+        for _ in range(3):  # after the conflict's pause, each decides again
+            await asyncio.sleep(CONFLICT_BACKOFF[0] * 4)
+            for publisher in publishers.values():
+                for obj in api.list(SLICES):  # what their watches would bring
+                    publisher._informer.apply_local(RawEvent("MODIFIED", obj))
+                await publisher.sync()
+        pool = [o for o in api.list(SLICES) if o["spec"]["pool"]["name"] == "cam-s"]
+        assert [o["metadata"]["name"] for o in pool] == ["akri.sh-cam-s-0"]
+        assert _selected_nodes(pool[0]) == {"node-a", "node-b"}
+        assert pool[0]["metadata"]["annotations"]["akri.sh/instance-version"] == "12"
+
+
+async def test_an_orphaned_shared_pool_is_deleted_by_the_first_node_it_lists(
+    monkeypatch: Any,
+) -> None:
+    """The Instance is gone: the first node the slice lists deletes it at once; another
+    listed node waits ORPHAN_GRACE (the first may be gone too), then deletes it. Before:
+    every listed node deleted it at once (N-1 of them conflicting)."""
+    orphan = stored_shared_slice(("n1", "n2"), 100, ("u-1", 7))
+    first, second = RecordingClient(), RecordingClient()
+    pubs = [
+        SlicePublisher(client, node, lambda: [], lambda: ())  # type: ignore[arg-type]
+        for client, node in ((first, "n1"), (second, "n2"))
+    ]
+    for pub in pubs:
+        pub._informer.apply_local(RawEvent("ADDED", orphan))
+        await pub.sync()
+    assert ("delete", "akri.sh-cam-s-0") in first.writes
+    assert ("delete", "akri.sh-cam-s-0") not in second.writes
+    now = time.monotonic()
+    monkeypatch.setattr(publisher_module.time, "monotonic", lambda: now + ORPHAN_GRACE + 1)
+    await pubs[1].sync()
+    assert ("delete", "akri.sh-cam-s-0") in second.writes

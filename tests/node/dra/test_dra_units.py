@@ -209,10 +209,31 @@ def test_a_draining_node_publishes_none_of_the_instances_slots() -> None:
     )
     by_name = {p.name: p for p in desired_pools([local, shared], "n1", offline=set())}
     assert by_name["n1"].devices == ()
-    assert by_name["cams-ssssss"].devices == ()
+    assert "cams-ssssss" not in by_name  # the shared pool: see the test below
     # draining on another node does not hide the slots n1 publishes for its own pool
     other = inst("cams-mmmmmm", False, ("n1",)).with_node_mark(DRAINING_ANNOTATION, "n2", True)
     assert len(desired_pools([other], "n1", offline=set())[0].devices) == 2
+
+
+def test_a_shared_pool_is_published_by_and_for_its_serving_nodes() -> None:
+    """A node that only drains a shared Instance (it lost the device, a pod still holds its
+    slot there) neither publishes the pool nor is in its nodeSelector: the first serving node
+    publishes the free slots for the serving nodes. Before: the draining node, sorting
+    first, kept publishing the pool empty for every node until its pod ended (issue 33.1)."""
+    shared = inst("cams-ssssss", True, ("n1", "n2", "n3"), s0="n1").with_node_mark(
+        DRAINING_ANNOTATION, "n1", True
+    )
+    assert [p.name for p in desired_pools([shared], "n1", offline=set())] == ["n1"]
+    assert [p.name for p in desired_pools([shared], "n3", offline=set())] == ["n3"]
+    pool = {p.name: p for p in desired_pools([shared], "n2", offline=set())}["cams-ssssss"]
+    assert pool.nodes == ("n2", "n3")
+    assert [d["name"] for d in pool.devices] == ["cams-ssssss-1"]
+    # every node drains: the first one keeps the pool, empty, for all of them
+    both = shared.with_node_mark(DRAINING_ANNOTATION, "n2", True).with_node_mark(
+        DRAINING_ANNOTATION, "n3", True
+    )
+    pool = {p.name: p for p in desired_pools([both], "n1", offline=set())}["cams-ssssss"]
+    assert (pool.nodes, pool.devices) == (("n1", "n2", "n3"), ())
 
 
 def test_selected_nodes_reads_back_both_stored_forms() -> None:
