@@ -9,7 +9,7 @@ Ported rule by rule from kubernetes/kubernetes ``pkg/apis/resource/validation/va
 small function whose docstring names its upstream counterpart; the list is in
 docs/testing-apiserver-double.md. Not ported: CEL compilation and cost (an expression is only
 length-checked), consumable capacity request policies, counters beyond their shape, binding
-conditions, network data, feature-gate field dropping. Messages have the upstream shape
+conditions, feature-gate field dropping. Messages have the upstream shape
 (``field.Error``): ``Required value: …``, ``Invalid value: <json>: …``, ``Too many: …``.
 A ResourceClaim status update is also authorized here, as the status strategy does it
 (:mod:`tests.doubles.apiserver.authz`): a refusal is a ``Forbidden`` cause of the same 422.
