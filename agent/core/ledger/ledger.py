@@ -503,7 +503,9 @@ class SlotLedger:
 
     async def leave(self, key: ObjectKey) -> LeaveResult:
         """Take this node out of Instance ``key`` if it holds none of its slots (deleting the
-        Instance when no node and no held slot remain); otherwise mark it draining and stay."""
+        Instance when no node and no held slot remain); otherwise mark it draining and stay.
+        A terminating Instance is not written to (:func:`decide_leave`): left at once when this
+        node holds none of its slots, draining (unmarked) while it does."""
         async with self.lock_for(key):
             by_membership = await self._leave_by_membership(key)
             if by_membership is not None:
