@@ -48,6 +48,16 @@ def instance_writes(api: ApiServerDouble, name: str | None = None) -> list[int |
     ]
 
 
+async def answered(api: ApiServerDouble) -> None:
+    """Until every recorded Instance request has its answer (the double records the status
+    once the response is sent, a moment after the object changed)."""
+    await eventually(
+        lambda: all(r.status is not None for r in api.requests_for(resource="instances")),
+        10,
+        "every request answered",
+    )
+
+
 def conflicts(api: ApiServerDouble) -> int:
     return sum(1 for r in api.requests_for(resource="instances") if r.status == 409)
 
@@ -131,6 +141,7 @@ async def test_nodes_deleting_together_write_once_per_instance_without_conflicts
         for node in nodes:
             await eventually(lambda n=node: retired(n), 15, f"{node.name} retired")
         await asyncio.sleep(0.3)  # anything still on its way (there should be nothing)
+        await answered(api)
         kept = api_instances(api)[A]
         assert kept.deletion_timestamp is not None and held_count(kept) == 1
         assert kept.device_usage[f"{A}-0"] == holder.name
@@ -141,6 +152,7 @@ async def test_nodes_deleting_together_write_once_per_instance_without_conflicts
 
         await holder.kubelet.delete_pod("default", "pod")
         await eventually(lambda: A not in api_instances(api), 15, "A gone after its pod")
+        await answered(api)
         assert instance_writes(api, A) == [200]  # the release, which removed the finalizer
         assert conflicts(api) == 0
     finally:
@@ -160,6 +172,7 @@ async def test_a_gone_settler_delays_the_deletion_only(
         api.clear_requests()
         api.delete("configurations.akri.sh", "cam")
         await eventually(lambda: not api_instances(api), 15, "both gone")
+        await answered(api)
         assert instance_writes(api) == [200, 200]
         assert conflicts(api) == 0
     finally:
@@ -229,6 +242,7 @@ async def test_the_settler_removes_the_finalizers_of_several_instances_at_once(
         assert not [r for r in caplog.records if "removing its finalizer failed" in r.getMessage()]
         held.release()
         await eventually(lambda: not api_instances(api), 15, "both gone")
+        await answered(api)
         assert conflicts(api) == 0
     finally:
         api.clear_faults()
@@ -249,6 +263,7 @@ async def test_a_failed_removal_is_retried(
         api.fail(503, verb="update", resource="instances", times=4)
         api.delete("configurations.akri.sh", "cam")
         await eventually(lambda: not api_instances(api), 30, "gone after the failures")
+        await answered(api)
         assert [r.status for r in api.requests_for(verb="update", resource="instances")].count(
             503
         ) == 4

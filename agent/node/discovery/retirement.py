@@ -167,7 +167,11 @@ class Retirement:
             ):
                 collecting.add(instance.name)
                 continue
-            if instance.name in self.collecting and instance.deletion_timestamp is None:
+            if (
+                not to_collector
+                and instance.name in self.collecting
+                and instance.deletion_timestamp is None
+            ):
                 log.warning(
                     "instance %s: not deleted by the garbage collector within %.0fs of its "
                     "configuration; %s leaves it",
