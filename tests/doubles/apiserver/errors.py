@@ -127,8 +127,11 @@ def invalid(
     """422 Invalid. ``causes`` are ``(reason, field, message)`` triples, e.g.
     ``("FieldValueRequired", "metadata.name", "Required value: name is required")``."""
     qualified = f"{kind}.{gr.group}" if gr.group else kind
-    text = ", ".join(f"{field}: {msg}" if field else msg for _, field, msg in causes)
-    if len(causes) > 1:
+    # the message names each distinct cause once (ErrorList.ToAggregate drops repeats); the
+    # details list them all
+    texts = list(dict.fromkeys(f"{field}: {msg}" if field else msg for _, field, msg in causes))
+    text = ", ".join(texts)
+    if len(texts) > 1:
         text = f"[{text}]"
     details = _details(gr, name, kind)
     details["causes"] = [

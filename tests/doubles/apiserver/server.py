@@ -42,6 +42,8 @@ from tests.doubles.apiserver.selectors import (
     SelectorError,
 )
 from tests.doubles.apiserver.store import (
+    APPLY_PATCH,
+    APPLY_PATCH_CBOR,
     PATCH_TYPES,
     Store,
     Watcher,
@@ -84,6 +86,17 @@ def _json_response(
 
 def _error_response(exc: ApiError) -> web.Response:
     return _json_response(exc.status(), exc.code, exc.headers)
+
+
+def _manager(request: web.Request) -> str | None:
+    """The field manager of a create, update or non-apply patch: ``fieldManager``, else the
+    User-Agent up to its first ``/`` (printable characters, at most 128), as upstream
+    (``managerOrUserAgent``): the agent's writes are owned by ``akri-py-agent``."""
+    given = request.query.get("fieldManager")
+    if given:
+        return given
+    head = (request.headers.get("User-Agent") or "").split("/")[0]
+    return "".join(ch for ch in head if ch.isprintable())[:128] or None
 
 
 def _media_type(request: web.Request) -> str:
@@ -873,6 +886,7 @@ class ApiServerDouble:
             body,
             dry_run=request.query.get("dryRun") == "All",
             field_validation=request.query.get("fieldValidation", "Warn"),
+            field_manager=_manager(request),
         )
         await self._events_out(obj)
         return self._render(request, target, obj, 201)
@@ -888,6 +902,7 @@ class ApiServerDouble:
             subresource=target.subresource or None,
             dry_run=request.query.get("dryRun") == "All",
             field_validation=request.query.get("fieldValidation", "Warn"),
+            field_manager=_manager(request),
         )
         await self._events_out(obj)
         return self._render(request, target, obj)
@@ -904,7 +919,11 @@ class ApiServerDouble:
             media,
             body,
             subresource=target.subresource or None,
-            field_manager=request.query.get("fieldManager"),
+            field_manager=(
+                request.query.get("fieldManager")  # required for an apply: no default there
+                if media in (APPLY_PATCH, APPLY_PATCH_CBOR)
+                else _manager(request)
+            ),
             force=_truthy(force_param) if force_param is not None else None,
             dry_run=request.query.get("dryRun") == "All",
             field_validation=request.query.get("fieldValidation", "Warn"),
