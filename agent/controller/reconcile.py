@@ -359,8 +359,7 @@ class Reconciler:
         holders, issue 30) — including those this pass just deleted — get the dead node's
         share released by :func:`release_finalizer_share`, which drops the finalizer when
         nothing else is held, so a dead node never keeps a deleted Instance alive."""
-        freed = 0
-        touched = 0
+        freed: dict[ObjectKey, int] = {}  # slots freed per Instance touched (each counted once)
         for instance in self.store.list_cached():
             if instance.deletion_timestamp is not None:
                 continue  # the finalizer's rules below
@@ -369,8 +368,7 @@ class Reconciler:
             eviction = await self._evict(instance.key, node)
             if eviction is None:
                 continue
-            touched += 1
-            freed += len(eviction.freed)
+            freed[instance.key] = len(eviction.freed)
         held_before = {
             instance.key: len(node_slots(instance, node))
             for instance in self.store.list_cached()
@@ -378,12 +376,12 @@ class Reconciler:
         }
         if self.nodes.is_dead(node, self._monotonic()):
             for key in await release_finalizer_share(self.store, node):
-                touched += 1
-                freed += held_before.get(key, 0)
-        if not touched:
+                # an Instance the eviction just deleted: its slots were counted there
+                freed.setdefault(key, held_before.get(key, 0))
+        if not freed:
             return
         self.stats.nodes_cleaned += 1
-        self.stats.slots_freed += freed
+        self.stats.slots_freed += sum(freed.values())
         log.warning(
             "node %s is %s: removed from %d Instance(s), %d slot(s) freed",
             node,
@@ -394,8 +392,8 @@ class Reconciler:
                 if self.nodes.pods_left.get(node) == 0
                 else f"gone for over {self.settings.node_grace:g}s"
             ),
-            touched,
-            freed,
+            len(freed),
+            sum(freed.values()),
         )  # fmt: skip
         await self._hand_over_slices(node)
 
