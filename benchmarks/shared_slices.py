@@ -13,12 +13,15 @@ properties:
 * **capacity**: the Configuration's capacity changes;
 * **property**: a broker property changes (every device's attributes);
 * **loss**: the first half of the nodes (the publishers) lose the devices;
-* **rejoin**: they see them again (the publishers take the pools back).
+* **rejoin**: they see them again (the publishers take the pools back);
+* **delete**: the Configuration is deleted, until no Instance and no shared slice is left
+  (the orphaned pools are deleted by the first node each lists).
 
 Per phase: seconds until converged (``converged: false`` when the bound passed first: the
-figures then cover the bound); ResourceSlice writes that succeeded, 409 conflicts (on
-create, update and delete), conflicts per successful write (the goal: at most 1), requests by
-verb and status. Agents are separate processes on the host's cores.
+figures then cover the bound), and until the Instances alone were done; ResourceSlice writes
+that succeeded, 409 conflicts (on create, update and delete), 404s (a delete of a slice already
+gone), conflicts per successful write (the goal: at most 1), requests by verb and status.
+Agents are separate processes on the host's cores.
 
     python -m benchmarks.shared_slices [--agents 10] [--devices 2] [--capacity 2] \
         [--within 120] [--out results.json]
@@ -38,6 +41,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
@@ -88,10 +92,27 @@ def selected(obj: dict[str, Any]) -> list[str]:
     return sorted(names)
 
 
+def instances_ready(api: ApiServer, nodes: set[str], capacity: int) -> bool:
+    """The Instances alone are done: each lists ``nodes`` with ``capacity`` (none left for no
+    ``nodes``)."""
+    instances = api.instances(CONFIGURATION)
+    if not nodes:
+        return not instances
+    return bool(instances) and all(
+        set(i["spec"].get("nodes") or []) == nodes and i["spec"].get("capacity") == capacity
+        for i in instances
+    )
+
+
 def converged(api: ApiServer, nodes: set[str], capacity: int, model: str) -> bool:
     """Every Instance lists ``nodes``; its pool is one slice for its serving nodes with
-    ``capacity`` devices carrying MODEL=``model``; no other shared pool exists."""
+    ``capacity`` devices carrying MODEL=``model``; no other shared pool exists. With no
+    ``nodes``: no Instance and no shared pool is left."""
     instances = {i["metadata"]["name"]: i for i in api.instances(CONFIGURATION)}
+    if not nodes:
+        return not instances and not any(
+            "nodeSelector" in obj["spec"] for obj in api.api.list(SLICES)
+        )
     if not instances or any(set(i["spec"].get("nodes") or []) != nodes for i in instances.values()):
         return False
     pools: dict[str, list[dict[str, Any]]] = {}
@@ -122,6 +143,7 @@ def slice_figures(requests: Sequence[Any]) -> dict[str, Any]:
     return {
         "slice_writes_ok": ok,
         "slice_conflicts": conflicts,
+        "slice_not_found": sum(1 for r in writes if r.status == 404),
         "slice_conflicts_per_successful_write": round(conflicts / ok, 3) if ok else None,
         "slice_requests_by_verb": dict(
             sorted(
@@ -185,9 +207,16 @@ async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, An
             began = time.monotonic()
             act()
             done = True
+            instances_at: list[float] = []
+
+            def check() -> bool:
+                if not instances_at and instances_ready(api, nodes_, capacity):
+                    instances_at.append(time.monotonic() - began)
+                return converged(api, nodes_, capacity, model)
+
             try:
                 await wait_until(
-                    lambda: converged(api, nodes_, capacity, model),
+                    check,
                     within=plan.within,
                     what=f"{name}: slices converged",
                     interval=0.02,
@@ -199,6 +228,8 @@ async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, An
             figures = {
                 "converged": done,
                 "seconds": round(seconds, 2),
+                # when the Instances alone were done (the slices follow them)
+                "instances_seconds": round(instances_at[0], 2) if instances_at else None,
                 **slice_figures(api.requests_since(mark)),
             }
             results[name] = figures
@@ -233,6 +264,13 @@ async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, An
         )
         await phase("loss", lambda: online(half, False), rest, capacity, "m2")
         await phase("rejoin", lambda: online(half, True), everyone, capacity, "m2")
+        await phase(
+            "delete",
+            lambda: api.api.delete("configurations.akri.sh", CONFIGURATION, "default"),
+            set(),
+            capacity,
+            "m2",
+        )
         results["agent_problems"] = [
             line for node in nodes if node.agent for line in node.agent.problems()
         ][:5]
@@ -249,11 +287,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--capacity", type=int, default=2)
     parser.add_argument("--within", type=float, default=120.0, help="bound per phase (s)")
     parser.add_argument("--out", help="also write the JSON figures to this file")
+    parser.add_argument("--logs", help="copy the agents' logs into this directory")
     args = parser.parse_args(argv)
     plan = SharedSlicesPlan(
         agents=args.agents, devices=args.devices, capacity=args.capacity, within=args.within
     )
-    figures = asyncio.run(measure(plan, AgentOptions()))
+    options = AgentOptions(logs_dir=Path(args.logs) if args.logs else None)
+    figures = asyncio.run(measure(plan, options))
     text = json.dumps(figures, indent=1, sort_keys=True)
     if args.out:
         with open(args.out, "w") as out:
