@@ -156,7 +156,10 @@ class AgentProcess:
             raise AssertionError(
                 f"{self.label} still running after {timeout:.1f}s\n{self.describe()}"
             ) from None
-        self._reader.join(timeout)
+        # Its output is read until EOF, which a background child that inherited the pipe (a
+        # shell's `akri agent &`) holds off for as long as it runs: what the process printed
+        # before it exited is in the pipe already, so a short wait reads it all.
+        self._reader.join(min(timeout, 5.0))
         return code
 
     def stop(self, timeout: float = DEFAULT_TIMEOUT) -> int:
