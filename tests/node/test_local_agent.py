@@ -35,6 +35,10 @@ CONFIG = "akri-debug-echo-foo"
 NODE = "test-node"
 EXIT_USAGE = 2
 EXIT_CORRUPT_STATE = 3
+# How long a wait for the agents to reach a state may take: a check returns as soon as it
+# holds, so the bound matters only on a loaded machine (four agents starting at once took
+# over 5 s there).
+WAIT = 30.0
 
 
 def akri_name(configuration: str, device: str, node: str | None = None) -> str:
@@ -157,7 +161,7 @@ class LocalEnv:
         self,
         predicate: Callable[[dict[str, dict[str, Any]]], object],
         *,
-        timeout: float = 5.0,
+        timeout: float = WAIT,
         what: str = "expected status",
         state_dir: Path | None = None,
     ) -> dict[str, dict[str, Any]]:
@@ -177,7 +181,7 @@ class LocalEnv:
         return last
 
     def wait_names(
-        self, names: set[str], *, timeout: float = 5.0, state_dir: Path | None = None
+        self, names: set[str], *, timeout: float = WAIT, state_dir: Path | None = None
     ) -> dict[str, dict[str, Any]]:
         return self.wait_status(
             lambda items: set(items) == names,
