@@ -12,12 +12,13 @@ For a Configuration ``cam`` (namespace ``ns``) and each of its Instances:
 
 Selectors are CEL over the typed attributes the slices carry (``slices.py``): ``device.driver
 == 'akri.sh' && device.attributes['akri.sh'].configuration == 'cam'`` (``.instance`` for an
-Instance), and the slot's ``extendedResources`` must be true: only slots of nodes that serve
-``akri.sh/*`` through DRA may serve a pod's limit (a device-plugin node's slots would be
-allocated through DRA in the seconds before kubelet posts its plugin's resource, and its device
-plugin never asked). The test is guarded (``'extendedResources' in ...``): a slot without the
-attribute (an older agent) does not match, where a plain lookup would be a CEL runtime error
-that fails the pod's scheduling.
+Instance), and the slot's ``configurationExtendedResources`` (an Instance's class:
+``extendedResources``) must be true: only slots that no node serves the name through a device
+plugin for may serve a pod's limit (``agent/node/dra/name_paths.py``: such a node's slots would
+be allocated through DRA in the seconds before kubelet posts its plugin's resource, and its
+device plugin never asked). The test is guarded (``'extendedResources' in ...``): a slot
+without the attribute (an older agent) does not match, where a plain lookup would be a CEL
+runtime error that fails the pod's scheduling.
 
 Names are unique by construction: the kind is the suffix, the Configuration or Instance name
 (itself a DNS subdomain, unique among served names) the prefix; a name that would pass 253
@@ -46,7 +47,10 @@ from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import DNS_SUBDOMAIN_MAX, configuration_resource_name
 from agent.core.model.resource_slices import DRIVER
 
-EXTENDED_ATTRIBUTE = "extendedResources"  # agent/node/dra/slices.py publishes it on every slot
+# agent/node/dra/slices.py publishes both on every slot: may it serve akri.sh/<instance>,
+# akri.sh/<configuration> limits through DRA
+EXTENDED_ATTRIBUTE = "extendedResources"
+CONFIGURATION_EXTENDED_ATTRIBUTE = "configurationExtendedResources"
 
 API_VERSION = "resource.k8s.io/v1"
 RESOURCE_PREFIX = "akri.sh/"
@@ -102,10 +106,10 @@ def _device_class(name: str, resource: str, expression: str, key: ObjectKey) -> 
     }
 
 
-def _eligible() -> str:
-    """The CEL term every extended-resource class adds: the slot serves extended resources."""
+def _eligible(attribute: str) -> str:
+    """The CEL term every extended-resource class adds: the slot may serve the class's name."""
     attributes = f"device.attributes[{cel_string(DRIVER)}]"
-    return f"{cel_string(EXTENDED_ATTRIBUTE)} in {attributes} && {attributes}.{EXTENDED_ATTRIBUTE}"
+    return f"{cel_string(attribute)} in {attributes} && {attributes}.{attribute}"
 
 
 def configuration_class(key: ObjectKey) -> JSON:
@@ -113,7 +117,7 @@ def configuration_class(key: ObjectKey) -> JSON:
     attribute = f"device.attributes[{cel_string(DRIVER)}].configuration"
     expression = (
         f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(key.name)} && "
-        + _eligible()
+        + _eligible(CONFIGURATION_EXTENDED_ATTRIBUTE)
     )
     return _device_class(
         class_name(key.name, CONFIGURATION_SUFFIX),
@@ -128,7 +132,7 @@ def instance_class(configuration: ObjectKey, instance: str) -> JSON:
     attribute = f"device.attributes[{cel_string(DRIVER)}].instance"
     expression = (
         f"device.driver == {cel_string(DRIVER)} && {attribute} == {cel_string(instance)} && "
-        + _eligible()
+        + _eligible(EXTENDED_ATTRIBUTE)
     )
     return _device_class(
         class_name(instance, INSTANCE_SUFFIX), RESOURCE_PREFIX + instance, expression, configuration

@@ -187,6 +187,7 @@ class Agent:
         self.publisher: SlicePublisher | None = None
         # slots allocated to ResourceClaims not prepared yet: held back from device plugins
         self.allocated_claims: AllocatedClaims | None = None
+        self._claims_lock = asyncio.Lock()
         self._slice_events: asyncio.Task[None] | None = None
         self._dra_options_task: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
@@ -312,10 +313,16 @@ class Agent:
         path = await self._extended_resources_path()
         if self.publisher is not None:
             self.publisher.extended_path = path  # its local slices say it; eligibility
-            if path == "device-plugins" and self.plugins is not None:
-                # device plugins and DRA serve the same slots here: hold back the ones the
-                # scheduler allocated to claims (on the DRA path nothing here could take them)
-                await self._follow_allocated_claims()  # before the device plugins offer slots
+            if self.plugins is not None:
+                self._decide_names_per_node()
+                if path == "device-plugins":
+                    # device plugins and DRA serve the same slots here: hold back the ones the
+                    # scheduler allocated to claims (on DRA only once a name here needs its
+                    # device plugin: claims_needed)
+                    await self._follow_allocated_claims()  # before the plugins offer slots
+                else:
+                    # every node's mode, before the plugins decide which names they serve
+                    await self.publisher.load()
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
@@ -324,7 +331,8 @@ class Agent:
         )
         await self.discovery.start()
         if self.plugins is not None and self.reclaimer is not None:
-            if path == "device-plugins":
+            if path == "device-plugins" or self.plugins.paths is not None:
+                # on DRA: the names shared with device-plugin nodes (name_paths.py)
                 await self.plugins.start()
             # on the DRA path too: slots pods took through device plugins before a switch
             # stay held until those pods end, then this frees them
@@ -509,6 +517,44 @@ class Agent:
             # explicit claims are prepared here too: each gets a warning, not silence
             status.listeners.append(CdiNotice(client, self.settings.node_name, runtime).prepared)
         return decision.path
+
+    def _decide_names_per_node(self) -> None:
+        """The device plugins serve, on a node in ``dra`` mode, only the names the rule of
+        ``agent/node/dra/name_paths.py`` gives them (shared with a device-plugin node), and
+        follow every node's mode as the slice publisher learns it."""
+        from agent.node.dra.name_paths import NodeNamePaths
+
+        assert self.plugins is not None and self.publisher is not None
+        self.plugins.paths = NodeNamePaths(
+            self.settings.node_name, lambda: self.extended_resource_path, self.publisher.node_paths
+        )
+        self.plugins.claims_needed = self._claims_needed
+        self.publisher.paths_listeners.append(self.plugins.paths_changed)
+
+    async def _claims_needed(self, needed: bool) -> None:
+        """From the device-plugin manager: a plugin starts (``needed``), or none runs. On a node
+        in ``dra`` mode the claims are followed only while a plugin runs (issue 33.5: nothing
+        else here could take a slot the scheduler allocated to a claim); a device-plugin node
+        follows them from its start, as before."""
+        async with self._claims_lock:
+            if needed and self.allocated_claims is None and self.publisher is not None:
+                if self.extended_resource_path != "device-plugins":
+                    log.info(
+                        "following ResourceClaims: a device plugin on this node serves a name "
+                        "whose slots DRA also allocates"
+                    )
+                await self._follow_allocated_claims()
+            elif (
+                not needed
+                and self.allocated_claims is not None
+                and self.extended_resource_path != "device-plugins"
+            ):
+                from agent.core.ledger.reservations import DRA_ALLOCATED
+
+                claims, self.allocated_claims = self.allocated_claims, None
+                await claims.close()
+                self.ledger.reservations.replace(DRA_ALLOCATED, {})
+                log.info("no longer following ResourceClaims: no device plugin runs on this node")
 
     def _wake_publisher(self) -> None:
         if self.publisher is not None:

@@ -2,16 +2,20 @@
 two nodes' agents and the controller running as the DaemonSet and the Deployment would run
 them (each as its ServiceAccount, with deploy/base's RBAC; tokens refused once the
 ServiceAccount is deleted), kubelet and the scheduler emulated per node
-(tests/harness/node_pods.py: broker Pods served through DRA on node-a, through device plugins on
-node-b; a deleted Pod ends only once kubelet has unprepared its claims), and examples/
-debug-echo-broker.yaml's brokers holding every slot.
+(tests/harness/node_pods.py; a deleted Pod ends only once kubelet has unprepared its claims),
+and examples/debug-echo-broker.yaml's brokers holding every slot.
 
-* In the documented order — the block of docs/install.md run as written — everything ends by
-  itself: the brokers go with their terminating Instances, the slots are freed, the Instances,
-  the CRDs, the agents and the controller go, and no Pod is left Terminating.
-* Out of order — ``kubectl delete -k deploy/`` while the brokers run — the agent of the DRA
-  node stays while their claims are prepared, so the broker Pods deleted then still end; the
-  Instances stay terminating (nobody removes their finalizer) until the documented loop does.
+* In the documented order — the block of docs/install.md run as written — on a mixed cluster
+  (node-a on DRA, node-b on device plugins: the shared devices are served through device
+  plugins on both, node-a's through its instance-level plugins, agent/node/dra/name_paths.py)
+  everything ends by itself: the brokers go with their terminating Instances, the slots are
+  freed, the Instances, the CRDs, the agents and the controller go, and no Pod is left
+  Terminating.
+* Out of order — ``kubectl delete -k deploy/`` while the brokers run — with devices each node
+  sees alone (node-a's brokers through DRA, node-b's through device plugins) the agent of the
+  DRA node stays while their claims are prepared, so the broker Pods deleted then still end;
+  node-b's Instances stay terminating (nobody removes their finalizer) until the documented
+  loop does.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from tests.paths import REPO
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
 
 NS = "akri"
-NODES = ("node-a", "node-b")  # node-a: DRA; node-b: device plugins
+NODES = ("node-a", "node-b")
+MIXED = {"node-a": "dra", "node-b": "device-plugins"}  # each node's --extended-resources
 WITHIN = 60.0  # seconds: bound of every event-driven wait (a loaded machine)
 INSTALL = (
     "kubectl apply -k deploy/overlays/debug-echo && kubectl wait --for condition=established "
@@ -84,6 +89,7 @@ class Cluster:
     env: dict[str, str]
     nodes: dict[str, DpNode] = field(default_factory=dict)
     pods: dict[str, NodePods] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=lambda: dict(MIXED))  # each node's mode
     dra: dict[str, DraKubeletDouble] = field(default_factory=dict)
     stopped: set[str] = field(default_factory=set)  # agents (node names) and "controller"
     controller: Controller | None = None
@@ -130,9 +136,12 @@ async def _revoke_tokens_of_deleted_accounts(
 
 
 @contextlib.asynccontextmanager
-async def installed(tmp: Path) -> AsyncIterator[Cluster]:
+async def installed(tmp: Path, *, shared: bool = True) -> AsyncIterator[Cluster]:
     """The install (kubectl apply -k deploy/overlays/debug-echo), its agents and controller
-    started as their Pods, and examples/debug-echo-broker.yaml with its brokers running."""
+    started as their Pods (node-a on DRA, with a DRA kubelet; node-b on device plugins;
+    ``shared``: the agents' ``--debug-echo-shared``, off: each node sees its own devices), and
+    examples/debug-echo-broker.yaml with its brokers running."""
+    paths = MIXED
     async with ApiServerDouble() as api:
         home = tmp / "home"
         home.mkdir()
@@ -141,7 +150,7 @@ async def installed(tmp: Path) -> AsyncIterator[Cluster]:
             {"KUBECONFIG": str(api.write_kubeconfig(home / "kubeconfig")), "HOME": str(home),
              "PATH": path}
         )  # fmt: skip
-        cluster = Cluster(api, env)
+        cluster = Cluster(api, env, paths=dict(paths))
         await kubectl(env, INSTALL)
         daemonset = api.get("daemonsets.apps", "akri-agent", NS)
         deployment = api.get("deployments.apps", "akri-controller", NS)
@@ -162,10 +171,10 @@ async def installed(tmp: Path) -> AsyncIterator[Cluster]:
             for node in NODES:
                 name = f"akri-agent-{node}"
                 api.create(_pod(name, node, daemonset, grace))
-                on_dra = node == "node-a"
+                on_dra = paths[node] == "dra"
                 started = await start_dp_node(
                     api, node, tmp, dra=on_dra, token=f"agent-{node}",
-                    changes={"extended_resources": "dra" if on_dra else "device-plugins"},
+                    changes={"extended_resources": paths[node], "debug_echo_shared": shared},
                     pod_environ={"POD_NAME": name, "POD_NAMESPACE": NS},
                 )  # fmt: skip
                 cluster.nodes[node] = started
@@ -222,17 +231,33 @@ def _agent_sigterm(cluster: Cluster, node: str) -> Any:
 
 
 def _brokers_hold_every_slot(cluster: Cluster) -> bool:
-    """Two shared Instances (cam0, cam1) of capacity 2 on both nodes, each slot held by a
-    Running broker: through DRA on node-a (``D:<claim>:node-a``), a device plugin on node-b."""
+    """Two devices (cam0, cam1) of capacity 2 seen by both nodes — two shared Instances, or
+    two Instances of each node when each sees its own — and on every node of each Instance a
+    Running broker holding one slot: through DRA on node-a for an Instance of node-a alone
+    (``D:<claim>:node-a``), else through device plugins (``<node>``): a device shared with a
+    node on device plugins is served through device plugins on every node that sees it
+    (agent/node/dra/name_paths.py). (node-a's broker may still hold a shared device's slot
+    through DRA: scheduled while node-a alone saw the device, its claim keeps the slot after
+    the name moved to the device plugins.)"""
     instances = cluster.api.list("instances.akri.sh")
     running = [p for p in cluster.broker_pods() if (p.get("status") or {}).get("phase") == "Running"
                and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
-    if len(instances) != 2 or len(running) != 4:
+    if len(instances) not in (2, 4) or len(running) != 4:
         return False
     for instance in instances:
-        holders = sorted(instance["spec"]["deviceUsage"].values())
-        if len(holders) != 2 or holders[1] != "node-b" or not holders[0].endswith(":node-a"):
+        nodes = instance["spec"]["nodes"]
+        on_dra = all(cluster.paths[n] == "dra" for n in nodes)
+        holders: dict[str, str] = {}
+        for value in instance["spec"]["deviceUsage"].values():
+            if value:
+                holders[value.rsplit(":", 1)[-1]] = "dra" if value.startswith("D:") else "plugin"
+        if sorted(holders) != sorted(nodes) or len(nodes) * len(instances) != 4:
             return False
+        for node, path in holders.items():
+            if cluster.paths[node] != "dra" and path != "plugin":
+                return False  # a device-plugin node never serves a pod through DRA
+            if on_dra and path != "dra":
+                return False  # every node of the Instance on DRA: through DRA
     return True
 
 
@@ -303,7 +328,7 @@ async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Pa
 
 
 async def test_deleting_the_install_first_does_not_strand_the_dra_pods(tmp_path: Path) -> None:
-    async with installed(tmp_path) as cluster:
+    async with installed(tmp_path, shared=False) as cluster:
         api = cluster.api
         # not the documented order: the install goes while the brokers run (--wait=false:
         # kubectl would wait for the CRDs, which stay terminating, see below)
@@ -320,10 +345,11 @@ async def test_deleting_the_install_first_does_not_strand_the_dra_pods(tmp_path:
         await eventually(lambda: cluster.terminating() == [], "no Pod left Terminating",
                          within=WITHIN)  # fmt: skip
         assert cluster.dra["node-a"].claims == {}
-        # nobody can remove the Instances' finalizer now: they and their CRD stay terminating
+        # nobody can remove the finalizer of node-b's Instances now (their slots stay held by
+        # node-b, whose agent is gone): they and their CRD stay terminating
         crd = api.get("customresourcedefinitions", "instances.akri.sh")
         assert crd is not None and crd["metadata"].get("deletionTimestamp")
-        assert len(api.list("instances.akri.sh")) == 2
+        assert [i["spec"]["nodes"] for i in api.list("instances.akri.sh")].count(["node-b"]) == 2
         await kubectl(cluster.env, block("docs/install.md", "kubectl get akrii -A -o jsonpath"))
         await eventually(
             lambda: api.get("customresourcedefinitions", "instances.akri.sh") is None,

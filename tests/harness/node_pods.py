@@ -6,11 +6,16 @@ node) does with the Pod objects of the API-server double.
 * a Pod bound to the node (``spec.nodeName``), or pinned to it by a required node affinity
   ``matchFields metadata.name In [<node>]`` (broker Pods: the scheduler binds it), is started:
   bound, given the finalizer :data:`KUBELET_FINALIZER` (graceful deletion: the API server
-  keeps a deleted Pod until kubelet has ended it), its ``akri.sh/*`` resources served — through
-  DRA on a node ``dra=True`` (the scheduler's KEP-5004 claim, :func:`schedule_extended_resources`,
-  then :meth:`DraKubeletDouble.prepare_pod`), else by the device plugins
-  (:meth:`KubeletDouble.admit_pod`) — and its phase set to ``Running``. A Pod that cannot be
-  served yet stays ``Pending`` and is tried again;
+  keeps a deleted Pod until kubelet has ended it), its ``akri.sh/*`` resources served — on a
+  node with a DRA kubelet (``dra``) as the scheduler decides per name: a name the Node's
+  ``status.allocatable`` has above 0 by the device plugins (:meth:`KubeletDouble.admit_pod`),
+  any other through the scheduler's KEP-5004 claim (:func:`schedule_extended_resources`, then
+  :meth:`DraKubeletDouble.prepare_pod`); on a node without one by the device plugins — and its
+  phase set to ``Running``. A Pod that cannot be served yet stays ``Pending`` and is tried
+  again;
+* on a node with both, kubelet's node status update: the device plugins' capacity and
+  allocatable are written to the Node at every step (kubelet does it every 10 s: the window
+  in which a fresh plugin's resource is not yet allocatable is not emulated);
 * a deleted Pod (``deletionTimestamp``) is ended like kubelet ends it: ``on_terminate`` (the
   container's SIGTERM, for Pods the test runs itself: an agent, the controller) runs to its
   end, kubelet forgets the Pod's devices (pod-resources), its DRA claims are unprepared —
@@ -135,6 +140,8 @@ class NodePods:
             await asyncio.sleep(self.interval)
 
     async def step(self) -> None:
+        if self.dra is not None and self.device_plugins is not None:
+            self.post_node_status()
         for pod in self.api.list("pods"):
             if pinned_node(pod) != self.node:
                 continue
@@ -144,6 +151,11 @@ class NodePods:
                     await self._end(pod)
             elif meta["uid"] not in self.running:
                 await self._start(pod)
+
+    def post_node_status(self) -> None:
+        """kubelet's node status update of the device plugins' resources (the Node's other
+        status is kept; a write that meets a newer Node is tried at the next step)."""
+        post_node_status(self.api, self.node, self.device_plugins)
 
     def _write(self, pod: JSON, subresource: str | None = None) -> JSON | None:
         """A resourceVersion-checked write of ``pod`` (None: it changed or went meanwhile)."""
@@ -176,23 +188,35 @@ class NodePods:
         phase = "Running"
         wanted = akri_requests(pod)
         if wanted and self.dra is not None:
-            if not (pod.get("status") or {}).get("extendedResourceClaimStatus"):
+            status = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+            if not status:
                 try:
                     claim = schedule_extended_resources(self.api, namespace, name, self.node)
                 except AllocationError as error:
                     log.info("pod %s/%s is not scheduled: %s", namespace, name, error)
                     return  # tried again later
-                if claim is None:
+                if claim is not None:
+                    pod = self.api.get("pods", name, namespace) or pod
+                    status = (pod.get("status") or {}).get("extendedResourceClaimStatus")
+            if status:
+                try:
+                    # kubelet retries a failed prepare of the same claim; the pod stays Pending
+                    await self.dra.prepare_pod(pod)
+                except DraKubeletError as error:
+                    log.info("pod %s/%s stays Pending: %s", namespace, name, error)
                     return
-                pod = self.api.get("pods", name, namespace) or pod
-            try:
-                # kubelet retries a failed prepare of the same claim; the pod stays Pending
-                await self.dra.prepare_pod(pod)
-            except DraKubeletError as error:
-                log.info("pod %s/%s stays Pending: %s", namespace, name, error)
-                return
-            self.prepared.add(uid)
-        elif wanted and self.device_plugins is not None:
+                self.prepared.add(uid)
+            # the names the scheduler left to the device plugins (allocatable above 0)
+            through_dra = {
+                (m.get("containerName"), m.get("resourceName"))
+                for m in (status or {}).get("requestMappings") or []
+            }
+            wanted = [
+                (container, left)
+                for container, amounts in wanted
+                if (left := {r: n for r, n in amounts.items() if (container, r) not in through_dra})
+            ]
+        if wanted and self.device_plugins is not None:
             plugins = self.device_plugins
             counts: dict[str, int] = {}
             for _, amounts in wanted:
@@ -245,3 +269,29 @@ class NodePods:
         if self._write(pod) is not None:
             self.running.pop(uid, None)
             self.ended.append(f"{namespace}/{name}")
+
+
+def post_node_status(api: ApiServerDouble, node: str, plugins: KubeletDouble | None) -> None:
+    """What kubelet's node status update writes of the device plugins: each resource's
+    capacity and allocatable on the Node (``akri.sh/*`` only; the rest of its status kept). A
+    resource whose plugin went away stays with allocatable 0 (its capacity kept), as kubelet
+    keeps it (``markResourceUnhealthy``)."""
+    found = api.get("nodes", node)
+    if found is None or plugins is None:
+        return
+    status = dict(found.get("status") or {})
+    before = (status.get("capacity") or {}, status.get("allocatable") or {})
+    capacity, allocatable = (
+        {k: v for k, v in old.items() if not k.startswith(AKRI_RESOURCE)} for old in before
+    )
+    for resource in plugins.resources():
+        capacity[resource] = str(plugins.capacity(resource))
+        allocatable[resource] = str(plugins.allocatable(resource))
+    if (capacity, allocatable) == before:
+        return
+    status["capacity"], status["allocatable"] = capacity, allocatable
+    with contextlib.suppress(ApiError):  # a newer Node: the next step writes it
+        api.store.update(
+            api.resource("nodes"), "v1", None, node, {**found, "status": status},
+            subresource="status",
+        )  # fmt: skip

@@ -2,7 +2,11 @@
 
 * an instance-level plugin for every Instance listing this node, a configuration-level plugin
   for every Configuration with at least one such Instance; plugins appear and disappear with
-  Instances;
+  Instances. On a node in ``dra`` mode only for the names the rule of
+  ``agent/node/dra/name_paths.py`` gives to device plugins (an Instance shared with a
+  device-plugin node, a Configuration whose group has one): a name moves between the paths
+  when an Instance's nodes or a node's mode change (:meth:`DevicePluginManager.paths_changed`),
+  its held slots stay held (the reclaimer frees them when their pods end);
 * every Instance change notifies exactly the plugins whose lists may change (its IL plugin
   and its Configuration's CL plugin); an offline (grace) change notifies all;
 * kubelet restarts are detected by watching ``kubelet.sock`` (new inode) and our own sockets
@@ -35,8 +39,9 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.core.aio.events import Subscription
 from agent.core.aio.fswatch import DirectoryWatch
@@ -57,6 +62,9 @@ from agent.node.deviceplugin.views import (
 )
 from agent.node.discovery.ownership import ServedInstances
 
+if TYPE_CHECKING:  # a local agent with device plugins imports nothing of DRA
+    from agent.node.dra.name_paths import NodeNamePaths
+
 log = logging.getLogger(__name__)
 # starts and restarts in flight at once: each step of each is ~0.5 ms of gRPC work on the loop,
 # so at 64 one loop iteration after a 1001-plugin kubelet restart held the loop 400-550 ms;
@@ -67,6 +75,7 @@ CL_UPDATE_INTERVAL = 0.05
 # filesystem timestamp tick, so the directory is checked again on the next poll
 RECENT_MTIME_NS = 1_000_000_000
 SOCKET_SETTLE = 0.03  # seconds to let a burst of socket changes finish before acting
+DRA_MODE = "dra"  # agent/node/dra/name_paths.py's DRA
 
 
 class DevicePluginManager:
@@ -82,8 +91,15 @@ class DevicePluginManager:
         kubelet_poll: float = 0.2,
         concurrency: int = MAX_CONCURRENT_STARTS,
         cl_update_interval: float = CL_UPDATE_INTERVAL,
+        paths: NodeNamePaths | None = None,
+        claims_needed: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self.served = served
+        # which names this node serves through its plugins (None: all of them)
+        self.paths = paths
+        # awaited with True before a plugin starts (slots allocated to ResourceClaims must be
+        # held back first: agent/node/dra/allocated.py), with False once none runs
+        self.claims_needed = claims_needed
         self.ledger = ledger
         self.node = ledger.node
         self.source = source
@@ -193,6 +209,30 @@ class DevicePluginManager:
             self._dirty.add(key.name)
         self._wake.set()
 
+    def paths_changed(self) -> None:
+        """A node's mode changed (this node's, or another's label): which names this node
+        serves through its plugins is decided again for every Instance."""
+        self._full_sync = True
+        self._wake.set()
+
+    def _instance_wanted(self, name: str) -> bool:
+        """Whether this node serves ``akri.sh/<name>`` through its plugin (it lists the node)."""
+        if self.paths is None:
+            return True
+        instance = self.served.get(name)
+        return instance is not None and self.paths.instance_on_plugins(instance)
+
+    def _configuration_wanted(self, configuration: str) -> bool:
+        if self.paths is None:
+            return True
+        return self.paths.configuration_on_plugins(self.served.of_configuration(configuration))
+
+    def _path_note(self, name: str) -> str:
+        instance = self.served.get(name)
+        if self.paths is None or instance is None:
+            return ""
+        return f" ({self.paths.why_instance(instance)})"
+
     def _owners_changed(self, names: set[str]) -> None:
         """Another namespace's Instances are served now: re-read everything."""
         self._full_sync = True
@@ -256,23 +296,47 @@ class DevicePluginManager:
         for name in dirty:
             before, after = self._track(name)
             touched.update(c for c in (before, after) if c is not None)
+            if self.paths is not None:
+                # any Instance of a Configuration this node has may change the group that
+                # decides its configuration-level name's path
+                cached = self.served.get(name)
+                if cached is not None and cached.configuration_name in self._per_configuration:
+                    touched.add(cached.configuration_name)
         if full:
             touched |= set(self.configuration_plugins)
         for name in sorted(n for n in dirty if n in self.instance_plugins):
             if name not in self._on_node:
                 endpoint = self.instance_plugins.pop(name)
                 self._stop_later(endpoint, f"stopped device plugin {endpoint.resource_name}")
+            elif not self._instance_wanted(name):
+                endpoint = self.instance_plugins.pop(name)
+                self._stop_later(
+                    endpoint,
+                    f"stopped device plugin {endpoint.resource_name}: served through DRA "
+                    f"now{self._path_note(name)}; the slots its pods hold stay held",
+                )
         for configuration in sorted(c for c in touched if c in self.configuration_plugins):
             if configuration not in self._per_configuration:
                 endpoint = self.configuration_plugins.pop(configuration)
                 self._stop_later(
                     endpoint, f"stopped configuration device plugin for {configuration}"
                 )
+            elif not self._configuration_wanted(configuration):
+                endpoint = self.configuration_plugins.pop(configuration)
+                self._stop_later(
+                    endpoint,
+                    f"stopped configuration device plugin for {configuration}: "
+                    f"{endpoint.resource_name} is served through DRA now (every node its "
+                    "shared Instances link serves akri.sh/* through DRA); the slots its pods "
+                    "hold stay held",
+                )
         dirty |= self.held_back  # their old meaning's slots may be free now
         new_il = []
         for name in sorted(
             n for n in dirty if n in self._on_node and n not in self.instance_plugins
         ):
+            if not self._instance_wanted(name):
+                continue
             if self._held_under_old_meaning(name):
                 self.held_back.add(name)
                 continue
@@ -306,6 +370,8 @@ class DevicePluginManager:
             if configuration_resource(configuration) in il_resources:
                 self._refuse_name(configuration_resource(configuration), configuration)
                 continue
+            if not self._configuration_wanted(configuration):
+                continue
             new_cl.append(configuration)
         starting: list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]] = []
         for name in new_il:
@@ -314,6 +380,18 @@ class DevicePluginManager:
         for name in new_cl:
             cl_logic = ConfigurationPlugin(name, self._reserved_views, self.ledger, self.source)
             starting.append((self.configuration_plugins, name, self._endpoint(cl_logic)))
+        if starting and self.claims_needed is not None:
+            await self.claims_needed(True)  # before any of them offers a slot
+        if self.paths is not None and self.paths.mode == DRA_MODE:
+            # a node on DRA serving a name through its device plugin: say why
+            for plugins, name, endpoint in starting:
+                why = (
+                    self._path_note(name)
+                    if plugins is self.instance_plugins
+                    else " (a node its shared Instances link does not serve akri.sh/* "
+                    "through DRA: device plugins on all of them)"
+                )
+                log.info("%s on node %s: device plugin%s", endpoint.resource_name, self.node, why)
         for plugins, name, endpoint in starting:
             plugins[name] = endpoint  # listed at once: close() stops it even mid-start
         failed = await self._start_all(starting)
@@ -325,6 +403,8 @@ class DevicePluginManager:
             cl = self.configuration_plugins.get(configuration)
             if cl is not None:
                 cl.service.changed()
+        if self.claims_needed is not None and not self.endpoints() and not self._stopping:
+            await self.claims_needed(False)
         if failed:
             raise RuntimeError(f"{failed} device plugin(s) did not start")
 
@@ -419,7 +499,12 @@ class DevicePluginManager:
             self._stop(endpoint, done), name=f"stop-{endpoint.resource_name}"
         )
         self._stopping[endpoint] = task
-        task.add_done_callback(lambda _: self._stopping.pop(endpoint, None))
+        task.add_done_callback(lambda _: self._stopped(endpoint))
+
+    def _stopped(self, endpoint: PluginEndpoint) -> None:
+        self._stopping.pop(endpoint, None)
+        if self.claims_needed is not None and not self._stopping and not self.endpoints():
+            self._wake.set()  # the last one: the next sync says claims need no following
 
     async def _stop(self, endpoint: PluginEndpoint, done: str | None = None) -> None:
         try:

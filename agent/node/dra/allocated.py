@@ -17,9 +17,11 @@ result resolves to a slot when its pool is this node's pool or a shared Instance
 node serves. Once the claim is prepared its slot holds ``D:<uid>:<node>`` and the reservation
 has nothing left to do; it ends when the claim is deallocated or deleted.
 
-**Only where the race can happen** (issue 33.5): a node on the DRA path registers no device
-plugin, so nothing there could take an allocated slot; the agent follows claims only on a
-device-plugin node that also runs the DRA driver (``agent/node/app.py``). The API cannot narrow
+**Only where the race can happen** (issue 33.5): a node in ``dra`` mode registers device
+plugins only for the names it shares with device-plugin nodes (``agent/node/dra/name_paths.py``);
+while none runs nothing there could take an allocated slot. The agent follows claims on a
+device-plugin node that also runs the DRA driver, and on a ``dra``-mode node only while one of
+its device plugins runs (``agent/node/app.py``, ``Agent._claims_needed``). The API cannot narrow
 the stream (a ResourceClaim's selectable fields are ``metadata.name``/``namespace`` only, and
 claims carry no label of their driver), so what the agent holds is narrowed instead: a list
 page is reduced to the claims with ``akri.sh`` results as it arrives (never the whole

@@ -38,11 +38,13 @@ the Node, and each node's local ResourceSlices carry it as the label
 publishers of shared pools read. A ResourceClaim prepared on a node whose runtime is not known
 to inject CDI gets a warning (a log line, and an Event on the claim): :class:`CdiNotice`.
 
-On the DRA path the agent does not register its device plugins (so kubelet reports 0 of the
-``akri.sh/*`` resources and the scheduler uses the slices); the device-plugin reclaimer keeps
-running, so slots that pods took through device plugins before a switch stay held until those
-pods end. Switching is a restart of the agent with another decision: no slot is released by
-it (slots live in the Instances; DRA claims keep their ``D:`` values).
+That decision is the node's *mode*. Which path each name takes is per (node, name)
+(``agent/node/dra/name_paths.py``): a node in ``dra`` mode does not register the device plugin
+of a name served through DRA (so kubelet reports 0 of it and the scheduler uses the slices),
+but does register the plugins of the devices it shares with device-plugin nodes. The
+device-plugin reclaimer keeps running, so slots that pods took through device plugins before a
+name moved stay held until those pods end; no slot is released by a switch (slots live in the
+Instances; DRA claims keep their ``D:`` values).
 """
 
 from __future__ import annotations
@@ -289,7 +291,8 @@ async def decide_path(
 def path_line(node: str, decision: PathDecision) -> str:
     """The one line that says a node's path and why (log, Event)."""
     shown = (
-        "DRA (ResourceSlices, prepared by the DRA driver; device plugins not registered)"
+        "DRA (ResourceSlices, prepared by the DRA driver; device plugins only for the "
+        "devices it shares with nodes on device plugins)"
         if decision.path == DRA
         else "device plugins"
     )

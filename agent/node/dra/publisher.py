@@ -212,12 +212,29 @@ class SlicePublisher:
         self.writes = 0
         self.syncs = 0
         self.synced = asyncio.Event()
+        # called (sync) when a node's mode changed: this node's, or a label of another's
+        self.paths_listeners: list[Callable[[], None]] = []
+        self._last_paths: dict[str, str] | None = None
+        self._loaded = False
 
     async def start(self) -> None:
-        """First list of our slices (waiting out 429, 5xx and no answer like the store's
-        first lists), then follow them. Raises :class:`StoreError` for what waiting cannot
-        heal: 401/403, or a cluster that does not serve ``resource.k8s.io/v1``."""
+        """First list of our slices (:meth:`load`, unless done), then follow them and publish."""
+        await self.load()
+        self._tasks = [
+            asyncio.create_task(self._informer.run(), name="watch-resourceslices"),
+            asyncio.create_task(self._loop(), name="publish-resourceslices"),
+        ]
+        self.trigger()
+
+    async def load(self) -> None:
+        """First list of the ``akri.sh`` slices (waiting out 429, 5xx and no answer like the
+        store's first lists): every node's mode is known from then on (:meth:`node_paths`).
+        Raises :class:`StoreError` for what waiting cannot heal: 401/403, or a cluster that
+        does not serve ``resource.k8s.io/v1``."""
         from agent.core.store.kubernetes import first_list
+
+        if self._loaded:
+            return
 
         await first_list(
             self._informer,
@@ -231,11 +248,7 @@ class SlicePublisher:
             ),
         )
         self._node_uid = await self._lookup_node_uid()
-        self._tasks = [
-            asyncio.create_task(self._informer.run(), name="watch-resourceslices"),
-            asyncio.create_task(self._loop(), name="publish-resourceslices"),
-        ]
-        self.trigger()
+        self._loaded = True
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -327,7 +340,11 @@ class SlicePublisher:
         # pure and O(Instances) (88 ms for the first pass at 1,000): off the event loop, which
         # keeps answering Allocates meanwhile. Only this task touches the device memo.
         offline = frozenset(self._offline())  # a snapshot: the loop may change the set
-        paths = self._node_paths()
+        paths = self.node_paths()
+        if paths != self._last_paths:
+            self._last_paths = paths
+            for listener in list(self.paths_listeners):
+                listener()
         pools = await asyncio.to_thread(self._desired, instances, offline, paths)
         self._forget_devices({i.name for i in instances})
         by_pool: dict[str, list[Obj]] = {}
@@ -440,13 +457,14 @@ class SlicePublisher:
             offline,
             self._devices_of,
             self._effective_options,
-            extended_eligibility(self.node, paths),
+            extended_eligibility(instances, paths),
         )
         return [(pool, pool.slice_specs()) for pool in pools]
 
-    def _node_paths(self) -> dict[str, str]:
-        """Node -> the path it serves ``akri.sh/*`` through: this node's own decision, the
-        others' from the label on their local slices (a node without one is unknown)."""
+    def node_paths(self) -> dict[str, str]:
+        """Node -> its mode (the path it serves ``akri.sh/*`` through where the names allow:
+        ``agent/node/dra/name_paths.py``): this node's own decision, the others' from the
+        label on their local slices (a node without one is unknown)."""
         paths: dict[str, str] = {}
         for obj in self._informer.cache.values():
             owner = (obj.get("spec") or {}).get("nodeName")

@@ -37,20 +37,22 @@ capacity (each allocation consumes 1 by default, any whole number up to the capa
 at least one slot is free or DRA-held; slots held through a device plugin lower the capacity.
 The publisher falls back to one device per slot where the API server drops those fields.
 
-**Extended resources** (KEP-5004): every device carries the bool attribute
-``extendedResources``, which the DeviceClasses behind ``akri.sh/<name>`` limits require
-(``agent/core/deviceclasses.py``). It is true only where every node that can use the slot
-serves ``akri.sh/*`` through DRA: a local slot on a DRA-path node; a shared slot when all its
-Instance's nodes are (each node says its path with the label ``akri.sh/extended-resources`` on
-its local slices; a node that says nothing counts as not). A device-plugin node's slots stay
-allocatable to explicit claims but never to a pod's extended-resource limit: in the seconds
-before kubelet posts a freshly registered plugin's resource the scheduler would otherwise
-satisfy the limit through DRA on that node, and its device plugin would never be asked.
+**Extended resources** (KEP-5004): every device carries the bool attributes
+``extendedResources`` (may serve ``akri.sh/<instance>`` limits) and
+``configurationExtendedResources`` (``akri.sh/<configuration>`` limits), which the
+DeviceClasses behind those names require (``agent/core/deviceclasses.py``). They are true only
+where no node that can use the slot serves that name through a device plugin — the rule of
+``agent/node/dra/name_paths.py``, from each node's mode (the label
+``akri.sh/extended-resources`` on its local slices; a node that says nothing counts as device
+plugins) and the Instances. A slot of a name served through device plugins stays allocatable to
+explicit claims but never to a pod's extended-resource limit: in the seconds before kubelet
+posts a freshly registered plugin's resource the scheduler would otherwise satisfy the limit
+through DRA on that node, and its device plugin would never be asked.
 
 Device names are DNS labels: the slot id when it is one, else a sanitised prefix + hash.
 Attributes (≤ 32 per device, names are C identifiers ≤ 32 chars, string values ≤ 64 chars):
 ``configuration``, ``instance``, ``slot`` (int), ``shared`` (bool), ``extendedResources``
-(bool), then device properties,
+and ``configurationExtendedResources`` (bool), then device properties,
 typed — integers as ``int``, ``true``/``false`` as ``bool``, semantic versions as ``version``,
 other strings ≤ 64 chars as ``string`` — in name order until the limit. Properties that do not
 fit (long values, names that cannot be C identifiers) are left out (they still reach the
@@ -76,6 +78,7 @@ from agent.core.model.resource_slices import selected_nodes as selected_nodes
 from agent.core.model.resource_slices import serving_nodes as serving_nodes
 from agent.core.model.resource_slices import shared_node_selector as shared_node_selector
 from agent.core.model.resource_slices import shared_publisher as shared_publisher
+from agent.node.dra.name_paths import Eligibility, slot_eligibility
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
@@ -88,10 +91,18 @@ MAX_ATTRIBUTES = 32
 MAX_ATTRIBUTE_NAME = 32
 MAX_STRING_VALUE = 64
 EXTENDED_ATTRIBUTE = "extendedResources"
+CONFIGURATION_EXTENDED_ATTRIBUTE = "configurationExtendedResources"
 # on a node's local ResourceSlices: the path that node serves akri.sh/* through ("dra" /
 # "device-plugins"), read by the publishers of shared pools and by `akri status`
 PATH_LABEL = "akri.sh/extended-resources"
-RESERVED_ATTRIBUTES = ("configuration", "instance", "slot", "shared", EXTENDED_ATTRIBUTE)
+RESERVED_ATTRIBUTES = (
+    "configuration",
+    "instance",
+    "slot",
+    "shared",
+    EXTENDED_ATTRIBUTE,
+    CONFIGURATION_EXTENDED_ATTRIBUTE,
+)
 _C_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _INT = re.compile(r"^[+-]?\d{1,18}$")
 _SEMVER = re.compile(
@@ -137,22 +148,26 @@ def device_name(slot: str) -> str:
 
 
 def device_attributes(
-    instance: Instance, index: int, *, extended: bool = True
+    instance: Instance, index: int, *, extended: bool = True, configuration_extended: bool = True
 ) -> dict[str, dict[str, Any]]:
     """Typed attributes of one slot device."""
-    return _with_slot(_instance_attributes(instance, extended), index)
+    return _with_slot(_instance_attributes(instance, extended, configuration_extended), index)
 
 
-def _instance_attributes(instance: Instance, extended: bool = True) -> dict[str, dict[str, Any]]:
+def _instance_attributes(
+    instance: Instance, extended: bool = True, configuration_extended: bool = True
+) -> dict[str, dict[str, Any]]:
     """The attributes every slot of ``instance`` shares (``slot`` is a placeholder).
-    ``extendedResources``: whether the slots may serve pods' ``akri.sh/<name>`` limits through
-    DRA (:class:`SlotState`)."""
+    ``extendedResources`` / ``configurationExtendedResources``: whether the slots may serve
+    pods' ``akri.sh/<instance>`` / ``akri.sh/<configuration>`` limits through DRA
+    (:class:`SlotState`)."""
     attributes: dict[str, dict[str, Any]] = {
         "configuration": {"string": instance.configuration_name[:MAX_STRING_VALUE]},
         "instance": {"string": instance.name[:MAX_STRING_VALUE]},
         "slot": {},
         "shared": {"bool": instance.shared},
         EXTENDED_ATTRIBUTE: {"bool": extended},
+        CONFIGURATION_EXTENDED_ATTRIBUTE: {"bool": configuration_extended},
     }
     for key, value in sorted(instance.broker_properties.items()):
         if len(attributes) >= MAX_ATTRIBUTES:
@@ -187,9 +202,11 @@ class SlotState:
     availability: str = USABLE  # USABLE, OFFLINE (grace period) or DRAINING
     options: DeviceOptions = DeviceOptions()
     node: str = ""  # the taint's value
-    # may serve pods' akri.sh/<name> limits through DRA: every node that can use the device
-    # serves akri.sh/* through DRA (the extended-resource DeviceClasses require it)
+    # may serve pods' akri.sh/<instance> (extended) and akri.sh/<configuration>
+    # (configuration_extended) limits through DRA: no node that can use the device serves that
+    # name through a device plugin (agent/node/dra/name_paths.py; the classes require it)
     extended: bool = True
+    configuration_extended: bool = True
 
 
 def device_options(annotations: Mapping[str, str]) -> DeviceOptions:
@@ -280,7 +297,7 @@ class Pool:
 
 DevicesOf = Callable[[Instance, SlotState], Sequence[dict[str, Any]]]
 OptionsOf = Callable[[Instance], DeviceOptions]
-ExtendedOf = Callable[[Instance], bool]
+ExtendedOf = Callable[[Instance], Eligibility]
 
 
 def _no_options(instance: Instance) -> DeviceOptions:
@@ -319,7 +336,7 @@ def instance_devices(
     slots = published_slots(instance, state)
     if not slots:
         return ()
-    common = _instance_attributes(instance, state.extended)
+    common = _instance_attributes(instance, state.extended, state.configuration_extended)
     extra: dict[str, Any] = {}
     if instance.shared and binds_to_node:
         extra["bindsToNode"] = True
@@ -366,8 +383,13 @@ def _state(
     options_of: OptionsOf,
     extended_of: ExtendedOf,
 ) -> SlotState:
+    eligible = extended_of(instance)
     return SlotState(
-        availability(instance, node, offline), options_of(instance), node, extended_of(instance)
+        availability(instance, node, offline),
+        options_of(instance),
+        node,
+        eligible.instance,
+        eligible.configuration,
     )
 
 
@@ -386,28 +408,21 @@ def _devices(
     return devices
 
 
-def _always_extended(instance: Instance) -> bool:
-    return True
+def _always_extended(instance: Instance) -> Eligibility:
+    return Eligibility(True, True)
 
 
-def extended_eligibility(node: str, paths: Mapping[str, str], dra: str = "dra") -> ExtendedOf:
-    """``extended_of`` for :func:`desired_pools`: a local Instance's slots may serve pods'
-    ``akri.sh/<name>`` limits through DRA when ``node`` is on the DRA path; a shared
-    Instance's slots only when **every** node its pool serves (:func:`serving_nodes`) is
-    (``paths``: node -> path, unknown nodes count as not). The slice of a shared pool serves
-    all those nodes, and the
-    extended-resource DeviceClasses cannot see the node: a slot eligible there would be
-    allocated for a pod on a device-plugin node too — whose kubelet had not posted the
-    resource yet (< 10 s after registration) — and that node's device plugin would never be
-    asked (KEP-5004's "never both on one node")."""
-
-    def extended_of(instance: Instance) -> bool:
-        if not instance.shared:
-            return paths.get(node) == dra
-        nodes = serving_nodes(instance)
-        return bool(nodes) and all(paths.get(n) == dra for n in nodes)
-
-    return extended_of
+def extended_eligibility(instances: Sequence[Instance], paths: Mapping[str, str]) -> ExtendedOf:
+    """``extended_of`` for :func:`desired_pools`: whether an Instance's slots may serve pods'
+    ``akri.sh/<instance>`` and ``akri.sh/<configuration>`` limits through DRA, from every
+    node's mode (``paths``: node -> mode, unknown nodes count as device plugins) and
+    ``instances`` (all this node knows: the configuration-level name depends on the nodes the
+    Configuration's shared Instances link). A slot eligible for a name on a node that serves
+    that name through a device plugin would be allocated through DRA there — whose kubelet had
+    not posted the plugin's resource yet (< 10 s after registration) — and the device plugin
+    would never be asked (KEP-5004's "never both on one node"): the rule of
+    :mod:`agent.node.dra.name_paths`."""
+    return slot_eligibility(instances, paths)
 
 
 def desired_pools(

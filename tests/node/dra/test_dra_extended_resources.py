@@ -53,12 +53,16 @@ def test_classes_of_a_configuration_and_its_instances() -> None:
             "cel": {
                 "expression": "device.driver == 'akri.sh' && "
                 "device.attributes['akri.sh'].configuration == 'cam' && "
-                "'extendedResources' in device.attributes['akri.sh'] && "
-                "device.attributes['akri.sh'].extendedResources"
+                "'configurationExtendedResources' in device.attributes['akri.sh'] && "
+                "device.attributes['akri.sh'].configurationExtendedResources"
             }
         }
     ]
     instance = instance_class(CAM, "cam-8120fe")
+    assert instance["spec"]["selectors"][0]["cel"]["expression"].endswith(
+        "'extendedResources' in device.attributes['akri.sh'] && "
+        "device.attributes['akri.sh'].extendedResources"
+    )
     assert instance["metadata"]["name"] == "cam-8120fe.instance.akri.sh"
     assert instance["spec"]["extendedResourceName"] == "akri.sh/cam-8120fe"
     assert instance["metadata"]["labels"]["akri.sh/configuration"] == "cam"

@@ -116,14 +116,24 @@ def test_slots_carry_their_eligibility_and_the_classes_require_it() -> None:
     by_instance = class_selector(instance_class(CAM, "cam-aaaaaa"))
     slice_ = {"spec": {"driver": "akri.sh"}}
     (eligible,) = instance_devices(local, SlotState(USABLE, extended=True))
-    (excluded,) = instance_devices(local, SlotState(USABLE, extended=False))
-    assert eligible["attributes"]["extendedResources"] == {"bool": True}
+    (excluded,) = instance_devices(
+        local, SlotState(USABLE, extended=False, configuration_extended=False)
+    )
+    (instance_only,) = instance_devices(
+        local, SlotState(USABLE, extended=True, configuration_extended=False)
+    )
+    attributes = eligible["attributes"]
+    assert attributes["extendedResources"] == {"bool": True}
+    assert attributes["configurationExtendedResources"] == {"bool": True}
     assert excluded["attributes"]["extendedResources"] == {"bool": False}
+    assert excluded["attributes"]["configurationExtendedResources"] == {"bool": False}
     for select in (by_config, by_instance):
         assert select(eligible, slice_) and not select(excluded, slice_)
-    # a slot of an older agent, without the attribute: no match, and no CEL runtime error
+    # each class asks for its own name's attribute
+    assert by_instance(instance_only, slice_) and not by_config(instance_only, slice_)
+    # a slot of an older agent, without the attributes: no match, and no CEL runtime error
     older = {**eligible, "attributes": {
-        k: v for k, v in eligible["attributes"].items() if k != "extendedResources"}}  # fmt: skip
+        k: v for k, v in attributes.items() if "xtendedResources" not in k}}  # fmt: skip
     assert not by_config(older, slice_) and not by_instance(older, slice_)
 
 
@@ -133,7 +143,7 @@ def test_a_shared_pool_serves_extended_resources_only_if_all_its_nodes_do() -> N
 
     def extended(paths: dict[str, str]) -> dict[str, bool]:
         pools = desired_pools(
-            [shared, local], "n1", (), extended_of=extended_eligibility("n1", paths)
+            [shared, local], "n1", (), extended_of=extended_eligibility([shared, local], paths)
         )
         return {p.name: p.devices[0]["attributes"]["extendedResources"]["bool"] for p in pools}
 
