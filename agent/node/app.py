@@ -182,6 +182,9 @@ class Agent:
         self.extended_resource_path = "device-plugins"  # dra/extended.py decides at start
         self.extended_resource_reason = ""
         self.runtime_cdi: Any = None  # dra/extended.py's RuntimeCdi of this node, once read
+        self._path_facts: Any = None  # dra/extended.py's NodeFacts the path was decided on
+        self._awaits_classes = False  # auto: device plugins until a DeviceClass appears
+        self._classes_task: asyncio.Task[None] | None = None
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
@@ -356,6 +359,10 @@ class Agent:
                     ),
                     name="dra-options",
                 )
+        if self._awaits_classes:
+            self._classes_task = asyncio.create_task(
+                self._follow_device_classes(), name="deviceclasses"
+            )
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
@@ -510,6 +517,8 @@ class Agent:
         )
         self.extended_resource_path = decision.path
         self.extended_resource_reason = decision.reason
+        self._path_facts = facts
+        self._awaits_classes = decision.awaits_classes and self.publisher is not None
         runtime = facts.runtime if facts is not None else None
         self.runtime_cdi = runtime
         status = self.dra.claim_status if self.dra is not None else None
@@ -517,6 +526,65 @@ class Agent:
             # explicit claims are prepared here too: each gets a warning, not silence
             status.listeners.append(CdiNotice(client, self.settings.node_name, runtime).prepared)
         return decision.path
+
+    async def _follow_device_classes(self) -> None:
+        """``auto`` took device plugins at the start because no DeviceClass of akri controller
+        carried ``extendedResourceName`` yet (installed in the README's order, the agent starts
+        before the controller has written any): follow the classes, and once one does, decide
+        again and move to DRA in place (:meth:`_take_path`)."""
+        from agent.node.dra.extended import choose_path, follow_device_classes, kubelet_of
+
+        facts = self._path_facts
+        decided: list[Any] = []
+
+        def seen(classes: list[Mapping[str, Any]]) -> bool:
+            decision = choose_path(
+                self.settings.extended_resources,
+                dra_enabled=True,
+                kubelet=kubelet_of(facts),
+                classes=classes,
+                runtime=facts.runtime if facts is not None else None,
+            )
+            if decision.awaits_classes:
+                return False
+            decided.append(decision)
+            return True
+
+        await follow_device_classes(self.store.api_client, seen)  # type: ignore[attr-defined]
+        if decided:
+            await self._take_path(decided[0])
+
+    async def _take_path(self, decision: Any) -> None:
+        """Move this node to ``decision``'s mode without a restart. Nothing is released: the
+        names that now go through DRA stop their device plugins (kubelet keeps the pods that
+        hold their slots; the reclaimer frees those slots when the pods end), the local
+        slices say the new mode, the slots' attributes follow (name_paths.py), and the names
+        still shared with device-plugin nodes keep their plugins. Said like the choice at the
+        start: log line, ``ExtendedResourcePath`` Event, ``akri_extended_resource_path``."""
+        import dataclasses
+
+        from agent.node.dra.extended import announce
+
+        if decision.path != self.extended_resource_path:
+            decision = dataclasses.replace(
+                decision,
+                reason=f"{decision.reason} (a DeviceClass appeared after the start: switched "
+                f"from {self.extended_resource_path} without a restart; slots held either "
+                "way stay held)",
+            )
+        self.extended_resource_path = decision.path
+        self.extended_resource_reason = decision.reason
+        await announce(
+            self.store.api_client,  # type: ignore[attr-defined]
+            self.settings.node_name,
+            self._path_facts,
+            decision,
+        )
+        if self.publisher is not None:
+            self.publisher.extended_path = decision.path
+            self.publisher.trigger()
+        if self.plugins is not None:
+            self.plugins.paths_changed()
 
     def _decide_names_per_node(self) -> None:
         """The device plugins serve, on a node in ``dra`` mode, only the names the rule of
@@ -591,7 +659,7 @@ class Agent:
             self._gc_freeze.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_freeze
-        for events in (self._slice_events, self._dra_options_task):
+        for events in (self._slice_events, self._dra_options_task, self._classes_task):
             if events is not None:
                 events.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

@@ -342,6 +342,7 @@ class KubeClient:
         timeout_seconds: int,
         field_selector: str | None = None,
         idle_timeout: float = WATCH_IDLE_TIMEOUT,
+        label_selector: str | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """A watch from ``resource_version`` with bookmarks, as lines of JSON events. The server
         ends it after ``timeout_seconds``; the client gives up 30 s later, or after
@@ -349,6 +350,7 @@ class KubeClient:
         minute, so more than twice that means the connection died)."""
         params = {
             "fieldSelector": field_selector,
+            "labelSelector": label_selector,
             "watch": True,
             "resourceVersion": resource_version,
             "timeoutSeconds": timeout_seconds,

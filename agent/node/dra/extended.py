@@ -51,15 +51,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import datetime
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from agent.core.deviceclasses import LABEL_SELECTOR, RESOURCE_PREFIX
-from agent.core.kube import ApiError, KubeClient, resource_path
+from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
+from agent.core.store.informer import WatchExpiredError, watch_events
 from agent.node.dra.checkpoint import PreparedClaim
 from agent.node.dra.slices import PATH_LABEL
 
@@ -74,6 +76,7 @@ _RUNTIME = re.compile(
     r"^(?P<name>[a-z0-9.-]+)://v?(?P<major>\d+)\.(?P<minor>\d+)(?:\.(?P<patch>\d+))?"
 )
 MAX_NOTICED_CLAIMS = 4096
+WATCH_TIMEOUT = 290
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class PathDecision:
     path: str  # DRA or DEVICE_PLUGINS
     reason: str
     warning: str = ""
+    # auto, device plugins only until akri controller's DeviceClasses can be seen: the agent
+    # follows them and takes DRA once one carries extendedResourceName (follow_device_classes)
+    awaits_classes: bool = False
 
 
 def runtime_cdi(runtime: str | None, labels: Mapping[str, str] | None = None) -> RuntimeCdi:
@@ -200,13 +206,16 @@ def choose_path(
     if runtime.applies is not True:
         return PathDecision(DEVICE_PLUGINS, runtime.why)
     if classes is None:
-        return PathDecision(DEVICE_PLUGINS, "the DeviceClasses could not be read")
+        return PathDecision(
+            DEVICE_PLUGINS, "the DeviceClasses could not be read", awaits_classes=True
+        )
     keeps = api_keeps_extended_resource_name(classes)
     if keeps is None:
         return PathDecision(
             DEVICE_PLUGINS,
             "no DeviceClass with an extendedResourceName yet (is akri controller running, "
-            "with a Configuration?)",
+            "with a Configuration?); DRA once one appears",
+            awaits_classes=True,
         )
     if not keeps:
         return PathDecision(
@@ -271,6 +280,24 @@ async def decide_path(
     decision = choose_path(
         mode, dra_enabled=dra_enabled, kubelet=kubelet, classes=classes, runtime=runtime
     )
+    await announce(client, node, facts, decision)
+    return decision
+
+
+def kubelet_of(facts: NodeFacts | None) -> str | None:
+    """The Node's ``status.nodeInfo.kubeletVersion`` (None: not read)."""
+    if facts is None or facts.node is None:
+        return None
+    info = (facts.node.get("status") or {}).get("nodeInfo") or {}
+    version = info.get("kubeletVersion")
+    return str(version) if version else None
+
+
+async def announce(
+    client: KubeClient, node: str, facts: NodeFacts | None, decision: PathDecision
+) -> None:
+    """Say a node's path and why: one log line (a warning for a forced path that will not
+    deliver), an ``ExtendedResourcePath`` Event on the Node (best effort)."""
     line = path_line(node, decision)
     if decision.warning:
         log.warning("%s", line)
@@ -285,7 +312,81 @@ async def decide_path(
             line,
             warning=bool(decision.warning),
         )
-    return decision
+
+
+ClassesSeen = Callable[[list[Mapping[str, Any]]], bool]
+
+
+async def follow_device_classes(
+    client: KubeClient, seen: ClassesSeen, *, retry: float = 1.0, poll: float = 30.0
+) -> None:
+    """List and watch the DeviceClasses akri controller manages, calling ``seen`` with all of
+    them at the list and at every change, until it returns True. (``auto`` decided device
+    plugins at the start because none carried ``extendedResourceName`` yet: installed in the
+    README's order, the agent starts before the controller has written any.) A watch refused
+    (an RBAC of an older install without ``watch``) falls back to a list every ``poll``
+    seconds; a list refused (no ``list`` either) is said once and ends the following."""
+    path = resource_path("resource.k8s.io", "v1", "deviceclasses")
+    classes: dict[str, Mapping[str, Any]] = {}
+    watch_refused = False
+    delay = retry
+    while True:
+        try:
+            found, version = await client.list_all(path, params={"labelSelector": LABEL_SELECTOR})
+        except ApiError as error:
+            if error.status in (401, 403, 404):
+                log.warning(
+                    "cannot list DeviceClasses (%s): extended resources stay on device plugins "
+                    "until the agent restarts",
+                    error,
+                )
+                return
+            log.info("listing DeviceClasses failed (%s); again in %.0f s", error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, poll)
+            continue
+        except (TransportError, OSError) as error:
+            log.info("listing DeviceClasses failed (%s); again in %.0f s", error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, poll)
+            continue
+        delay = retry
+        classes = {str(c["metadata"]["name"]): c for c in found}
+        if seen(list(classes.values())):
+            return
+        if watch_refused:
+            await asyncio.sleep(poll)
+            continue
+        try:
+            stream = client.watch(
+                path, version, timeout_seconds=WATCH_TIMEOUT, label_selector=LABEL_SELECTOR
+            )
+            async with contextlib.aclosing(watch_events(stream, "deviceclasses")) as events:
+                async for kind, obj in events:
+                    name = str((obj.get("metadata") or {}).get("name", ""))
+                    if kind in ("ADDED", "MODIFIED"):
+                        classes[name] = obj
+                    elif kind == "DELETED":
+                        classes.pop(name, None)
+                    else:
+                        continue
+                    if seen(list(classes.values())):
+                        return
+        except WatchExpiredError:
+            continue
+        except ApiError as error:
+            if error.status in (401, 403):
+                watch_refused = True
+                log.warning(
+                    "cannot watch DeviceClasses (%s): listing them every %.0f s instead (the "
+                    "agent's RBAC of deploy/base/rbac.yaml allows watch)",
+                    error,
+                    poll,
+                )
+            else:
+                await asyncio.sleep(retry)
+        except (TransportError, OSError):
+            await asyncio.sleep(retry)
 
 
 def path_line(node: str, decision: PathDecision) -> str:
