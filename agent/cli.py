@@ -432,7 +432,7 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
     from agent.node.dra.extended import observed_paths
     from agent.node.status import cluster_offline
 
-    nodes, slices = _nodes_and_slices(kubeconfig)
+    nodes, slices = _nodes_and_slices(kubeconfig, instances)
     # which path serves akri.sh/<name> limits on each node, as the scheduler sees it
     paths = observed_paths(nodes, slices) if nodes is not None and slices is not None else None
     offline = cluster_offline(instances, nodes or [], slices or [])
@@ -441,6 +441,9 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
 
         body = json.loads(cluster_json(configurations, instances))
         body["extendedResourcePaths"] = paths  # node -> "dra" | "device-plugins" (None: unread)
+        if paths is not None and paths.plugin_names:
+            # a node on DRA: the names of the devices it shares with device-plugin nodes
+            body["extendedResourcesThroughDevicePlugins"] = paths.plugin_names
         body["offline"] = {str(key): parts for key, parts in sorted(offline.items())}
         text = json.dumps(body, indent=2, sort_keys=True)
     else:
@@ -456,6 +459,9 @@ def _cluster_status(args: argparse.Namespace, why: str) -> int:
     return _print(text) or _nothing_came(args.wait, "in the cluster", raw)
 
 
+NODE_READS_AT_ONCE = 16  # akri status reading Nodes one by one (no list permission)
+
+
 def _nothing_came(wait: float, where: str, instances: Sequence[object]) -> int:
     """0, or 1 with a line saying so when ``--wait`` ran out without an Instance."""
     if not wait or instances:
@@ -465,34 +471,64 @@ def _nothing_came(wait: float, where: str, instances: Sequence[object]) -> int:
 
 
 def _nodes_and_slices(
-    kubeconfig: str | None,
+    kubeconfig: str | None, instances: Sequence[Any] = ()
 ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
     """The Nodes and the ``akri.sh`` ResourceSlices (each None where it cannot be read: RBAC,
-    DRA not served): which path each node is on, and what it shows of offline devices."""
+    DRA not served): which path each node is on, and what it shows of offline devices. Where
+    Nodes may not be listed — the agent's own ServiceAccount, as ``kubectl exec ... akri
+    status`` runs, may only get them — the nodes the Instances and the slices name are read
+    one by one."""
     import asyncio
 
     from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
     from agent.core.kube import resource_path as path
+    from agent.core.model.resource_slices import selected_nodes
 
     async def read() -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
         client = make_kube_client(kubeconfig)
-        found: list[list[dict[str, Any]] | None] = []
         try:
-            ours = {"fieldSelector": "spec.driver=akri.sh"}
-            for where, params in (
-                (path("", "v1", "nodes"), None),
-                (path("resource.k8s.io", "v1", "resourceslices"), ours),
-            ):
-                try:
-                    items, _version = await client.list_all(where, params=params)
-                except ApiError as error:
-                    if error.status not in (401, 403, 404):
+            slices: list[dict[str, Any]] | None
+            try:
+                slices, _version = await client.list_all(
+                    path("resource.k8s.io", "v1", "resourceslices"),
+                    params={"fieldSelector": "spec.driver=akri.sh"},
+                )
+            except ApiError as error:
+                if error.status not in (401, 403, 404):
+                    raise
+                slices = None
+            try:
+                nodes, _version = await client.list_all(path("", "v1", "nodes"))
+                return nodes, slices
+            except ApiError as error:
+                if error.status not in (401, 403):
+                    raise
+            named = {node for instance in instances for node in instance.nodes}
+            for item in slices or []:
+                spec = item.get("spec") or {}
+                if spec.get("nodeName"):
+                    named.add(str(spec["nodeName"]))
+                named.update(selected_nodes(spec))
+            limit = asyncio.Semaphore(NODE_READS_AT_ONCE)
+
+            async def get(name: str) -> dict[str, Any] | None:
+                async with limit:
+                    try:
+                        return await client.get(path("", "v1", "nodes", name=name))
+                    except ApiError as error:
+                        if error.status == 404:
+                            return None  # gone: nothing to show of it
                         raise
-                    items = None
-                found.append(items)
+
+            try:
+                found = await asyncio.gather(*(get(name) for name in sorted(named)))
+            except ApiError as error:
+                if error.status not in (401, 403):
+                    raise
+                return None, slices
+            return [node for node in found if node is not None], slices
         finally:
             await client.close()
-        return found[0], found[1]
 
     try:
         return asyncio.run(read())

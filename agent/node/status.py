@@ -178,8 +178,15 @@ def cluster_offline(
     devices tainted ``akri.sh/offline:NoSchedule`` (DRA), ``unhealthy (node, kubelet)`` where
     kubelet counts none of its slots healthy (device plugins: ``status.allocatable`` of
     ``akri.sh/<instance>`` is 0 of a capacity above 0) though a slot is free — the device is
-    offline there, or the node's agent is not running. Draining nodes are not repeated (the
-    Instance's own mark says so)."""
+    offline there, or the node's agent is not running. Not where the node serves that name
+    through DRA (``agent/node/dra/name_paths.py``, from the modes its slices say): kubelet
+    keeps a resource whose device plugin went away at allocatable 0 until it restarts, which
+    says nothing about the device. Draining nodes are not repeated (the Instance's own mark
+    says so)."""
+    from agent.node.dra.name_paths import DRA, instance_on_dra, modes_of_slices
+
+    slices = list(slices)
+    modes = modes_of_slices(slices)
     by_name: dict[str, list[Instance]] = {}
     for instance in instances:
         by_name.setdefault(instance.name[:INSTANCE_ATTRIBUTE_LENGTH], []).append(instance)
@@ -217,6 +224,7 @@ def cluster_offline(
                 and str(capacity.get(resource, "0")) != "0"
                 and str(allocatable.get(resource, "")) == "0"
                 and has_free
+                and not (modes.get(node) == DRA and instance_on_dra(instance, modes))
             ):
                 note(instance, node, f"unhealthy ({node}, kubelet)")
     return {key: [text for _, text in sorted(nodes.items())] for key, nodes in found.items()}

@@ -63,7 +63,7 @@ from agent.core.deviceclasses import LABEL_SELECTOR, RESOURCE_PREFIX
 from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.store.informer import WatchExpiredError, watch_events
 from agent.node.dra.checkpoint import PreparedClaim
-from agent.node.dra.slices import PATH_LABEL
+from agent.node.dra.name_paths import modes_of_slices
 
 log = logging.getLogger(__name__)
 
@@ -514,47 +514,63 @@ class CdiNotice:
 
 
 class ObservedPaths(dict[str, str]):
-    """Node -> path as the scheduler sees it; ``runtimes`` holds each node's container runtime
-    and whether it injects CDI (shown by ``akri status``; the JSON form stays node -> path)."""
+    """Node -> path (its mode) as the scheduler sees it; ``runtimes`` holds each node's
+    container runtime and whether it injects CDI, ``plugin_names`` the names a node on DRA
+    serves through its device plugins (shown by ``akri status``; the JSON form stays node ->
+    path)."""
 
-    def __init__(self, paths: Mapping[str, str], runtimes: Mapping[str, RuntimeCdi]) -> None:
+    def __init__(
+        self,
+        paths: Mapping[str, str],
+        runtimes: Mapping[str, RuntimeCdi],
+        plugin_names: Mapping[str, list[str]] | None = None,
+    ) -> None:
         super().__init__(paths)
         self.runtimes = dict(runtimes)
+        self.plugin_names = dict(plugin_names or {})
 
 
 def observed_paths(
     nodes: Iterable[Mapping[str, Any]], slices: Iterable[Mapping[str, Any]]
 ) -> ObservedPaths:
-    """Which path each node is on as the scheduler sees it (``akri status``): a node whose
-    ``status.allocatable`` has an ``akri.sh/`` resource above 0 serves device plugins; a node
-    that publishes an ``akri.sh`` pool (``spec.nodeName``) and advertises none serves what its
-    slices' label ``akri.sh/extended-resources`` says (DRA when they have none: an older
-    agent)."""
-    publishing: dict[str, str] = {}
-    for item in slices:
-        spec = item.get("spec") or {}
-        if spec.get("driver") == "akri.sh" and spec.get("nodeName"):
-            labels = (item.get("metadata") or {}).get("labels") or {}
-            label = labels.get(PATH_LABEL)
-            publishing[str(spec["nodeName"])] = label if label in (DRA, DEVICE_PLUGINS) else DRA
+    """Which path each node is on as the scheduler sees it (``akri status``): what its local
+    slices' label ``akri.sh/extended-resources`` says, with, on a node on DRA, the
+    ``akri.sh/`` names its ``status.allocatable`` has above 0 (the devices it shares with
+    device-plugin nodes: ``agent/node/dra/name_paths.py``); a node without the label (an
+    older agent) serves device plugins where it has such a resource, else DRA where it
+    publishes an ``akri.sh`` pool (``spec.nodeName``)."""
+    slices = list(slices)
+    modes = modes_of_slices(slices)
+    publishing = {
+        str((item.get("spec") or {})["nodeName"])
+        for item in slices
+        if (item.get("spec") or {}).get("driver") == "akri.sh"
+        and (item.get("spec") or {}).get("nodeName")
+    }
     paths: dict[str, str] = {}
     runtimes: dict[str, RuntimeCdi] = {}
+    plugin_names: dict[str, list[str]] = {}
     for node in nodes:
         name = str(node["metadata"]["name"])
         info = (node.get("status") or {}).get("nodeInfo") or {}
         labels = (node.get("metadata") or {}).get("labels") or {}
         allocatable = ((node.get("status") or {}).get("allocatable")) or {}
-        advertised = any(
-            key.startswith(RESOURCE_PREFIX) and str(value) not in ("0", "")
+        advertised = sorted(
+            str(key)
             for key, value in allocatable.items()
+            if str(key).startswith(RESOURCE_PREFIX) and str(value) not in ("0", "")
         )
-        if advertised:
+        if name in modes:
+            paths[name] = modes[name]
+            if modes[name] == DRA and advertised:
+                plugin_names[name] = advertised
+        elif advertised:
             paths[name] = DEVICE_PLUGINS
         elif name in publishing:
-            paths[name] = publishing[name]
+            paths[name] = DRA
         if name in paths and info.get("containerRuntimeVersion"):
             runtimes[name] = runtime_cdi(info["containerRuntimeVersion"], labels)
-    return ObservedPaths(paths, runtimes)
+    return ObservedPaths(paths, runtimes, plugin_names)
 
 
 async def read_observed_paths(client: KubeClient) -> ObservedPaths | None:
@@ -581,11 +597,15 @@ def paths_table(paths: Mapping[str, str] | None) -> str:
     if not paths:
         return "Extended resources (akri.sh/<name> limits): no node serves any yet"
     runtimes = paths.runtimes if isinstance(paths, ObservedPaths) else {}
+    plugin_names = paths.plugin_names if isinstance(paths, ObservedPaths) else {}
     width = max(len("NODE"), *(len(n) for n in paths))
     shown = {
         node: "DRA (ResourceSlices)" if path == DRA else "device plugins"
         for node, path in paths.items()
     }
+    for node, names in plugin_names.items():
+        listed = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
+        shown[node] = f"DRA; device plugins for {listed}"
     if not runtimes:
         lines = [f"{'NODE':<{width}}  EXTENDED RESOURCES"]
         lines += [f"{node:<{width}}  {shown[node]}" for node in sorted(paths)]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
@@ -44,6 +45,21 @@ from agent.core.model.resource_slices import serving_nodes
 
 DRA, DEVICE_PLUGINS = "dra", "device-plugins"
 Modes = Mapping[str, str]  # node -> its mode; a node that is absent counts as device plugins
+# on a node's local ResourceSlices (spec.nodeName): its mode, "dra" / "device-plugins"
+MODE_LABEL = "akri.sh/extended-resources"
+
+
+def modes_of_slices(slices: Iterable[Mapping[str, Any]]) -> dict[str, str]:
+    """Node -> mode, from the label its agent puts on its local ``akri.sh`` slices (what the
+    publishers and ``akri status`` know of the other nodes)."""
+    modes: dict[str, str] = {}
+    for item in slices:
+        spec = item.get("spec") or {}
+        owner = spec.get("nodeName")
+        label = ((item.get("metadata") or {}).get("labels") or {}).get(MODE_LABEL)
+        if owner and label in (DRA, DEVICE_PLUGINS):
+            modes[str(owner)] = str(label)
+    return modes
 
 
 def instance_on_dra(instance: Instance, modes: Modes) -> bool:

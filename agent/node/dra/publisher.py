@@ -41,6 +41,7 @@ from agent.core.model.resource_slices import (
     INSTANCE_VERSION_ANNOTATION,
 )
 from agent.core.store.informer import Informer, Obj, RawEvent, compare_versions, watch_events
+from agent.node.dra.name_paths import modes_of_slices
 from agent.node.dra.slices import (
     DRAINING,
     DRIVER,
@@ -465,12 +466,7 @@ class SlicePublisher:
         """Node -> its mode (the path it serves ``akri.sh/*`` through where the names allow:
         ``agent/node/dra/name_paths.py``): this node's own decision, the others' from the
         label on their local slices (a node without one is unknown)."""
-        paths: dict[str, str] = {}
-        for obj in self._informer.cache.values():
-            owner = (obj.get("spec") or {}).get("nodeName")
-            label = ((obj.get("metadata") or {}).get("labels") or {}).get(PATH_LABEL)
-            if owner and label:
-                paths[str(owner)] = str(label)
+        paths = modes_of_slices(self._informer.cache.values())
         paths.pop(self.node, None)
         if self.extended_path is not None:
             paths[self.node] = self.extended_path

@@ -78,7 +78,7 @@ from agent.core.model.resource_slices import selected_nodes as selected_nodes
 from agent.core.model.resource_slices import serving_nodes as serving_nodes
 from agent.core.model.resource_slices import shared_node_selector as shared_node_selector
 from agent.core.model.resource_slices import shared_publisher as shared_publisher
-from agent.node.dra.name_paths import Eligibility, slot_eligibility
+from agent.node.dra.name_paths import MODE_LABEL, Eligibility, slot_eligibility
 
 MAX_DEVICES_PER_SLICE = 128
 MAX_DEVICES_PER_SLICE_WITH_TAINTS = 64  # ResourceSliceMaxDevicesWithTaintsOrConsumesCounters
@@ -94,7 +94,7 @@ EXTENDED_ATTRIBUTE = "extendedResources"
 CONFIGURATION_EXTENDED_ATTRIBUTE = "configurationExtendedResources"
 # on a node's local ResourceSlices: the path that node serves akri.sh/* through ("dra" /
 # "device-plugins"), read by the publishers of shared pools and by `akri status`
-PATH_LABEL = "akri.sh/extended-resources"
+PATH_LABEL = MODE_LABEL
 RESERVED_ATTRIBUTES = (
     "configuration",
     "instance",
