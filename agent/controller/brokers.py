@@ -316,10 +316,14 @@ def plan_pods(
     remove: list[Removal] = []
     alive: list[ObservedPod] = []
     next_check: float | None = None
+    # A draining node lost the device and stays in ``nodes`` only until the slots held there
+    # are freed: its broker goes as Akri's does when the node leaves the Instance (its broker
+    # holding the slot would otherwise keep the node draining for good).
+    serving = set(instance.nodes) - set(instance.draining_nodes)
     for pod in pods:
         if pod.deleting:
             continue
-        reason = _judge(pod, instance.nodes, now, timing)
+        reason = _judge(pod, serving, now, timing)
         if reason is not None:
             remove.append(Removal(pod.name, pod.uid, reason))
             continue

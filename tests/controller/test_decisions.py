@@ -258,6 +258,25 @@ def test_no_broker_on_a_not_ready_draining_or_offline_node() -> None:
     assert len(plan.create) == 1
 
 
+def test_the_broker_of_a_node_that_lost_the_device_goes_and_an_offline_one_stays() -> None:
+    """A node that lost a shared device past its grace drains: it stays in ``nodes`` only
+    while slots are held there, and its broker holds one — so the broker must go, as Akri's
+    does when the node leaves the Instance, or the node drains for good. A node in its
+    offline grace keeps its broker (Akri keeps the node during the grace)."""
+    config = _config(pod_spec=broker_pod_spec())
+    wanted = brokers.spec_hash(broker_pod_spec())
+    instance = _instance(
+        nodes=("node-a", "node-b", "node-c"),
+        capacity=3,
+        usage={"cams-8120fe-0": "node-a", "cams-8120fe-1": "node-b", "cams-8120fe-2": "node-c"},
+        annotations={DRAINING_ANNOTATION: "node-b", OFFLINE_ANNOTATION: "node-c"},
+    )
+    pods = [_pod(f"{n}-cams-8120fe-pod", n, wanted) for n in ("node-a", "node-b", "node-c")]
+    plan = brokers.plan_pods(config, instance, pods, {"node-a", "node-b", "node-c"}, NOW)
+    assert [(r.name, r.reason) for r in plan.remove] == [("node-b-cams-8120fe-pod", "NodeLeft")]
+    assert plan.create == ()
+
+
 def test_pod_actions_follow_akri_grace_periods() -> None:
     config = _config(pod_spec=broker_pod_spec())
     wanted = brokers.spec_hash(broker_pod_spec())
