@@ -572,19 +572,20 @@ class Agent:
                 f"from {self.extended_resource_path} without a restart; slots held either "
                 "way stay held)",
             )
+        # all at once, before any await: the plugins read this node's mode from both
         self.extended_resource_path = decision.path
         self.extended_resource_reason = decision.reason
+        if self.publisher is not None:
+            self.publisher.extended_path = decision.path
+            self.publisher.trigger()
+        if self.plugins is not None:
+            self.plugins.paths_changed()
         await announce(
             self.store.api_client,  # type: ignore[attr-defined]
             self.settings.node_name,
             self._path_facts,
             decision,
         )
-        if self.publisher is not None:
-            self.publisher.extended_path = decision.path
-            self.publisher.trigger()
-        if self.plugins is not None:
-            self.plugins.paths_changed()
 
     def _decide_names_per_node(self) -> None:
         """The device plugins serve, on a node in ``dra`` mode, only the names the rule of

@@ -158,22 +158,26 @@ class NodeNamePaths:
     def mode(self) -> str:
         return self._mode()
 
+    def modes(self) -> dict[str, str]:
+        """Every node's mode, this node's as it is now."""
+        return {**self._modes(), self.node: self._mode()}
+
     def instance_on_plugins(self, instance: Instance) -> bool:
         """Whether ``akri.sh/<instance>`` is served here through the device plugin."""
-        return self._mode() != DRA or not instance_on_dra(instance, self._modes())
+        return self._mode() != DRA or not instance_on_dra(instance, self.modes())
 
     def configuration_on_plugins(self, instances: Sequence[Instance]) -> bool:
         """Whether the configuration-level name of ``instances`` (one Configuration's) is
         served here through the device plugin."""
         if self._mode() != DRA:
             return True
-        return not configuration_on_dra(self.node, instances, self._modes())
+        return not configuration_on_dra(self.node, instances, self.modes())
 
     def why_instance(self, instance: Instance) -> str:
         """One line: which path ``akri.sh/<instance>`` takes here, and why."""
         if self._mode() != DRA:
             return "this node serves akri.sh/* through device plugins"
-        others = device_plugin_nodes(instance, self._modes())
+        others = device_plugin_nodes(instance, self.modes())
         if not others:
             return "every node of the Instance serves akri.sh/* through DRA"
         shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")

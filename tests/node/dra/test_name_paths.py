@@ -114,6 +114,10 @@ def test_a_node_on_dra_serves_through_its_plugins_only_the_names_shared_with_plu
     assert paths.configuration_on_plugins([LOCAL_A, AB, AC])
     assert not paths.configuration_on_plugins([LOCAL_A, AC])
     assert "shared with b" in paths.why_instance(AB)
+    # this node's mode is the one it has now, whatever the publisher has seen of it (the
+    # switch of auto: the plugins must not start for a moment before the label follows)
+    switching = NodeNamePaths("a", lambda: DRA, lambda: {**modes, "a": DEVICE_PLUGINS})
+    assert not switching.instance_on_plugins(LOCAL_A)
     mode["a"] = DEVICE_PLUGINS  # a node on device plugins serves every name through them
     assert all(paths.instance_on_plugins(i) for i in (LOCAL_A, AB, AC))
     assert paths.configuration_on_plugins([LOCAL_A, AC])
