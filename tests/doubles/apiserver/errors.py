@@ -102,6 +102,29 @@ def conflict(gr: GroupResource, name: str, why: str) -> ApiError:
     )
 
 
+def apply_conflict(conflicts: list[tuple[str, str]]) -> ApiError:
+    """A server-side apply (without ``force``) that would change fields other managers own:
+    409 Conflict with a ``FieldManagerConflict`` cause per (printed manager, field), worded as
+    the apply handler's ``NewConflictError``/``getConflictMessage``."""
+    causes = [
+        {"reason": "FieldManagerConflict", "message": f"conflict with {manager}", "field": field}
+        for manager, field in conflicts
+    ]
+    if len(conflicts) == 1:
+        manager, field = conflicts[0]
+        text = f"Apply failed with 1 conflict: conflict with {manager}: {field}"
+    else:
+        by_manager: dict[str, list[str]] = {}
+        for manager, field in conflicts:
+            by_manager.setdefault(manager, []).append(field)
+        lines = []
+        for manager in sorted(by_manager):
+            lines.append(f"conflicts with {manager}:")
+            lines += [f"- {field}" for field in by_manager[manager]]
+        text = f"Apply failed with {len(conflicts)} conflicts: " + "\n".join(lines)
+    return ApiError(409, text, "Conflict", {"causes": causes})
+
+
 MODIFIED = (
     "the object has been modified; please apply your changes to the latest version and try again"
 )

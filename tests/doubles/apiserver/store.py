@@ -598,14 +598,7 @@ class Store:
                             f"uid mismatch: the provided object specified uid {uid}, and no "
                             "existing object was found",
                         )
-                    body = managed_fields.apply(
-                        None,
-                        patch,
-                        field_manager,
-                        self._set_lists(rt, version),
-                        rt.api_version(version),
-                        now_rfc3339(),
-                    )
+                    body = self._applied(rt, version, None, patch, field_manager)
                     _meta(body)["name"] = name
                     if _meta(body).get("resourceVersion"):
                         raise errors.stale(rt.gr, name)
@@ -627,14 +620,7 @@ class Store:
                     candidate = strategic_merge_patch(current, patch)
                 elif patch_type == APPLY_PATCH:
                     assert field_manager is not None
-                    candidate = managed_fields.apply(
-                        current,
-                        patch,
-                        field_manager,
-                        self._set_lists(rt, version),
-                        rt.api_version(version),
-                        now_rfc3339(),
-                    )
+                    candidate = self._applied(rt, version, current, patch, field_manager)
                 else:
                     if not isinstance(patch, dict):
                         raise PatchError("a merge patch must be a JSON object")
@@ -782,6 +768,29 @@ class Store:
             self._remove(rt, key)
         return self._output(rt, version, new)
 
+    def _applied(
+        self, rt: ResourceType, version: str, current: JSON | None, patch: JSON, manager: str
+    ) -> JSON:
+        """``current`` after ``manager`` applies ``patch``; 409 when it would change fields
+        other managers own (an apply without ``force``)."""
+        try:
+            return managed_fields.apply(
+                current,
+                patch,
+                manager,
+                self._set_lists(rt, version),
+                rt.api_version(version),
+                now_rfc3339(),
+                maps=self._granular_maps(rt),
+            )
+        except managed_fields.ApplyConflict as conflict:
+            raise errors.apply_conflict(conflict.conflicts) from None
+
+    def _granular_maps(self, rt: ResourceType) -> list[managed_fields.Path]:
+        """The maps whose keys have owners (``metadata.annotations``), on custom resources,
+        as the set-typed lists."""
+        return [managed_fields.ANNOTATIONS] if rt.custom else []
+
     def _set_lists(self, rt: ResourceType, version: str) -> list[managed_fields.Path]:
         """The set-typed lists of a custom resource (their elements have owners): those of
         its schema, and ``metadata.finalizers`` (``+listType=set`` in ObjectMeta)."""
@@ -804,7 +813,13 @@ class Store:
             return
         _set_managed_fields(new, (current or {}).get("metadata", {}).get("managedFields"))
         managed_fields.track_update(
-            current, new, field_manager, paths, rt.api_version(version), now_rfc3339()
+            current,
+            new,
+            field_manager,
+            paths,
+            rt.api_version(version),
+            now_rfc3339(),
+            maps=self._granular_maps(rt),
         )
 
     # --- delete --------------------------------------------------------------------------
