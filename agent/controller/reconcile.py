@@ -449,8 +449,14 @@ class Reconciler:
         if not self.dra_slices:
             return
         now = self._monotonic()
+        members: dict[str, set[str]] = {}
+        for instance in self.store.list_cached():  # a pool is named after its Instance
+            members.setdefault(instance.name, set()).update(instance.nodes)
         for name, version in slices.stale_shared_slices(
-            self.slice_cache.cache.values(), node, lambda name: self.nodes.is_dead(name, now)
+            self.slice_cache.cache.values(),
+            node,
+            lambda name: self.nodes.is_dead(name, now),
+            lambda pool: members.get(pool, ()),
         ):
             path = resource_path("resource.k8s.io", "v1", "resourceslices", None, name)
             body = {"kind": "DeleteOptions", "apiVersion": "v1",

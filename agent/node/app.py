@@ -17,6 +17,7 @@ from agent.core.store.base import ConfigurationEvent, EventType, InstanceEvent
 from agent.node.activity_log import log_instance_changes
 from agent.node.discovery.budget import ensure_fd_limit
 from agent.node.discovery.manager import DiscoveryManager, GraceSettings
+from agent.node.discovery.offline_marks import OfflineMarks
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
 from agent.node.kubelet.evidence import NodeEvidence
@@ -166,6 +167,18 @@ class Agent:
             ownership=self.ownership,
             max_instances=settings.max_instances,
         )
+        # what this node publishes as offline (damped), and its own offline mark on each
+        # shared Instance, which the publishers of shared pools go by
+        self.offline_marks = OfflineMarks(
+            store,
+            self.ledger,
+            node,
+            self.served.all,
+            self.discovery.offline_instances,
+            self.discovery.seen_instances,
+            lambda: {key.name for key in self.discovery.draining()},
+        )
+        self.discovery.add_offline_listener(self.offline_marks.changed)
         if settings.local:
             # local mode has no Events: `akri status --state-dir` reads this file instead
             self.discovery.notes_listeners.append(self._record_notes)
@@ -291,10 +304,12 @@ class Agent:
             self.store.api_client,
             self.settings.node_name,
             self.served.all,
-            self.discovery.offline_instances,
+            # damped (a blinking device does not rewrite slices at every blink); shared
+            # pools also go by the other nodes' offline marks in the Instances
+            self.offline_marks.offline,
             options_of=options.of,
         )
-        self.discovery.add_offline_listener(self.publisher.trigger)
+        self.offline_marks.add_listener(self.publisher.trigger)
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
@@ -333,6 +348,7 @@ class Agent:
             settle_finalizers(self.store.subscribe_instances(), self.ledger), name="finalizers"
         )
         await self.discovery.start()
+        self.offline_marks.start()
         if self.plugins is not None and self.reclaimer is not None:
             if path == "device-plugins" or self.plugins.paths is not None:
                 # on DRA: the names shared with device-plugin nodes (name_paths.py)
@@ -667,6 +683,8 @@ class Agent:
                     await events
         if self.publisher is not None:
             await self.publisher.close()
+        # before discovery: its runners clear their offline sets when they stop
+        await self.offline_marks.close()
         if self.allocated_claims is not None:
             await self.allocated_claims.close()
         if self._dra_reclaim_task is not None:

@@ -132,7 +132,12 @@ def state(instance: Instance, offline: Sequence[str] = ()) -> str:
     if instance.deletion_timestamp is not None:
         held = held_count(instance)
         parts.append(f"terminating: {held} slot{'s' if held != 1 else ''} in use")
-    parts += [f"offline ({node})" for node in instance.offline_nodes]
+    # a node's own mark (shared Instances), unless what the nodes say names it already
+    parts += [
+        f"offline ({node})"
+        for node in instance.offline_nodes
+        if not any(text.startswith((f"offline ({node})", f"offline ({node},")) for text in offline)
+    ]
     parts += list(offline)
     for node in instance.draining_nodes:
         count = len(node_slots(instance, node))
@@ -173,16 +178,17 @@ def cluster_offline(
     nodes: Iterable[Mapping[str, Any]],
     slices: Iterable[Mapping[str, Any]],
 ) -> dict[ObjectKey, list[str]]:
-    """What the cluster shows of Instances in a node's offline grace (nothing is written to
-    the Instance then): ``offline (node)`` where the node's agent publishes the Instance's
-    devices tainted ``akri.sh/offline:NoSchedule`` (DRA), ``unhealthy (node, kubelet)`` where
-    kubelet counts none of its slots healthy (device plugins: ``status.allocatable`` of
-    ``akri.sh/<instance>`` is 0 of a capacity above 0) though a slot is free — the device is
-    offline there, or the node's agent is not running. Not where the node serves that name
-    through DRA (``agent/node/dra/name_paths.py``, from the modes its slices say): kubelet
-    keeps a resource whose device plugin went away at allocatable 0 until it restarts, which
-    says nothing about the device. Draining nodes are not repeated (the Instance's own mark
-    says so)."""
+    """What the cluster shows of Instances in a node's offline grace beyond the Instance's
+    own marks (a shared Instance's nodes record theirs, :func:`state` shows them; nothing is
+    written to a local Instance): ``offline (node)`` where the node's agent publishes the
+    Instance's devices tainted ``akri.sh/offline:NoSchedule`` (DRA), ``unhealthy (node,
+    kubelet)`` where kubelet counts none of its slots healthy (device plugins:
+    ``status.allocatable`` of ``akri.sh/<instance>`` is 0 of a capacity above 0) though a slot
+    is free — the device is offline there, or the node's agent is not running. Not where the
+    node serves that name through DRA (``agent/node/dra/name_paths.py``, from the modes its
+    slices say): kubelet keeps a resource whose device plugin went away at allocatable 0 until
+    it restarts, which says nothing about the device. Draining and offline-marked nodes are not
+    repeated (the Instance's own marks say so)."""
     from agent.node.dra.name_paths import DRA, instance_on_dra, modes_of_slices
 
     slices = list(slices)
@@ -193,7 +199,7 @@ def cluster_offline(
     found: dict[ObjectKey, dict[str, str]] = {}
 
     def note(instance: Instance, node: str, text: str) -> None:
-        if node not in instance.draining_nodes:
+        if node not in instance.draining_nodes and node not in instance.offline_nodes:
             found.setdefault(instance.key, {}).setdefault(node, text)
 
     for item in slices:

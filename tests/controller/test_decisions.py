@@ -397,6 +397,34 @@ def test_stale_shared_slices_are_those_listing_the_dead_node_and_no_live_one() -
     assert found == [("shared-3", "7")]
 
 
+def test_a_slice_a_live_node_of_its_instance_will_rewrite_is_not_stale() -> None:
+    """A shared pool lists only the nodes that see its device (issue 33.1): node-b, alive but
+    in its offline grace, is not in the slice its dead peer published, yet it is in the
+    Instance and, once the dead node is out, publishes the pool for itself (tainted) in
+    place. Only a pool whose Instance lists no live node is the controller's to delete."""
+    requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+    obj = {
+        "metadata": {"name": "akri.sh-cam-8120fe-0", "resourceVersion": "9"},
+        "spec": {
+            "driver": "akri.sh",
+            "pool": {"name": "cam-8120fe", "generation": 1, "resourceSliceCount": 1},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]},
+        },
+    }
+    instances = {"cam-8120fe": {"node-b"}}
+
+    def dead(node: str) -> bool:
+        return node == "node-a"
+
+    assert slices.stale_shared_slices([obj], "node-a", dead, lambda p: instances.get(p, ())) == []
+    assert slices.stale_shared_slices([obj], "node-a", dead, lambda p: ()) == [
+        ("akri.sh-cam-8120fe-0", "9")
+    ]
+    assert slices.stale_shared_slices([obj], "node-a", dead, lambda p: {"node-a"}) == [
+        ("akri.sh-cam-8120fe-0", "9")
+    ]
+
+
 def test_the_broker_example_plans_one_pod_per_node_and_both_services() -> None:
     import yaml
 

@@ -285,9 +285,19 @@ def test_offline_shared_with_grace_keeps_instances_for_the_grace(env: LocalEnv) 
     agent.wait_for_log(
         rf"instance default/{FOO0}: device not seen by {NODE}", since=since, timeout=2
     )
-    # the slots are Unhealthy on this node meanwhile, and nothing is written: the node
-    # leaves with one write when the grace is over (issue 28: an offline mark written when
-    # the grace started doubled every departing node's writes and conflicts)
+    # the slots are Unhealthy on this node meanwhile, and the node records it once in each
+    # shared Instance (its own annotation, applied without a resourceVersion precondition:
+    # issue 33.1), then writes nothing more during the grace; the leave at its end takes the
+    # mark with it in the same write
+    mark = f"akri.sh/offline.{NODE}"
+    poll_until(
+        lambda: all(
+            mark in (obj["metadata"].get("annotations") or {})
+            for obj in instance_files(env.state_dir).values()
+        ),
+        timeout=5,
+        message="the node's offline marks",
+    )
     versions = {
         name: obj["metadata"]["resourceVersion"]
         for name, obj in instance_files(env.state_dir).items()
@@ -300,6 +310,10 @@ def test_offline_shared_with_grace_keeps_instances_for_the_grace(env: LocalEnv) 
     set_online(env.avail)
     env.hold_names({FOO0, FOO1}, 2.5)
     assert {n: o["metadata"]["uid"] for n, o in instance_files(env.state_dir).items()} == uids
+    assert not any(  # seen again: the marks are gone
+        mark in (obj["metadata"].get("annotations") or {})
+        for obj in instance_files(env.state_dir).values()
+    )
 
     # Offline for longer than the grace: kept ~2 s, then gone.
     since = agent.mark()

@@ -50,7 +50,7 @@ from agent.core.model.device_usage import (
     parse_usage,
 )
 from agent.core.model.instance import Instance
-from agent.core.model.naming import DRAINING_ANNOTATION, OFFLINE_ANNOTATION, parse_slot_id, slot_id
+from agent.core.model.naming import DRAINING_ANNOTATION, parse_slot_id, slot_id
 
 
 @dataclass(frozen=True)
@@ -498,11 +498,12 @@ def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
     if held:
         if node in instance.draining_nodes:
             return Drain(held, None)
-        return Drain(held, with_draining(instance, node, True))
+        # the draining mark says more than an offline one: the same write clears it
+        return Drain(held, with_draining(instance, node, True).without_offline_mark(node))
     remaining = tuple(n for n in instance.nodes if n != node)
     updated = (
         with_draining(instance, node, False)
-        .with_node_mark(OFFLINE_ANNOTATION, node, False)
+        .without_offline_mark(node)
         .evolve(nodes=remaining)
     )
     return Leave(updated, delete=not remaining and held_count(instance) == 0)
@@ -536,7 +537,7 @@ def decide_evict_node(instance: Instance, node: str) -> Eviction | None:
     remaining = tuple(n for n in instance.nodes if n != node)
     updated = (
         with_draining(instance, node, False)
-        .with_node_mark(OFFLINE_ANNOTATION, node, False)
+        .without_offline_mark(node)
         .evolve(nodes=remaining, device_usage=usage)
     )
     return Eviction(updated, held, delete=not remaining)

@@ -33,7 +33,7 @@ import logging
 from agent.core.ledger.decisions import decide_release_slots, held_count, node_slots, with_draining
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
-from agent.core.model.naming import OFFLINE_ANNOTATION, SLOTS_FINALIZER
+from agent.core.model.naming import SLOTS_FINALIZER
 from agent.core.store.base import InstanceStore, NotFoundError
 from agent.core.store.cas import DEFAULT_RETRY, RetryPolicy, cas_update
 
@@ -105,7 +105,7 @@ def decide_release_share(instance: Instance, node: str) -> Instance | None:
     usage = decide_release_slots(instance, expected).device_usage
     updated = (
         with_draining(instance, node, False)
-        .with_node_mark(OFFLINE_ANNOTATION, node, False)
+        .without_offline_mark(node)
         .evolve(nodes=tuple(n for n in instance.nodes if n != node), device_usage=dict(usage))
     )
     return settle_finalizer(updated)

@@ -56,6 +56,7 @@ from agent.core.ledger.reservations import RESERVED, UNSETTLED, Reservations
 from agent.core.model.device_usage import ClaimUsage
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
+from agent.core.model.naming import offline_annotation
 from agent.core.store.base import (
     ConflictError,
     InstanceStore,
@@ -178,6 +179,21 @@ def only_joins(before: Instance, after: Instance, node: str) -> bool:
         node not in before.nodes
         and set(after.nodes) == {*before.nodes, node}
         and after.evolve(nodes=before.nodes) == before
+    )
+
+
+def _wants_mark(instance: Instance, node: str, since: str | None) -> bool:
+    """Whether ``node``'s offline mark on ``instance`` must change to say ``since`` (set) or
+    nothing (None): a member's mark, on a live Instance; a draining node is not marked (its
+    draining mark says more, and the write that drains clears the offline one)."""
+    present = offline_annotation(node) in instance.annotations
+    if since is None:
+        return present
+    return (
+        not present
+        and node in instance.nodes
+        and node not in instance.draining_nodes
+        and instance.deletion_timestamp is None
     )
 
 
@@ -337,8 +353,16 @@ class SlotLedger:
         decision = decide_leave(current, self.node)
         if not isinstance(decision, Leave) or decision.delete:
             return None
+        # this node's own offline annotation goes with the same apply (its field manager
+        # applied it): leaving it out of the comparison keeps the leave a membership write
+        own_mark = offline_annotation(self.node)
+        before = current
+        if own_mark in current.annotations:
+            before = current.evolve(
+                annotations={k: v for k, v in current.annotations.items() if k != own_mark}
+            )
         if (
-            not only_joins(decision.instance, current, self.node)
+            not only_joins(decision.instance, before, self.node)
             or settle_finalizer(decision.instance) != decision.instance
         ):
             return None
@@ -351,10 +375,49 @@ class SlotLedger:
         if stored is None:
             return None
         STATS.record("leave", writes=1)
-        if self.node in stored.nodes:
-            return None
+        if self.node in stored.nodes or own_mark in stored.annotations:
+            return None  # another writer owns the entry or the mark too: a checked write
         self._granted.pop(key, None)
         return LeaveResult(left=True)
+
+    async def mark_offline(self, key: ObjectKey, since: str | None) -> bool:
+        """Record (``since``: when this node stopped seeing the device, RFC 3339) or clear
+        (None) this node's offline mark on the shared Instance ``key``: its own annotation
+        (:func:`offline_annotation`), written with the store's membership write (a server-side
+        apply with this node's field manager: no resourceVersion precondition, so nodes
+        marking one Instance together never conflict). Only while this node is a member that
+        does not drain it (a drain or a leave clears the mark in its own write), and never on
+        a terminating Instance. Where the store has no such write, or another writer owns the
+        annotation too (it stays after the apply), a checked write does it. Returns whether
+        anything was written. Raises :class:`StoreError` (the caller retries later)."""
+        async with self.lock_for(key):
+            current = self.store.get_cached(key)
+            if current is None or not _wants_mark(current, self.node, since):
+                return False
+            try:
+                # the apply states this node's whole part: its entry stays as it is (a mark
+                # left behind after a leave is cleared without joining again)
+                stored = await self.store.apply_membership(
+                    key, self.node, self.node in current.nodes, uid=current.uid, offline=since
+                )
+            except (ConflictError, NotFoundError):
+                return False  # re-created or gone: decided again on what the watch brings
+            own_mark = offline_annotation(self.node)
+            if stored is not None:
+                STATS.record("offline", writes=1)
+                if (own_mark in stored.annotations) == (since is not None):
+                    return True
+
+            def mutate(instance: Instance) -> Instance | None:
+                if not _wants_mark(instance, self.node, since):
+                    return None
+                if since is None:
+                    return instance.without_offline_mark(self.node)
+                return instance.evolve(annotations={**instance.annotations, own_mark: since})
+
+            with contextlib.suppress(NotFoundError):
+                await cas_update(self.store, key, mutate, policy=self._policy, operation="offline")
+            return True
 
     async def _evidence_for(self, instance: Instance) -> SlotsInUse:
         """Raises :class:`EvidenceUnavailableError` when kubelet or a checkpoint cannot be

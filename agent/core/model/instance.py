@@ -13,6 +13,7 @@ from agent.core.model.naming import (
     DEVICE_DIGEST_ANNOTATION,
     DRAINING_ANNOTATION,
     OFFLINE_ANNOTATION,
+    offline_annotation,
     slot_id,
 )
 
@@ -68,9 +69,31 @@ class Instance:
 
     @property
     def offline_nodes(self) -> tuple[str, ...]:
-        """Nodes that do not see the device right now but keep the Instance for its offline
-        grace (their slots are Unhealthy there)."""
-        return self.marked_nodes(OFFLINE_ANNOTATION)
+        """Nodes of ``nodes`` that do not see the device right now but keep the Instance for
+        their offline grace (their slots are Unhealthy there): those with an annotation of
+        their own (:func:`~agent.core.model.naming.offline_annotation`, shared Instances), and
+        those an earlier agent listed in ``akri.sh/offline``."""
+        legacy = self.marked_nodes(OFFLINE_ANNOTATION)
+        if not self.annotations:
+            return legacy
+        own = tuple(n for n in self.nodes if offline_annotation(n) in self.annotations)
+        return (*own, *(n for n in legacy if n not in own)) if legacy else own
+
+    def offline_since(self, node: str) -> str | None:
+        """When ``node`` recorded that it stopped seeing the device (the value of its own
+        offline annotation, RFC 3339), or None."""
+        return self.annotations.get(offline_annotation(node))
+
+    def without_offline_mark(self, node: str) -> Instance:
+        """A copy without ``node``'s offline marks (its own annotation and its entry in an
+        earlier agent's list)."""
+        key = offline_annotation(node)
+        cleared = self.with_node_mark(OFFLINE_ANNOTATION, node, False)
+        if key not in cleared.annotations:
+            return cleared
+        return cleared.evolve(
+            annotations={k: v for k, v in cleared.annotations.items() if k != key}
+        )
 
     def marked_nodes(self, annotation: str) -> tuple[str, ...]:
         """The node names in a comma-separated node-list annotation."""

@@ -33,7 +33,12 @@ DNS_SUBDOMAIN_MAX = 253
 DIGEST_HEX_LENGTH = 6
 DEVICE_DIGEST_ANNOTATION = "akri.sh/device-digest"
 DRAINING_ANNOTATION = "akri.sh/draining"
-OFFLINE_ANNOTATION = "akri.sh/offline"
+OFFLINE_ANNOTATION = "akri.sh/offline"  # earlier agents: one comma-separated list of nodes
+# a shared Instance's node that does not see the device right now (its offline grace) says so
+# with an annotation of its own, akri.sh/offline.<node> (:func:`offline_annotation`), written
+# by a server-side apply with the node's own field manager: one key per node, so nodes going
+# offline together never conflict (docs/slot-model.md)
+OFFLINE_NODE_PREFIX = "akri.sh/offline."
 # on every Instance while it exists; removed once no slot is held, so a deleted Instance
 # (or the garbage collector, after its Configuration was deleted) waits for its pods
 SLOTS_FINALIZER = "akri.sh/slots"
@@ -76,6 +81,27 @@ def device_fingerprint(key: str) -> str:
 
 def _short_hash(text: str, length: int = 8) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:length]
+
+
+ANNOTATION_NAME_MAX = 63  # the part after "<prefix>/" of an annotation key
+_ANNOTATION_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+@functools.lru_cache(maxsize=NAMING_CACHE_SIZE)
+def offline_annotation(node: str) -> str:
+    """The annotation key by which ``node`` says it does not see a shared Instance's device
+    right now: ``akri.sh/offline.<node>``. An annotation key's name part is at most 63
+    characters of ``[A-Za-z0-9_.-]``; a node name that does not fit (Kubernetes allows 253)
+    is cut and suffixed with 10 hex characters of its sha256, so every node keeps a key of
+    its own. Readers compute the key of each node they look for (the value is the time the
+    node stopped seeing the device)."""
+    name = OFFLINE_NODE_PREFIX.split("/", 1)[1] + node
+    if len(name) <= ANNOTATION_NAME_MAX and _ANNOTATION_NAME_RE.match(name):
+        return f"akri.sh/{name}"
+    digest = _short_hash(node, 10)
+    keep = ANNOTATION_NAME_MAX - len(OFFLINE_NODE_PREFIX.split("/", 1)[1]) - len(digest) - 1
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]", "-", node)[:keep].strip("-_.")
+    return f"{OFFLINE_NODE_PREFIX}{cleaned}-{digest}" if cleaned else OFFLINE_NODE_PREFIX + digest
 
 
 @functools.lru_cache(maxsize=NAMING_CACHE_SIZE)

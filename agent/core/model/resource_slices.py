@@ -4,14 +4,18 @@ the node that publishes it, read back by the publishers and by the controller cl
 dead nodes).
 
 **One publisher per shared pool, decided from the Instance** (docs/dra.md, "Who publishes a
-shared pool"): the pool of a shared Instance is available on its *serving* nodes — ``nodes``
-without those that only drain it (``akri.sh/draining``: they lost the device and refuse
-prepares) — and published by the serving node whose name sorts first. Every node reads the
-same Instance, so once their caches agree exactly one node publishes. While they disagree
-(an Instance change not yet seen everywhere), the slice itself says which Instance version it
-was written from (:data:`INSTANCE_VERSION_ANNOTATION`, with the Instance's uid): a node whose
-view is older than that leaves the slice alone, so a slice only moves forward and two nodes
-never take turns rewriting it.
+shared pool"): the pool of a shared Instance follows the nodes that see the device. Its
+*serving* nodes are ``nodes`` without those that only drain it (``akri.sh/draining``: they
+lost the device and refuse prepares); of those, the nodes that see the device right now are
+the ones without an offline mark (each node records its own offline grace in the Instance,
+``akri.sh/offline.<node>``). The pool is available on exactly those and published by the one
+whose name sorts first; only when **every** serving node is offline does it list them all, its
+devices tainted ``akri.sh/offline``, published by the first. Every node reads the same
+Instance, so once their caches agree exactly one node publishes. While they disagree (an
+Instance change not yet seen everywhere), the slice itself says which Instance version it was
+written from (:data:`INSTANCE_VERSION_ANNOTATION`, with the Instance's uid): a node whose view
+is older than that leaves the slice alone, so a slice only moves forward and two nodes never
+take turns rewriting it.
 """
 
 from __future__ import annotations
@@ -35,20 +39,49 @@ class SharedInstance(Protocol):
     @property
     def draining_nodes(self) -> tuple[str, ...]: ...
 
+    @property
+    def offline_nodes(self) -> tuple[str, ...]: ...
+
 
 def serving_nodes(instance: SharedInstance) -> tuple[str, ...]:
-    """The nodes a shared Instance's pool is available on, sorted: ``nodes`` without those
-    that only drain it; all of ``nodes`` when every node drains (the pool then holds no
+    """The nodes a shared Instance's pool may be available on, sorted: ``nodes`` without
+    those that only drain it; all of ``nodes`` when every node drains (the pool then holds no
     device, or only evicting ones, and its selector may not be empty)."""
     draining: Collection[str] = set(instance.draining_nodes)
     serving = sorted({node for node in instance.nodes if node not in draining})
     return tuple(serving or sorted(set(instance.nodes)))
 
 
-def shared_publisher(instance: SharedInstance) -> str | None:
-    """The node that publishes a shared Instance's pool: its first serving node."""
+def shared_pool_nodes(
+    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+) -> tuple[tuple[str, ...], bool]:
+    """``(the nodes a shared Instance's pool selects, whether all of them are offline)``: the
+    serving nodes that see the device — without an offline mark in the Instance — or, when
+    none does, every serving node (the pool is then tainted: the devices stay visible to
+    claims that tolerate the taint, as a local device's do in its grace).
+
+    ``node``'s own view counts too when ``offline_here`` (it has stopped seeing the device and
+    its mark is on its way): it then takes itself out before the others can know. Only that
+    way round — a node that sees the device again stays out until its mark is gone — so that a
+    node never believes it publishes a pool that the others, reading the stored marks, give
+    to another node."""
     serving = serving_nodes(instance)
-    return serving[0] if serving else None
+    offline: Collection[str] = set(instance.offline_nodes)
+    if offline_here and node is not None and node not in offline:
+        offline = {*offline, node}
+    seeing = tuple(n for n in serving if n not in offline)
+    if seeing:
+        return seeing, False
+    return serving, bool(serving)
+
+
+def shared_publisher(
+    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+) -> str | None:
+    """The node that publishes a shared Instance's pool: the first node it selects
+    (:func:`shared_pool_nodes`)."""
+    nodes, _ = shared_pool_nodes(instance, node, offline_here)
+    return nodes[0] if nodes else None
 
 
 def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:

@@ -198,7 +198,13 @@ class InstanceStore(abc.ABC):
         """Delete ``key``; with ``resource_version`` only if still at that version."""
 
     async def apply_membership(
-        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+        self,
+        key: ObjectKey,
+        node: str,
+        member: bool,
+        *,
+        uid: str | None,
+        offline: str | None = None,
     ) -> Instance | None:
         """Add ``node`` to (``member``) or take it out of ``spec.nodes`` of ``key`` without a
         resourceVersion precondition, so that nodes joining and leaving one shared Instance
@@ -207,6 +213,11 @@ class InstanceStore(abc.ABC):
         the same under the local store's lock. Nothing else changes — ``deviceUsage`` in
         particular stays a resourceVersion-checked write's. ``uid`` is the Instance the
         decision was made on: a re-created one (another uid) raises :class:`ConflictError`.
+
+        The same write carries the node's offline mark, which is the node's own too: with
+        ``offline`` (the time it stopped seeing the device; members only) the annotation
+        :func:`~agent.core.model.naming.offline_annotation` is set to it, without it the
+        node's annotation is removed (so a leave takes both away).
 
         Returns the stored Instance — which may still list ``node`` after a leave when another
         writer owns the entry too (on a Kubernetes API server: an entry written by a plain

@@ -42,7 +42,7 @@ class RetriesExhaustedError(StoreError):
     """Too many conflicting writers; the caller should report a transient failure."""
 
 
-OPERATIONS = ("join", "leave", "update", "claim", "release")
+OPERATIONS = ("join", "leave", "update", "claim", "release", "offline")
 """What a slot write was for (the ``operation`` label of the write/conflict metrics)."""
 
 

@@ -34,6 +34,7 @@ from agent.core.model.configuration import (
 )
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import ObjectKey
+from agent.core.model.naming import offline_annotation
 from agent.core.model.properties import ObjectRef
 from agent.core.store.base import (
     AlreadyExistsError,
@@ -411,7 +412,13 @@ class KubernetesInstanceStore(InstanceStore):
     _membership_refused: str | None = None
 
     async def apply_membership(
-        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+        self,
+        key: ObjectKey,
+        node: str,
+        member: bool,
+        *,
+        uid: str | None,
+        offline: str | None = None,
     ) -> Instance | None:
         """Server-side apply of ``node``'s entry of ``spec.nodes`` as field manager
         :func:`membership_manager` (``nodes`` is ``x-kubernetes-list-type: set`` in the CRD:
@@ -422,12 +429,20 @@ class KubernetesInstanceStore(InstanceStore):
         turns them off for this process, with one warning: None, the caller writes the
         membership with a checked write as before. An apply refused because the Instance was
         deleted (and maybe re-created) meanwhile raises :class:`ConflictError` (re-read; the
-        caller decides again) or :class:`NotFoundError`, and leaves applies on."""
+        caller decides again) or :class:`NotFoundError`, and leaves applies on.
+
+        ``offline``: the node's offline annotation (:func:`offline_annotation`, a map key of
+        its own in ``metadata.annotations``) is part of the same applied configuration, so an
+        apply without it — a node seeing the device again, or leaving — removes it unless
+        another manager owns it too (the stored Instance then still has it; the caller
+        removes it with a checked write)."""
         if self._membership_refused is not None:
             return None
         metadata: dict[str, Any] = {"name": key.name, "namespace": key.namespace}
         if uid:
             metadata["uid"] = uid  # a precondition: 409 if the Instance was re-created
+        if member and offline is not None:
+            metadata["annotations"] = {offline_annotation(node): offline}
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "Instance",

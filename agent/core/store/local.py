@@ -39,7 +39,12 @@ from agent.core.aio.fswatch import DirectoryWatch
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
-from agent.core.model.naming import MAX_CAPACITY, is_dns_label, is_dns_subdomain
+from agent.core.model.naming import (
+    MAX_CAPACITY,
+    is_dns_label,
+    is_dns_subdomain,
+    offline_annotation,
+)
 from agent.core.store import journal
 from agent.core.store.base import (
     AlreadyExistsError,
@@ -533,20 +538,29 @@ class LocalInstanceStore(InstanceStore):
         return "deleted", None
 
     async def apply_membership(
-        self, key: ObjectKey, node: str, member: bool, *, uid: str | None
+        self,
+        key: ObjectKey,
+        node: str,
+        member: bool,
+        *,
+        uid: str | None,
+        offline: str | None = None,
     ) -> Instance | None:
-        """``spec.nodes`` as a set under the state directory's lock: the entry is added or
-        removed on the stored version, whatever it is (no resourceVersion precondition, as
-        server-side apply), and nothing is written when it is already so."""
+        """``spec.nodes`` as a set, and the node's own offline annotation, under the state
+        directory's lock: the entry is added or removed, the annotation set (``offline``, a
+        member only) or removed, on the stored version, whatever it is (no resourceVersion
+        precondition, as server-side apply), and nothing is written when it is already so."""
         self._validate_key(key)
         async with self._write_lock, self._storage_errors():
-            stored, written = await asyncio.to_thread(self._membership_file, key, node, member, uid)
+            stored, written = await asyncio.to_thread(
+                self._membership_file, key, node, member, uid, offline
+            )
         if written or self.get_cached(key) is None:
             self._apply_to_cache(key, stored)
         return stored
 
     def _membership_file(
-        self, key: ObjectKey, node: str, member: bool, uid: str | None
+        self, key: ObjectKey, node: str, member: bool, uid: str | None, offline: str | None
     ) -> tuple[Instance, bool]:
         """(the stored Instance, whether it was written)."""
         with self._flock():
@@ -556,12 +570,18 @@ class LocalInstanceStore(InstanceStore):
             current = load_instance_file(path, key.namespace)
             if uid and current.uid != uid:
                 raise ConflictError(f"{key}: re-created (uid {current.uid}, expected {uid})")
-            if (node in current.nodes) == member:
+            mark = offline_annotation(node)
+            annotations = {k: v for k, v in current.annotations.items() if k != mark}
+            if member and offline is not None:
+                annotations[mark] = offline
+            if (node in current.nodes) == member and annotations == dict(current.annotations):
                 return current, False
-            nodes = (
-                (*current.nodes, node) if member else tuple(n for n in current.nodes if n != node)
+            nodes = current.nodes
+            if (node in current.nodes) != member:
+                nodes = (*nodes, node) if member else tuple(n for n in nodes if n != node)
+            stored = current.evolve(
+                nodes=nodes, annotations=annotations, resource_version=self._next_version()
             )
-            stored = current.evolve(nodes=nodes, resource_version=self._next_version())
             atomic_write_json(path, stored.to_dict(), durable=self._durable)
         return stored, True
 

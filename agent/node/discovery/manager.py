@@ -156,6 +156,15 @@ class DiscoveryManager:
                     result[ObjectKey(key.namespace, name)] = until
         return result
 
+    def seen_instances(self) -> frozenset[str]:
+        """Served names of the Instances whose devices this node's discovery reports now (in
+        its handler's latest list): an offline mark of this node on them is stale."""
+        result: set[str] = set()
+        for key, runner in self.runners.items():
+            if self.ownership.owns(key):
+                result.update(runner.devices_by_instance)
+        return frozenset(result)
+
     def draining(self) -> dict[ObjectKey, tuple[str, ...]]:
         """Instances this node stays in only because it still holds these slots."""
         result: dict[ObjectKey, tuple[str, ...]] = {}

@@ -219,7 +219,11 @@ def join_instance(
     if instance.cdi_name != expected_cdi:
         changes["cdi_name"] = expected_cdi
     annotations = dict(instance.annotations)
-    if node in instance.draining_nodes or node in instance.offline_nodes:
+    # an earlier agent's offline list is cleared here; this node's own offline annotation is
+    # not: the node's offline marks (agent/node/discovery/offline_marks.py) apply it and take it
+    # away without a resourceVersion precondition, so N nodes seeing a device again at once
+    # make N writes and no conflict
+    if node in instance.draining_nodes or node in instance.marked_nodes(OFFLINE_ANNOTATION):
         back = with_draining(instance, node, False).with_node_mark(OFFLINE_ANNOTATION, node, False)
         annotations = dict(back.annotations)
     if annotations.get(DEVICE_DIGEST_ANNOTATION) != desired.fingerprint:

@@ -6,7 +6,9 @@
 * pool rules: when a pool's content changes every slice of it gets ``generation + 1`` and the
   current ``resourceSliceCount``; ≤ 128 devices per slice; an empty pool keeps one empty slice;
 * a shared Instance's pool has one publisher, decided from the Instance
-  (``agent/core/model/resource_slices.py``: its first serving node). Its slices have fixed
+  (``agent/core/model/resource_slices.py``: the first of its serving nodes that see the device,
+  by the nodes' own offline marks; this node's own view comes from ``offline``, damped, which
+  takes it out before its mark lands). Its slices have fixed
   names (``akri.sh-<pool>-<index>``), so two nodes that both create the pool at once make one
   slice, not two; a new publisher adopts the existing slices (updates them in place with a
   higher generation), so the scheduler never sees the pool missing or twice. Each write

@@ -6,11 +6,13 @@ without feature gates.
 * **Local (unshared) Instances** go in the node's pool: pool name = node name,
   ``spec.nodeName`` = node.
 * **Shared Instances** get a pool of their own, named after the Instance, available on exactly
-  the nodes that serve it — ``instance.nodes`` without the nodes that only drain it
-  (``nodeSelector``: one term, ``kubernetes.io/hostname In <nodes>``, the only many-node form
-  the API server validates) — and published by one deterministic agent: the serving node that
-  sorts first (``agent/core/model/resource_slices.py``). So the scheduler sees each slot once,
-  whichever node it schedules on.
+  the nodes that serve it and see the device now — ``instance.nodes`` without the nodes that
+  only drain it and without those in their offline grace (each records it in the Instance,
+  ``akri.sh/offline.<node>``) — (``nodeSelector``: one term, ``kubernetes.io/hostname In
+  <nodes>``, the only many-node form the API server validates), and published by one
+  deterministic agent: the first of them (``agent/core/model/resource_slices.py``). So the
+  scheduler sees each slot once, whichever node it schedules on, and never places a claim on a
+  node that has lost the device while another still sees it.
 * A slot is published while it is **free or held by a DRA claim** (held DRA slots stay so the
   scheduler's accounting of existing allocations is unchanged). A slot taken through a device
   plugin (IL ``<node>`` or CL ``C:…``) leaves the slice; so do all slots of an Instance that
@@ -23,9 +25,11 @@ without feature gates.
   with an error naming the holder.
 
 **Offline devices are tainted, not hidden** (KEP-5055, ``DRADeviceTaints``): while this node
-keeps an Instance in its offline grace period its published slots stay, each with the taint
-``akri.sh/offline=<node>:NoSchedule`` — the scheduler skips them, a claim that tolerates the
-taint can still get them. Once the grace is over and the node only drains, the slots leave the
+keeps a local Instance in its offline grace period its published slots stay, each with the
+taint ``akri.sh/offline=<node>:NoSchedule`` — the scheduler skips them, a claim that tolerates
+the taint can still get them. A shared pool is tainted only when every node serving it is
+offline (``akri.sh/offline=<publisher>``); while one still sees the device, the pool just
+leaves the others out. Once the grace is over and the node only drains, the slots leave the
 slice, or, with the Configuration annotation ``akri.sh/dra-offline-evict: "true"``, the slots
 DRA claims hold stay tainted ``NoExecute`` so the pods using the vanished device are evicted.
 A slice with a tainted device holds at most 64 devices (128 otherwise).
@@ -77,6 +81,7 @@ from agent.core.model.resource_slices import HOSTNAME_LABEL as HOSTNAME_LABEL
 from agent.core.model.resource_slices import selected_nodes as selected_nodes
 from agent.core.model.resource_slices import serving_nodes as serving_nodes
 from agent.core.model.resource_slices import shared_node_selector as shared_node_selector
+from agent.core.model.resource_slices import shared_pool_nodes as shared_pool_nodes
 from agent.core.model.resource_slices import shared_publisher as shared_publisher
 from agent.node.dra.name_paths import MODE_LABEL, Eligibility, slot_eligibility
 
@@ -435,7 +440,9 @@ def desired_pools(
 ) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
     every shared Instance for which it is the publishing node (:func:`shared_publisher`), over
-    the Instance's serving nodes. ``devices_of`` may be a memoized :func:`instance_devices`
+    the nodes that serve it and see the device (:func:`shared_pool_nodes`; ``offline`` says
+    which Instances this node does not see now, before its own mark reaches the Instance),
+    tainted when none does. ``devices_of`` may be a memoized :func:`instance_devices`
     (the publisher caches it per Instance version); ``options_of`` gives each Instance's
     Configuration opt-ins, ``extended_of`` whether its slots may serve extended resources
     (:func:`extended_eligibility`)."""
@@ -448,14 +455,24 @@ def desired_pools(
         )
     ]
     for instance in sorted(instances, key=lambda i: i.name):
-        if not instance.shared or shared_publisher(instance) != node:
+        if not instance.shared:
             continue
-        state = _state(instance, node, offline, options_of, extended_of)
+        nodes, all_offline = shared_pool_nodes(instance, node, instance.name in offline)
+        if not nodes or nodes[0] != node:
+            continue
+        if node in instance.draining_nodes:
+            available = DRAINING  # every serving node drains (serving_nodes)
+        else:
+            available = OFFLINE if all_offline else USABLE
+        eligible = extended_of(instance)
+        state = SlotState(
+            available, options_of(instance), node, eligible.instance, eligible.configuration
+        )
         pools.append(
             Pool(
                 name=instance.name,
                 node_name=None,
-                nodes=serving_nodes(instance),
+                nodes=nodes,
                 devices=tuple(devices_of(instance, state)),
                 instance_uid=instance.uid,
                 instance_version=instance.resource_version,

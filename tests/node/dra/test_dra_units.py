@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -234,6 +235,47 @@ def test_a_shared_pool_is_published_by_and_for_its_serving_nodes() -> None:
     )
     pool = {p.name: p for p in desired_pools([both], "n1", offline=set())}["cams-ssssss"]
     assert (pool.nodes, pool.devices) == (("n1", "n2", "n3"), ())
+
+
+def test_a_shared_pool_follows_the_nodes_that_see_the_device() -> None:
+    """Each node records its own offline grace in the Instance (``akri.sh/offline.<node>``):
+    the pool selects the serving nodes without a mark, untainted, published by the first of
+    them; only when every one is offline does it list them all, tainted (issue 33.1). Before:
+    the first node decided alone from its own view and tainted the pool for every node."""
+    from agent.core.model.naming import offline_annotation
+
+    def marked(*offline: str) -> Instance:
+        instance = inst("cams-ssssss", True, ("n1", "n2", "n3"))
+        return instance.evolve(annotations={offline_annotation(n): "t" for n in offline})
+
+    def pools(
+        instance: Instance, node: str, offline: frozenset[str] = frozenset()
+    ) -> dict[str, Any]:
+        found = desired_pools([instance], node, offline)
+        return {p.name: p for p in found if p.node_name is None}
+
+    # n1, the first, lost the device and said so: n2 publishes for n2 and n3, untainted
+    one = marked("n1")
+    assert pools(one, "n1") == {} and pools(one, "n3") == {}
+    pool = pools(one, "n2")["cams-ssssss"]
+    assert pool.nodes == ("n2", "n3")
+    assert [d.get("taints") for d in pool.devices] == [None, None]
+    # n1 before its mark reached the Instance: it steps back at once, n2 does not know yet
+    assert pools(marked(), "n1", frozenset({"cams-ssssss"})) == {}
+    assert pools(marked(), "n2") == {}
+    # n1 sees it again, its mark not yet cleared: it stays out until the others know too
+    assert pools(one, "n1") == {}
+    # every node offline: the first publishes for all of them, tainted
+    everyone = marked("n1", "n2", "n3")
+    pool = pools(everyone, "n1")["cams-ssssss"]
+    assert pool.nodes == ("n1", "n2", "n3")
+    taint = {"key": "akri.sh/offline", "value": "n1", "effect": "NoSchedule"}
+    assert [d["taints"] for d in pool.devices] == [[taint], [taint]]
+    assert pools(everyone, "n2") == {} and pools(everyone, "n3") == {}
+    # the last node to lose it, before its mark lands: the others still see it there
+    assert pools(marked("n1", "n2"), "n3", frozenset({"cams-ssssss"})) == {}
+    assert pools(marked("n1", "n2"), "n1") == {}
+    assert pools(marked("n1", "n2"), "n3")["cams-ssssss"].nodes == ("n3",)
 
 
 def test_selected_nodes_reads_back_both_stored_forms() -> None:
