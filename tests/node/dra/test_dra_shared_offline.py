@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 
 import pytest
 
+from agent.core.kube import make_kube_client
 from agent.core.model.naming import offline_annotation
+from agent.core.store.kubernetes import KubernetesInstanceStore, KubernetesSettings
+from agent.node.app import Agent
 from agent.node.discovery.manager import GraceSettings
 from tests.doubles.apiserver import ApiServerDouble
 from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
@@ -191,3 +194,50 @@ async def test_a_blinking_device_does_not_make_a_write_storm(api: ApiServerDoubl
     finally:
         await stop_all(nodes)
 
+
+
+
+async def restart(node: DpNode, meanwhile: Callable[[], None] = lambda: None) -> None:
+    """Stop ``node``'s agent, do ``meanwhile``, start it again (kubelet and files stay)."""
+    settings = node.agent.settings
+    await node.agent.stop()
+    meanwhile()
+    client = make_kube_client(settings.kubeconfig)
+    store = KubernetesInstanceStore(client, KubernetesSettings(node.name, request_timeout=5))
+    node.agent = Agent(settings, store, freeze_gc=False)
+    await node.agent.start()
+
+
+async def test_a_restarted_agent_keeps_its_mark_while_offline_and_clears_it_when_back(
+    api: ApiServerDouble,
+) -> None:
+    """node-b restarts while its device is offline: its mark stays, untouched (nothing is
+    cleared before its handler has reported, nor written again); node-a's device comes back
+    while its agent is down: its stale mark goes once the restarted handler reports the
+    device, and the pool takes node-a back."""
+    nodes = await start_nodes(api)
+    try:
+        nodes[0].offline(True)
+        nodes[1].offline(True)
+        await eventually(lambda: pool(api) == (["node-c"], False), within=10, what="node-c")
+        await eventually(lambda: marked(api) == ["node-a", "node-b"], within=10, what="marks")
+        mark = len(api.requests)
+        await restart(nodes[1])
+        runners = nodes[1].discovery.runners
+        await eventually(
+            lambda: bool(runners) and all(r.reconciled.is_set() for r in runners.values()),
+            within=10,
+            what="node-b's handler reported",
+        )
+        await asyncio.sleep(1.0)  # a few passes of its offline marks
+        assert marked(api) == ["node-a", "node-b"]
+        assert writes(api, "instances", mark) == {"ok": 0, "conflicts": 0}
+        await restart(nodes[0], lambda: nodes[0].offline(False))
+        await eventually(
+            lambda: pool(api) == (["node-a", "node-c"], False) and marked(api) == ["node-b"],
+            within=10,
+            what="node-a back after its restart",
+        )
+        assert api.internal_errors == []
+    finally:
+        await stop_all(nodes)
