@@ -181,3 +181,50 @@ async def test_a_pass_marks_the_damped_set_and_tells_the_publisher(tmp_path: Pat
         await asyncio.sleep(0)
     finally:
         await store.close()
+
+
+async def test_a_failing_write_is_retried_later_and_does_not_hold_the_others(
+    tmp_path: Path,
+) -> None:
+    """The API server fails a mark's write: one warning, that Instance is retried after a
+    pause, and the pass stops there (each of the others would wait out its own timeout);
+    the next pass writes the others."""
+    from agent.core.store.base import StoreError
+
+    store = LocalInstanceStore(tmp_path / "state")
+    await store.start()
+    try:
+        first = await store.create(shared("node-a", "node-b"))
+        second = await store.create(shared("node-a", "node-b").evolve(name="cam-a19705"))
+        ledger = SlotLedger(store, "node-a")
+        calls: list[str] = []
+        real = ledger.mark_offline
+
+        async def flaky(key: ObjectKey, since: str | None) -> bool:
+            calls.append(key.name)
+            if len(calls) == 1:
+                raise StoreError("the API server did not answer")
+            return await real(key, since)
+
+        ledger.mark_offline = flaky  # type: ignore[method-assign]
+        now = [0.0]
+        marks = OfflineMarks(
+            store,
+            ledger,
+            "node-a",
+            store.list_cached,
+            lambda: {first.name, second.name},
+            set,
+            set,
+            clock=lambda: now[0],
+        )
+        assert await marks.sync() == 1.0  # retry the failed one then
+        assert calls == [first.name] and marks.writes == 0
+        await marks.sync()  # the failed one waits; the other is written
+        assert calls == [first.name, second.name] and marks.writes == 1
+        now[0] = 1.0
+        await marks.sync()
+        assert calls[-1] == first.name and marks.writes == 2
+        assert all(i.offline_nodes == ("node-a",) for i in store.list_cached())
+    finally:
+        await store.close()

@@ -277,6 +277,9 @@ class OfflineMarks:
                         error,
                         wait,
                     )
+                # the API server is unwell: the others wait for the next pass rather than
+                # each waiting out its own timeout now
+                break
             await asyncio.sleep(0)
         return deadline
 
