@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, cast
@@ -278,9 +279,14 @@ async def test_an_init_containers_slot_is_kept_until_its_pod_ends(
 # -- leaving and deleting wait for the slots ----------------------------------------------------
 
 
+def draining_levels(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.levelname for r in caplog.records if "draining: " in r.getMessage()]
+
+
 async def test_a_deleted_configuration_drains_then_goes(
-    api: ApiServerDouble, tmp_path: Path
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="agent")
     api.create(debug_echo_configuration("cam", ("foo0",), 2))
     node = await start_dp_node(api, "node-a", tmp_path)
     try:
@@ -289,6 +295,9 @@ async def test_a_deleted_configuration_drains_then_goes(
         api.delete(CONFIGURATIONS, "cam", "default")
         await eventually(lambda: events(api, "Draining") != [], what="Draining Event")
         assert "draining: 1 slot(s) in use on node-a" in events(api, "Draining")[0]["message"]
+        # the operator asked for it (every documented uninstall does it): INFO, not WARNING
+        # (acceptance F5)
+        assert draining_levels(caplog) and set(draining_levels(caplog)) == {"INFO"}
         instance = instance_in(api, "cam-8120fe")
         # deleted by the garbage collector, kept by the akri.sh/slots finalizer: terminating
         # already offers nothing, so no draining mark is written (issue 36: every node wrote
@@ -308,10 +317,11 @@ async def test_a_deleted_configuration_drains_then_goes(
 
 
 async def test_an_unplugged_device_with_a_live_pod_drains(
-    api: ApiServerDouble, tmp_path: Path
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """With the default local grace of 0, an unplugged device used to be left (its slots
     freed) at once."""
+    caplog.set_level(logging.INFO, logger="agent")
     api.create(debug_echo_configuration("cam", ("foo0",), 1))
     node = await start_dp_node(api, "node-a", tmp_path)
     try:
@@ -319,6 +329,8 @@ async def test_an_unplugged_device_with_a_live_pod_drains(
         await admitted(node, "user")
         node.offline()
         await eventually(lambda: events(api, "Draining") != [], what="Draining Event")
+        # nobody asked for it: a device gone while a pod uses it stays a WARNING
+        assert set(draining_levels(caplog)) == {"WARNING"}
         instance = instance_in(api, "cam-8120fe")
         assert instance is not None and instance.device_usage["cam-8120fe-0"] == "node-a"
         node.offline(False)  # plugged back: no longer draining, nothing was lost

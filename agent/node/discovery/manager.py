@@ -240,13 +240,14 @@ class DiscoveryManager:
             self._retries.add(task)
             task.add_done_callback(self._retries.discard)
 
-    def _retire(self, key: ObjectKey, why: str) -> None:
+    def _retire(self, key: ObjectKey, why: str, asked: bool = True) -> None:
+        """``asked``: the Configuration was deleted (not refused here)."""
         if key in self.retirements:
             return
         if not any(self.node in i.nodes for i in self.store.list_cached(key)):
             return
         retirement = Retirement(
-            key, self.store, self.ledger, why, on_offline_change=self._offline_changed
+            key, self.store, self.ledger, why, on_offline_change=self._offline_changed, asked=asked
         )
         self.retirements[key] = retirement
         retirement.start()
@@ -497,7 +498,7 @@ class DiscoveryManager:
                 self.node,
             )
             await runner.stop()
-        self._retire(key, reason)
+        self._retire(key, reason, asked=False)
         message = (
             f"{reason}: kubelet resource names (akri.sh/<name>) and DRA device names are "
             f"node-global, so {key} is not run and {self.node} leaves its instances once "

@@ -62,12 +62,16 @@ class Retirement:
         ledger: SlotLedger,
         why: str,
         on_offline_change: Callable[[], None] = lambda: None,
+        asked: bool = True,
     ) -> None:
         self.configuration = configuration
         self.store = store
         self.ledger = ledger
         self.node = ledger.node
         self.why = why
+        # the operator deleted the Configuration (the draining lines are INFO: an expected
+        # step of every uninstall), not a refusal of it (already an error of its own)
+        self.asked = asked
         self.draining: dict[str, tuple[str, ...]] = {}  # name -> slots this node still holds
         # names of the Instances left to the garbage collector (their Configuration is gone)
         self.collecting: frozenset[str] = frozenset()
@@ -184,7 +188,9 @@ class Retirement:
                 continue
             draining[instance.name] = result.slots
             if self.draining.get(instance.name) != result.slots:
-                await report_draining(self.store, instance.key, self.node, result.slots, self.why)
+                await report_draining(
+                    self.store, instance.key, self.node, result.slots, self.why, self.asked
+                )
         if collecting and not self._collection_reported:
             self._collection_reported = True
             held = sum(

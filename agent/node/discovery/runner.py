@@ -487,14 +487,22 @@ class ConfigurationRunner:
 
 
 async def report_draining(
-    store: InstanceStore, key: ObjectKey, node: str, slots: tuple[str, ...], why: str
+    store: InstanceStore,
+    key: ObjectKey,
+    node: str,
+    slots: tuple[str, ...],
+    why: str,
+    asked: bool = False,
 ) -> None:
-    """Log line + Event: ``node`` keeps Instance ``key`` until its ``slots`` are released."""
+    """Log line + Event: ``node`` keeps Instance ``key`` until its ``slots`` are released.
+    ``asked``: the operator's own step caused it (its Configuration was deleted), logged at
+    INFO — every documented uninstall goes through it; otherwise (a device gone while pods
+    use it) at WARNING."""
     message = (
         f"draining: {len(slots)} slot(s) in use on {node} ({', '.join(slots)}); {why}, so the "
         f"instance stops offering free slots and {node} leaves it once they are released"
     )
-    log.warning("instance %s: %s", key, message)
+    log.log(logging.INFO if asked else logging.WARNING, "instance %s: %s", key, message)
     instance = store.get_cached(key)
     if instance is not None:
         await store.record_instance_event(instance, "Draining", message, warning=False)
