@@ -87,11 +87,25 @@ class RuntimeCdi:
     runtime: str  # status.nodeInfo.containerRuntimeVersion, as reported
     applies: bool | None
     why: str
+    # this version cannot inject CDI however it is configured (containerd before 1.7.2,
+    # CRI-O before 1.28): only an upgrade gives it, not a setting and the Node label
+    too_old: bool = False
 
     @property
     def shown(self) -> str:
         """``yes`` / ``no`` / ``unknown`` (the metric's label, ``akri status``)."""
         return {True: "yes", False: "no", None: "unknown"}[self.applies]
+
+    @property
+    def advice(self) -> str:
+        """How to make this runtime inject CDI (acceptance F3: a runtime too old for CDI was
+        told to turn it on)."""
+        if self.too_old:
+            return (
+                "upgrade the runtime (containerd ≥ 1.7.2 with enable_cdi = true, then label "
+                f"the Node {RUNTIME_CDI_LABEL}=true, or containerd 2.x; CRI-O ≥ 1.28)"
+            )
+        return f"turn CDI on in the runtime and label the Node {RUNTIME_CDI_LABEL}=true"
 
 
 @dataclass(frozen=True)
@@ -113,7 +127,14 @@ def runtime_cdi(runtime: str | None, labels: Mapping[str, str] | None = None) ->
     label = str((labels or {}).get(RUNTIME_CDI_LABEL, "")).strip().lower()
     if label in ("true", "false"):
         applies = label == "true"
-        return RuntimeCdi(text, applies, f"the Node is labelled {RUNTIME_CDI_LABEL}={label}")
+        too_old = _runtime_cdi_by_version(text).too_old
+        return RuntimeCdi(
+            text, applies, f"the Node is labelled {RUNTIME_CDI_LABEL}={label}", too_old
+        )
+    return _runtime_cdi_by_version(text)
+
+
+def _runtime_cdi_by_version(text: str) -> RuntimeCdi:
     match = _RUNTIME.match(text)
     if match is None:
         return RuntimeCdi(
@@ -140,13 +161,19 @@ def runtime_cdi(runtime: str | None, labels: Mapping[str, str] | None = None) ->
                 False,
                 f"{shown} reads CDI devices only from annotations, which kubelet no longer "
                 "sends (1.7.2 or later with enable_cdi = true is needed)",
+                too_old=True,
             )
-        return RuntimeCdi(text, False, f"{shown} has no CDI support (1.7 or later is needed)")
+        return RuntimeCdi(
+            text, False, f"{shown} has no CDI support (1.7.2 or later is needed)", too_old=True
+        )
     if name == "cri-o":
         if version >= (1, 28, 0):
             return RuntimeCdi(text, True, f"{shown} injects CDI (always on)")
         return RuntimeCdi(
-            text, False, f"{shown} reads CDI devices only from annotations (1.28 is needed)"
+            text,
+            False,
+            f"{shown} reads CDI devices only from annotations (1.28 is needed)",
+            too_old=True,
         )
     return RuntimeCdi(
         text,
@@ -467,8 +494,8 @@ class CdiNotice:
         return (
             f"node {self._node}: {self.runtime.why}; the containers using this claim may get "
             "none of the device (env vars, device nodes, mounts: they are handed over through "
-            "CDI). Use the device plugins' limits akri.sh/<name> on this node, or turn CDI on "
-            f"in the runtime and label the Node {RUNTIME_CDI_LABEL}=true"
+            "CDI). Use the device plugins' limits akri.sh/<name> on this node, or "
+            f"{self.runtime.advice}"
         )
 
     def prepared(self, claim: PreparedClaim) -> None:

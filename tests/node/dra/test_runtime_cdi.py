@@ -10,15 +10,17 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from agent.core.deviceclasses import configuration_class, instance_class
+from agent.core.kube import KubeClient
 from agent.core.model.keys import ObjectKey
 from agent.node.dra.extended import (
     DEVICE_PLUGINS,
     DRA,
+    CdiNotice,
     choose_path,
     observed_paths,
     paths_table,
@@ -81,6 +83,35 @@ def test_the_operators_label_wins() -> None:
     no = runtime_cdi("containerd://2.1.0", {"akri.sh/runtime-cdi": "False"})
     assert no.applies is False
     assert runtime_cdi("containerd://1.7.24", {"akri.sh/runtime-cdi": "maybe"}).applies is None
+
+
+UPGRADE = "upgrade the runtime (containerd ≥ 1.7.2 with enable_cdi = true"
+TURN_ON = "turn CDI on in the runtime and label the Node akri.sh/runtime-cdi=true"
+
+
+@pytest.mark.parametrize(
+    ("runtime", "labels", "advice"),
+    [
+        # no CDI however configured: only an upgrade helps (acceptance F3: told to turn it on)
+        ("containerd://1.6.20", {}, UPGRADE),
+        ("containerd://1.7.1", {}, UPGRADE),
+        ("containerd://1.7.0", {"akri.sh/runtime-cdi": "false"}, UPGRADE),
+        ("cri-o://1.27.4", {}, UPGRADE),
+        # CDI is there, off by default, or the runtime is not known: the setting and the label
+        ("containerd://1.7.24", {}, TURN_ON),
+        ("containerd://2.1.0", {"akri.sh/runtime-cdi": "false"}, TURN_ON),
+        ("docker://28.2.0", {}, TURN_ON),
+        ("", {}, TURN_ON),
+    ],
+)
+def test_the_runtime_without_cdi_warning_advises_what_the_runtime_can_do(
+    runtime: str, labels: dict[str, str], advice: str
+) -> None:
+    message = CdiNotice(cast(KubeClient, None), "node-a", runtime_cdi(runtime, labels)).message()
+    assert message.startswith("node node-a: ") and advice in message, message
+    assert "Use the device plugins' limits akri.sh/<name> on this node, or " in message
+    other = TURN_ON if advice == UPGRADE else UPGRADE
+    assert other not in message, message
 
 
 @pytest.mark.parametrize(
