@@ -237,6 +237,28 @@ def test_debug_echo_turns_the_handler_on() -> None:
     assert cluster_defaults(env_of(agent_daemonset(render("deploy")))).debug_echo is False
 
 
+def _identity(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return (obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
+
+
+@needs_kubectl
+def test_the_example_device_class_comes_only_with_debug_echo() -> None:
+    """A production install (``kubectl apply -k deploy/``) gets the generic class only; the
+    class of examples/debug-echo.yaml's Configuration comes with the debugEcho overlay, which
+    adds nothing else (so deleting that tree removes the base's objects and it: docs/install.md,
+    Uninstall) (acceptance F4: the base installed the example's class)."""
+    classes = {o["metadata"]["name"] for o in of_kind(render("deploy"), "DeviceClass")}
+    assert classes == {"akri.sh"}
+    base = {_identity(o) for o in render("deploy")}
+    overlay = {_identity(o) for o in render("deploy/overlays/debug-echo")}
+    assert overlay - base == {("DeviceClass", "", "akri-debug-echo-foo.akri.sh")}
+    assert base <= overlay
+    example = yaml.safe_load((ROOT / "examples/debug-echo.yaml").read_text())
+    (added,) = [o for o in render("deploy/overlays/debug-echo") if _identity(o) not in base]
+    assert f"configuration == '{example['metadata']['name']}'" in str(added["spec"])
+    assert added["metadata"]["labels"] == {"app.kubernetes.io/part-of": "akri"}
+
+
 @needs_kubectl
 def test_the_external_handler_daemonset_shares_the_registration_directory() -> None:
     objects = render("deploy/overlays/external-handlers")

@@ -345,8 +345,9 @@ def test_rule(
 
 def test_valid_objects_pass() -> None:
     """What the agent and the deployment really send is valid: every pool form the publisher
-    writes, the DeviceClasses of deploy/base, the example claim, an allocation by the DRA
-    scheduler emulator's shape, and a status update that only adds a reservation."""
+    writes, the DeviceClasses of deploy/ (base and debugEcho's), the example claim, an
+    allocation by the DRA scheduler emulator's shape, and a status update that only adds a
+    reservation."""
     for pool in (
         Pool("node-a", "node-a", devices=({"name": "cam-0", "attributes": {"slot": {"int": 0}}},)),
         Pool("cam-1", None, nodes=tuple(f"node-{i}" for i in range(50))),
@@ -355,8 +356,9 @@ def test_valid_objects_pass() -> None:
             spec["pool"] = {"name": pool.name, "generation": 1, "resourceSliceCount": 1}
             body = {"metadata": {"name": "s"}, "spec": spec}
             assert check("resourceslices", body) == []
-    for document in yaml.safe_load_all((REPO / "deploy/base/deviceclass.yaml").read_text()):
-        assert check("deviceclasses", document) == []
+    for classes in ("deploy/base", "deploy/components/debug-echo"):
+        for document in yaml.safe_load_all((REPO / classes / "deviceclass.yaml").read_text()):
+            assert check("deviceclasses", document) == []
     for document in yaml.safe_load_all((REPO / "examples/dra-claim.yaml").read_text()):
         if document and document.get("kind") == "ResourceClaimTemplate":
             claim = {"metadata": {"name": "c"}, "spec": document["spec"]["spec"]}
