@@ -587,7 +587,9 @@ class Reconciler:
         log.info("configuration %s/%s: broker %s %s created", meta["namespace"], configuration,
                  obj["kind"], meta["name"])  # fmt: skip
 
-    async def _delete(self, plural: str, namespace: str, name: str, uid: str) -> bool:
+    async def _delete(self, plural: str, namespace: str, name: str, uid: str) -> bool | None:
+        """True: deleted; None: gone already (404); False: not deleted (a newer object of that
+        name, or an error, logged)."""
         group = "batch" if plural == "jobs" else ""
         path = resource_path(group, "v1", plural, namespace, name)
         body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
@@ -598,8 +600,10 @@ class Reconciler:
         try:
             await self.client.delete(path, body)
         except ApiError as error:
-            if error.status in (404, 409):
-                return False  # gone already, or a newer object of that name
+            if error.status == 404:
+                return None  # gone already
+            if error.status == 409:
+                return False  # a newer object of that name
             self.stats.write_errors += 1
             log.warning("cannot delete %s %s/%s: %s", plural[:-1], namespace, name, error)
             return False
@@ -645,7 +649,9 @@ class Reconciler:
             service = services.configuration_service(configuration)
             if service is not None:
                 wanted.append(service)
-        plan = services.plan_services(wanted, self.service_cache.cache)
+        owners = {c.uid for c in configurations.values() if c.uid}
+        owners.update(i.uid for i in instances if i.uid)
+        plan = services.plan_services(wanted, self.service_cache.cache, owners)
         for obj in plan.create:
             configuration_name = self._service_configuration(obj)
             await self._create(self.service_cache, "services", obj, configuration_name)
@@ -664,7 +670,12 @@ class Reconciler:
         for service_key, uid in plan.delete:
             namespace, name = service_key.split("/", 1)
             stored_obj = self.service_cache.cache.get(service_key) or {}
-            if await self._delete("services", namespace, name, uid):
+            deleted = await self._delete("services", namespace, name, uid)
+            if stored_obj and deleted is not False:
+                # gone: a pass before the watch's DELETED event must not send the DELETE
+                # again (a 404 on a real cluster)
+                self.service_cache.wrote(stored_obj, deleted=True)
+            if deleted:
                 self.stats.services_deleted[self._service_configuration(stored_obj)] += 1
                 log.info("Service %s removed: no Running broker left", service_key)
 

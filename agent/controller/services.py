@@ -12,12 +12,17 @@ none is left.
 A spec edit replaces the stored Service's spec (the one it was made from is the annotation
 ``akri.sh/service-spec``, a hash), keeping what the API server allocated (``clusterIP``,
 ``clusterIPs``, node ports already assigned are not kept: a changed port list gets new ones).
+
+A Service whose owner is gone (its Configuration or Instance deleted) is not deleted here: the
+garbage collector deletes it with its owner, and the controller's DELETE raced it (a 404 in
+every uninstall, seen in a real cluster's audit log). One whose owner remains and whose
+brokers stopped is deleted here, once.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,11 +149,25 @@ def service_key(obj: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
 
 
+def collected_with_owner(obj: Mapping[str, Any], owners: Container[str]) -> bool:
+    """Whether the garbage collector deletes the Service ``obj``: an owner it names (by uid)
+    is not among ``owners``, the uids of the Configurations and Instances that exist (an
+    Instance being deleted exists: its Services are the controller's to delete)."""
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(
+        isinstance(ref, Mapping) and ref.get("uid") and str(ref["uid"]) not in owners
+        for ref in refs
+    )
+
+
 def plan_services(
-    wanted: Iterable[dict[str, Any]], stored: Mapping[str, Mapping[str, Any]]
+    wanted: Iterable[dict[str, Any]],
+    stored: Mapping[str, Mapping[str, Any]],
+    owners: Container[str] | None = None,
 ) -> ServicePlan:
     """Bring the Services this controller manages (``stored``: every Service labelled
-    ``controller=akri.sh``, by ``namespace/name``) to exactly ``wanted``."""
+    ``controller=akri.sh``, by ``namespace/name``) to exactly ``wanted``; one to delete whose
+    owner is not among ``owners`` (uids; None: not checked) is the garbage collector's."""
     want = {service_key(item): item for item in wanted}
     create: list[dict[str, Any]] = []
     replace: list[dict[str, Any]] = []
@@ -165,6 +184,9 @@ def plan_services(
                 replace.append(updated)
     for key in sorted(set(stored) - set(want)):
         current = stored[key]
-        if not (current.get("metadata") or {}).get("deletionTimestamp"):
-            delete.append((key, str((current.get("metadata") or {}).get("uid") or "")))
+        if (current.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        if owners is not None and collected_with_owner(current, owners):
+            continue
+        delete.append((key, str((current.get("metadata") or {}).get("uid") or "")))
     return ServicePlan(tuple(create), tuple(replace), tuple(delete))

@@ -392,3 +392,45 @@ async def test_brokers_of_a_terminating_instance_go_with_or_without_its_configur
         await eventually(lambda: api.list("services") == [], "every Service removed")
     # the Instances wait on their slots' holders (the agents free them: tests/deploy)
     assert api.get("instances.akri.sh", "cams-8120fe") is not None
+
+
+async def test_the_uninstall_deletes_each_service_once(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Acceptance F10: a real cluster's audit log showed a second DELETE of the Configuration's
+    Service, answered 404, in every uninstall. The garbage collector deletes that Service with
+    its Configuration, and the controller, whose watch of Services had not yet brought that
+    DELETED event, deleted it too; an Instance's Service the controller deleted itself was
+    sent again by a pass before the watch confirmed it. Here the controller's watch of
+    Services lags for the whole test (held by the double), the widest form of both races:
+    the Configuration's Service is left to the garbage collector, the Instance's (whose owner,
+    terminating, remains) gets exactly one DELETE."""
+    add_node(api, "node-a")
+    ports = {"ports": [{"port": 80}]}
+    api.create(
+        configuration(
+            pod_spec=broker_pod_spec(), instance_service=ports, configuration_service=ports
+        )
+    )
+    instance(api, "cams-8120fe", ["node-a"], shared=False, finalizers=[SLOTS_FINALIZER])
+    lagging = api.hang(verb="watch", resource="services")
+    try:
+        async with running_controller(api, tmp_path) as running:
+            pod = (await eventually(lambda: broker_pods(api), "broker"))[0]
+            set_phase(api, pod["metadata"]["name"], "Running")
+            await eventually(lambda: len(api.list("services")) == 2, "two services")
+            api.clear_requests()
+            api.delete("configurations.akri.sh", "cams")  # the uninstall's first step
+            assert api.get("services", "cams-svc") is None  # the garbage collector's
+            await eventually(lambda: broker_pods(api) == [], "the broker removed")
+            await eventually(lambda: api.list("services") == [], "every Service removed")
+            await more_passes(running.controller.reconciler, 3)
+            stats = running.controller.reconciler.stats
+            assert sum(stats.services_deleted.values()) == 1
+    finally:
+        lagging.release()
+    sent = {
+        name: [r.status for r in api.requests_for("delete", "services", name)]
+        for name in ("cams-svc", "cams-8120fe-svc")
+    }
+    assert sent == {"cams-svc": [], "cams-8120fe-svc": [200]}

@@ -365,6 +365,18 @@ def test_services_are_created_replaced_and_deleted() -> None:
     stored["metadata"] = {**stored["metadata"], "uid": "u1"}
     plan = services.plan_services([], {"default/cams-8120fe-svc": stored})
     assert plan.delete == (("default/cams-8120fe-svc", "u1"),)
+    # its owner (the Instance, uid of _instance()) exists: deleted here; gone: left to the
+    # garbage collector, which deletes it with its owner (acceptance F10: both sent a DELETE)
+    (owner,) = stored["metadata"]["ownerReferences"]
+    assert owner["uid"]
+    kept = services.plan_services([], {"default/cams-8120fe-svc": stored}, {owner["uid"]})
+    assert kept.delete == (("default/cams-8120fe-svc", "u1"),)
+    assert services.plan_services([], {"default/cams-8120fe-svc": stored}, set()).delete == ()
+    # no owner left (orphaned: its Configuration deleted with propagationPolicy Orphan): ours
+    orphan = {**stored, "metadata": {**stored["metadata"], "ownerReferences": None}}
+    assert services.plan_services([], {"default/x-svc": orphan}, set()).delete == (
+        ("default/x-svc", "u1"),
+    )
 
 
 # -- ResourceSlices --------------------------------------------------------------------------
