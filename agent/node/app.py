@@ -140,6 +140,8 @@ class Agent:
         self.store = store
         # POD_NAME / POD_NAMESPACE of the agent's Pod (downward API): stay_while_uninstalled
         self.pod_environ: Mapping[str, str] = os.environ
+        # uninstalled with no DRA claim left prepared: stop() removes the empty DRA checkpoint
+        self.leaving_for_good = False
         self.handlers = build_handlers(settings)
         node = settings.node_name
         self.kubelet: KubeletState | None = None
@@ -716,6 +718,15 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_monitor_task
             self.loop_monitor.report()
+        # after the DRA driver stopped: nothing prepares any more (acceptance F7: an empty
+        # checkpoint.json was left on every node after the documented uninstall)
+        if (
+            self.leaving_for_good
+            and self.dra is not None
+            and self.dra.state.checkpoint.remove_if_empty()
+        ):
+            log.info("uninstalled: removed the empty DRA checkpoint %s",
+                     self.dra.state.checkpoint.path)  # fmt: skip
         log.info("agent stopped")
 
     async def stay_while_uninstalled(self) -> None:
@@ -725,28 +736,37 @@ class Agent:
         if self.dra is None:
             return
         checkpoint = self.dra.state.checkpoint
-        if not checkpoint.claims:
-            return
         from agent.core.store.kubernetes import KubernetesInstanceStore
         from agent.node.leaving import Departure, linger_while_prepared, why_stopping
 
         if not isinstance(self.store, KubernetesInstanceStore):
             return
+        # asked also with no claim prepared: an uninstalled agent removes its empty checkpoint
         why = await why_stopping(self.store.api_client, self.pod_environ)
         if why.departure is not Departure.UNINSTALLED:
-            log.info("stopping with %d DRA claim(s) prepared on this node (%s): the next agent "
-                     "here unprepares them", len(checkpoint.claims), why.reason)  # fmt: skip
+            if checkpoint.claims:
+                log.info(
+                    "stopping with %d DRA claim(s) prepared on this node (%s): the next agent "
+                    "here unprepares them",
+                    len(checkpoint.claims),
+                    why.reason,
+                )
             return
-        self.dra.state.releases_may_fail = True
-        stop_needs = STOP_DEADLINE + 0.5
-        left = await linger_while_prepared(
-            lambda: len(checkpoint.claims), why, stop_needs=stop_needs
-        )
-        if left:
-            log.error("leaving with %d DRA claim(s) prepared: their pods stay Terminating until "
-                      "an agent runs on this node again (docs/install.md)", left)  # fmt: skip
-        else:
+        if checkpoint.claims:
+            self.dra.state.releases_may_fail = True
+            stop_needs = STOP_DEADLINE + 0.5
+            left = await linger_while_prepared(
+                lambda: len(checkpoint.claims), why, stop_needs=stop_needs
+            )
+            if left:
+                log.error(
+                    "leaving with %d DRA claim(s) prepared: their pods stay Terminating until "
+                    "an agent runs on this node again (docs/install.md)",
+                    left,
+                )
+                return
             log.info("every DRA claim of this node is unprepared: leaving")
+        self.leaving_for_good = True
 
     async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:
         """Start, wait for ``stop``, stop — within ``stop_within`` seconds: what is left

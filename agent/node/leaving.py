@@ -20,6 +20,11 @@ asks why:
 * **unknown** — not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no DaemonSet owner, or the
   API server unreachable: the old behaviour, leave at once.
 
+It asks also when no claim is prepared: an agent uninstalled with none left (at once, or
+after staying) removes its empty DRA checkpoint and plugin directory once stopped
+(``Checkpoint.remove_if_empty``), which nothing else would ever remove from the node; a
+replaced or unknown one keeps them for the next agent.
+
 Why not a ``preStop`` hook: it would be another process, without the DRA state, asking the
 same questions; the agent itself knows what is prepared and keeps serving kubelet meanwhile.
 The DaemonSet's ``terminationGracePeriodSeconds`` (60) covers :data:`LINGER_LIMIT`, the two

@@ -323,6 +323,8 @@ async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Pa
         assert api.get("namespaces", NS) is None
         assert api.list("resourceclaims.resource.k8s.io") == []
         assert cluster.dra["node-a"].claims == {}  # kubelet holds no claim prepared
+        # nothing prepared, the agent gone for good: its DRA checkpoint and directory too
+        assert not cluster.nodes["node-a"].agent.settings.dra_plugin_dir.exists()
         ended = {n for pods in cluster.pods.values() for n in pods.ended}
         assert sum(n.startswith("default/") for n in ended) == 4  # the four brokers
 
@@ -345,6 +347,7 @@ async def test_deleting_the_install_first_does_not_strand_the_dra_pods(tmp_path:
         await eventually(lambda: cluster.terminating() == [], "no Pod left Terminating",
                          within=WITHIN)  # fmt: skip
         assert cluster.dra["node-a"].claims == {}
+        assert not cluster.nodes["node-a"].agent.settings.dra_plugin_dir.exists()
         # nobody can remove the finalizer of node-b's Instances now (their slots stay held by
         # node-b, whose agent is gone): they and their CRD stay terminating
         crd = api.get("customresourcedefinitions", "instances.akri.sh")

@@ -21,6 +21,7 @@ empty start would leave every ``D:`` slot it traced untraceable for good (see do
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
@@ -192,6 +193,30 @@ class Checkpoint:
             {uid: c for uid, c in self.claims.items() if uid not in gone},
             {uid: p for uid, p in self.pending.items() if uid not in gone},
         )
+        return True
+
+    def remove_if_empty(self) -> bool:
+        """Delete the file, then its directory if nothing else is left there, when no claim is
+        prepared or preparing, in memory or on disk (re-read: what is written decides). For an
+        agent leaving for good (an uninstall, agent/node/leaving.py), never on a restart: the
+        next agent reads the file. Returns whether the file is gone."""
+        if self.claims or self.pending:
+            return False
+        on_disk = Checkpoint(self.path, durable=self._durable)
+        try:
+            on_disk.load()
+        except (CorruptStateError, StorageError, OSError) as error:
+            log.warning("DRA checkpoint %s kept: it cannot be read (%s)", self.path, error)
+            return False
+        if on_disk.claims or on_disk.pending:
+            return False
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("could not remove the empty DRA checkpoint %s: %s", self.path, error)
+            return False
+        with contextlib.suppress(OSError):
+            self.path.parent.rmdir()  # only when empty (a stranger's file stays, and its dir)
         return True
 
     def _commit(self, claims: dict[str, PreparedClaim], pending: dict[str, PendingClaim]) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
+import shutil
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -113,10 +115,21 @@ async def _node_with_a_prepared_claim(
     return node, kubelet, uid
 
 
+def _checkpoint(node: DpNode) -> Path:
+    return node.agent.settings.dra_plugin_dir / "checkpoint.json"
+
+
+async def _stop_keeping_files(node: DpNode, kubelet: DraKubeletDouble) -> None:
+    """Stop the agent as its Pod's end would, leaving the node's files to look at."""
+    await kubelet.stop()
+    await node.stop(keep_files=True)
+
+
 async def test_a_replaced_agent_leaves_at_once_and_its_claims_stay_prepared(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
     node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
+    stopped = False
     try:
         api.clear_requests()
         await asyncio.wait_for(node.agent.stay_while_uninstalled(), 10)
@@ -127,15 +140,21 @@ async def test_a_replaced_agent_leaves_at_once_and_its_claims_stay_prepared(
                  for r in api.requests if r.info.namespace == NS}  # fmt: skip
         assert asked == {("", "pods", "get", NS), ("apps", "daemonsets", "get", NS)}
         assert all(allowed(grants(), *request) for request in asked)
+        await _stop_keeping_files(node, kubelet)
+        stopped = True
+        assert uid in _checkpoint(node).read_text()  # for the next agent
     finally:
-        await kubelet.stop()
-        await node.stop()
+        if not stopped:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(node.base, ignore_errors=True)
 
 
 async def test_an_uninstalled_agent_stays_until_kubelet_has_unprepared_its_claims(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
     node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
+    stopped = False
     try:
         api.delete("daemonsets.apps", "akri-agent", NS)
         staying = asyncio.create_task(node.agent.stay_while_uninstalled())
@@ -144,9 +163,50 @@ async def test_an_uninstalled_agent_stays_until_kubelet_has_unprepared_its_claim
         await kubelet.remove_pod("app-uid")  # the app pod ends: kubelet unprepares
         await asyncio.wait_for(staying, 10)
         assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == ""
+        assert _checkpoint(node).exists()  # empty, until the agent has stopped
+        await _stop_keeping_files(node, kubelet)
+        stopped = True
+        # leaving for good with nothing prepared: its checkpoint and plugin directory go
+        # (acceptance F7: an empty checkpoint.json stayed on every node)
+        assert not _checkpoint(node).parent.exists()
     finally:
-        await kubelet.stop()
-        await node.stop()
+        if not stopped:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(node.base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("daemonset_stays", [True, False])
+async def test_the_empty_checkpoint_goes_only_with_the_install(
+    api: ApiServerDouble, tmp_path: Path, daemonset_stays: bool
+) -> None:
+    """The documented uninstall: every claim unprepared before the agent is told to stop.
+    Uninstalled, it removes its empty DRA checkpoint and its plugin directory (a file of
+    someone else's there keeps the directory); replaced (a rollout), it keeps them."""
+    node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
+    stopped = False
+    try:
+        await kubelet.remove_pod("app-uid")  # unprepared while the agent runs
+        assert node.dra is not None
+        await eventually(lambda: node.dra is not None and not node.dra.state.checkpoint.claims)
+        assert json.loads(_checkpoint(node).read_text())["preparedClaims"] == {}
+        stranger = _checkpoint(node).parent / "notes.txt"
+        if daemonset_stays:
+            stranger.write_text("not the agent's")
+        else:
+            api.delete("daemonsets.apps", "akri-agent", NS)
+        await asyncio.wait_for(node.agent.stay_while_uninstalled(), 10)
+        await _stop_keeping_files(node, kubelet)
+        stopped = True
+        if daemonset_stays:
+            assert _checkpoint(node).exists() and stranger.exists()
+        else:
+            assert not _checkpoint(node).parent.exists()
+    finally:
+        if not stopped:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(node.base, ignore_errors=True)
 
 
 async def test_with_its_access_revoked_the_unprepare_completes_on_the_node(
