@@ -12,7 +12,8 @@ plugins are tested end to end exactly as the kubelet would drive them (reference
   ``endpoint_stop_grace_period`` (5 min, like kubelet) the resource is deleted.
 * Pod admission like the device manager (``devicesToAllocate`` / ``allocateContainerResources``):
   init containers first, devices of (non-restartable) init containers reusable by app
-  containers, healthy devices not held by another active pod, ``GetPreferredAllocation``
+  containers, healthy devices not held by another active pod (none healthy at all: kubelet's
+  ``no healthy devices present`` refusal, before anything else), ``GetPreferredAllocation``
   when advertised (answer intersected with the available set, shortfall filled by the
   double), one ``Allocate`` per container per resource with one ``ContainerAllocateRequest``,
   only ``container_responses[0]`` used, ``UnexpectedAdmissionError`` texts on failure, and
@@ -26,10 +27,14 @@ plugins are tested end to end exactly as the kubelet would drive them (reference
 * The device-manager checkpoint ``<dir>/kubelet_internal_checkpoint`` in kubelet's JSON form
   (``Data.PodDeviceEntries`` with ``PodUID``, ``ContainerName``, ``ResourceName``,
   ``DeviceIDs`` per NUMA node, ``AllocResp``; ``Data.RegisteredDevices``; ``Checksum``),
-  with kubelet's timing: written after each successful ``Allocate`` and on every
-  ``ListAndWatch`` message; a deleted pod stays in its in-memory ``podDevices`` (and so in
-  the file) until ``UpdateAllocatedDevices`` runs — at the next admission or pod-resources
-  ``List`` — and in the file until the next write after that.
+  with kubelet's timing, and only then (``writeCheckpoint`` in ``manager.go``, 1.36): after
+  each successful ``Allocate``, on every ``ListAndWatch`` message, and when ``GetCapacity``
+  (the node status update; here every query of capacity, allocatable or devices) deletes a
+  resource whose plugin stopped more than ``endpoint_stop_grace_period`` ago. A deleted pod
+  stays in its in-memory ``podDevices`` (and so in the file) until ``UpdateAllocatedDevices``
+  runs — at the next admission or pod-resources ``List`` — and in the file until the next
+  write after that: with no plugin registered and no allocation, never (until a stopped
+  plugin's resource is deleted).
 
 All times are ``time.monotonic()`` values.
 """
@@ -670,15 +675,19 @@ class KubeletDouble:
         ):
             return
         earliest: float | None = None
+        deleted = False
         for name, ep in list(self._endpoints.items()):
             if ep.stop_time is None:
                 continue
             if now - ep.stop_time > self.endpoint_stop_grace_period:
                 for table in (self._healthy, self._unhealthy, self._all_devices, self._endpoints):
                     table.pop(name, None)  # type: ignore[attr-defined]
+                deleted = True
             elif earliest is None or ep.stop_time < earliest:
                 earliest = ep.stop_time
         self._earliest_stop = earliest
+        if deleted:
+            self.write_checkpoint()  # GetCapacity: "if deletedResources.Len() > 0"
 
     def _stopped_at(self, ep: _Endpoint, now: float) -> None:
         ep.stop_time = now
@@ -1001,6 +1010,10 @@ class KubeletDouble:
                 allocated.append(queue.pop(0))
             if len(allocated) >= required:
                 return allocated
+        if not self._healthy[resource]:  # kubelet checks it first; forced ids skip it here
+            raise _AdmissionError(
+                f"no healthy devices present; cannot allocate unhealthy devices {resource}"
+            )
         if take_from(reusable):
             return allocated
         in_use = self.allocated_devices(resource)

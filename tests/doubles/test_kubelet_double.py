@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -328,7 +329,10 @@ async def test_stream_end_marks_devices_unhealthy_and_stops_endpoint(
     assert kubelet.devices(RESOURCE) == {"a": U, "b": U, "c": U}
     admission = await kubelet.admit_pod("default", "p", [("app", {RESOURCE: 1})])
     assert not admission.admitted
-    assert "Requested: 1, Available: 0" in (admission.message or "")
+    assert admission.message == (  # kubelet 1.36 devicesToAllocate
+        f"Allocate failed due to no healthy devices present; cannot allocate unhealthy "
+        f"devices {RESOURCE}, which is unexpected"
+    )
     # Forcing a device on a stopped endpoint fails in Allocate itself, without an RPC.
     forced = await kubelet.admit_pod(
         "default", "q", [("app", {RESOURCE: 1})], choose={RESOURCE: ["a"]}
@@ -642,3 +646,57 @@ async def test_stop_drops_connections_and_start_serves_again(
     await plugin.register()
     await kubelet.wait_registered(RESOURCE, 2)
     assert kubelet.connected(RESOURCE)
+
+
+# ----------------------------------------------------------------------------- checkpoint
+
+
+def checkpointed_pods(kubelet: KubeletDouble) -> set[str]:
+    data = json.loads((kubelet.device_plugin_dir / "kubelet_internal_checkpoint").read_text())
+    return {entry["PodUID"] for entry in data["Data"]["PodDeviceEntries"]}
+
+
+async def test_checkpoint_is_written_only_when_kubelet_writes_it(
+    kubelet: KubeletDouble, plugins: list[FakePlugin]
+) -> None:
+    """kubelet 1.36 (``writeCheckpoint`` in ``pkg/kubelet/cm/devicemanager/manager.go``): after
+    an allocation, on a plugin's ListAndWatch message, and when ``GetCapacity`` deletes a
+    resource whose plugin stopped more than the grace ago — not when a pod ends, nor on a
+    pod-resources ``List`` (which makes it forget the ended pod in memory only)."""
+    kubelet.endpoint_stop_grace_period = 0.3
+    plugin = await serve(plugins, kubelet, [("d0", H), ("d1", H)])
+    pod = await kubelet.admit_pod("ns", "p", [("app", {RESOURCE: 1})])
+    assert checkpointed_pods(kubelet) == {pod.uid}
+    writes = kubelet.checkpoint_writes
+    assert await kubelet.delete_pod("ns", "p")
+    await pod_resources(kubelet, "List", pr.ListPodResourcesRequest())
+    kubelet.allocatable(RESOURCE)  # GetCapacity: nothing to delete, nothing written
+    assert (kubelet.checkpoint_writes, checkpointed_pods(kubelet)) == (writes, {pod.uid})
+    plugin.update([("d0", H), ("d1", H)])  # a plugin's message: the file is rewritten
+    await kubelet.wait_for(lambda: kubelet.checkpoint_writes > writes, 5)
+    assert checkpointed_pods(kubelet) == set()
+
+    # no plugin at all: the file keeps an ended pod until a stopped resource is deleted
+    other = await kubelet.admit_pod("ns", "q", [("app", {RESOURCE: 1})])
+    await plugin.stop()
+    await kubelet.wait_for(lambda: kubelet.endpoint_stopped(RESOURCE), 5)
+    assert await kubelet.delete_pod("ns", "q")
+    await pod_resources(kubelet, "List", pr.ListPodResourcesRequest())
+    writes = kubelet.checkpoint_writes
+    assert checkpointed_pods(kubelet) == {other.uid}
+    await kubelet.wait_for(lambda: RESOURCE not in kubelet.resources(), 5)
+    assert kubelet.checkpoint_writes == writes + 1
+    assert checkpointed_pods(kubelet) == set()
+
+
+async def test_a_plugin_listing_no_device_admits_no_pod(
+    kubelet: KubeletDouble, plugins: list[FakePlugin]
+) -> None:
+    await serve(plugins, kubelet, [])
+    assert (kubelet.capacity(RESOURCE), kubelet.allocatable(RESOURCE)) == (0, 0)
+    refused = await kubelet.admit_pod("ns", "p", [("app", {RESOURCE: 1})])
+    assert not refused.admitted
+    assert refused.message == (
+        f"Allocate failed due to no healthy devices present; cannot allocate unhealthy "
+        f"devices {RESOURCE}, which is unexpected"
+    )
