@@ -175,6 +175,14 @@ class HeldIndex:
         self._held.clear()
         self._seen.clear()
 
+    def slots_of(self, key: ObjectKey) -> tuple[HeldSlot, ...]:
+        """The slots this node holds in one Instance (as last updated)."""
+        return tuple(self._held.get(key, {}).values())
+
+    def keys(self) -> list[ObjectKey]:
+        """The Instances recorded (held slots or not)."""
+        return list(self._seen)
+
     def __bool__(self) -> bool:
         return bool(self._held)
 

@@ -7,6 +7,12 @@
   device-plugin node, a Configuration whose group has one): a name moves between the paths
   when an Instance's nodes or a node's mode change (:meth:`DevicePluginManager.paths_changed`),
   its held slots stay held (the reclaimer frees them when their pods end);
+* a *holding* plugin (:class:`~agent.node.deviceplugin.plugins.HoldingPlugin`) for every
+  resource name under which this node holds slots that no running plugin serves (the name
+  went to DRA, its Instance left the node): registered, offering no device, until those
+  slots are freed — kubelet rewrites its checkpoint only when a plugin sends it a list, and
+  the reclaimer needs that rewrite to see an ended pod go (docs/device-plugins.md, "A name
+  nobody serves any more");
 * every Instance change notifies exactly the plugins whose lists may change (its IL plugin
   and its Configuration's CL plugin); an offline (grace) change notifies all;
 * kubelet restarts are detected by watching ``kubelet.sock`` (new inode) and our own sockets
@@ -51,7 +57,13 @@ from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import configuration_resource_name
 from agent.core.store.base import InstanceEvent
 from agent.node.deviceplugin.endpoint import PluginEndpoint
-from agent.node.deviceplugin.plugins import ConfigurationPlugin, DeviceSource, InstancePlugin
+from agent.node.deviceplugin.held_slots import HeldIndex
+from agent.node.deviceplugin.plugins import (
+    ConfigurationPlugin,
+    DeviceSource,
+    HoldingPlugin,
+    InstancePlugin,
+)
 from agent.node.deviceplugin.registration import KUBELET_SOCKET, KubeletRegistrar
 from agent.node.deviceplugin.service import DevicePluginService
 from agent.node.deviceplugin.strays import remove_stale_sockets
@@ -108,6 +120,14 @@ class DevicePluginManager:
         self.cl_update_interval = cl_update_interval
         self.instance_plugins: dict[str, PluginEndpoint] = {}
         self.configuration_plugins: dict[str, PluginEndpoint] = {}
+        # resource name -> a plugin offering nothing, kept while this node holds slots under
+        # the name that no running plugin serves (HoldingPlugin)
+        self.holding_plugins: dict[str, PluginEndpoint] = {}
+        # the slots this node holds through device plugins (the reclaimer's served Instances),
+        # and how many per resource name: which names need a holding plugin
+        self._held = HeldIndex(self.node, served.served)
+        self._held_names: dict[str, set[ObjectKey]] = {}  # Instance name -> keys in _held
+        self.held_resources: Counter[str] = Counter()
         self.kubelet_restarts = 0
         # observability (tests, debugging)
         self.syncs = 0
@@ -143,7 +163,11 @@ class DevicePluginManager:
         return self._registrar.failures.failures
 
     def endpoints(self) -> list[PluginEndpoint]:
-        """Every running plugin endpoint."""
+        """Every running plugin endpoint, the holding ones included."""
+        return [*self.serving_endpoints(), *self.holding_plugins.values()]
+
+    def serving_endpoints(self) -> list[PluginEndpoint]:
+        """The instance- and configuration-level plugins (those that offer devices)."""
         return [*self.instance_plugins.values(), *self.configuration_plugins.values()]
 
     async def start(self) -> None:
@@ -172,6 +196,7 @@ class DevicePluginManager:
         endpoints = self.endpoints()
         self.instance_plugins.clear()
         self.configuration_plugins.clear()
+        self.holding_plugins.clear()
         # concurrently: hundreds of plugins must stop within Kubernetes' 30 s termination grace
         await asyncio.gather(
             *(self._stop(endpoint) for endpoint in endpoints),
@@ -186,7 +211,9 @@ class DevicePluginManager:
 
     def nudge_kubelet(self) -> bool:
         """Have kubelet rewrite its device-manager checkpoint: one plugin re-sends its
-        (unchanged) device list. False when no plugin is running."""
+        (unchanged) device list. False when no plugin is running — which, while this node
+        holds slots through device plugins, lasts only until the holding plugin of their name
+        has started (:meth:`sync`)."""
         for endpoint in self.endpoints():
             endpoint.service.resend()
             return True
@@ -282,6 +309,62 @@ class DevicePluginManager:
                 self._per_configuration[after] += 1
         return before, after
 
+    def _track_held(self, name: str) -> None:
+        """Bring the slots held through device plugins up to date for the Instances called
+        ``name`` (any namespace: the reclaimer's served ones), and their count per resource
+        name. Costs the slots that changed (:class:`HeldIndex`)."""
+        current = {i.key: i for i in self.served.store.instances_named(name)}
+        keys = self._held_names.get(name, set()) | set(current)
+        for key in keys:
+            before = Counter(slot.resource for slot in self._held.slots_of(key))
+            instance = current.get(key)
+            if instance is None:
+                self._held.remove(key)
+            else:
+                self._held.update(instance)
+            after = Counter(slot.resource for slot in self._held.slots_of(key))
+            if before != after:
+                self.held_resources.subtract(before)
+                self.held_resources.update(after)
+                for resource in before:
+                    if self.held_resources[resource] <= 0:
+                        del self.held_resources[resource]
+        if current:
+            self._held_names[name] = set(current)
+        else:
+            self._held_names.pop(name, None)
+
+    def _plan_holding(
+        self, starting: set[str]
+    ) -> list[tuple[dict[str, PluginEndpoint], str, PluginEndpoint]]:
+        """Stop the holding plugins no longer needed (no slot held under their name, or a
+        plugin serves it: running, or in ``starting``); return those to start: one per name
+        held with no plugin serving it."""
+        serving = {e.resource_name for e in self.serving_endpoints()} | starting
+        needed = {name for name in self.held_resources if name not in serving}
+        for resource in sorted(set(self.holding_plugins) - needed):
+            endpoint = self.holding_plugins.pop(resource)
+            why = (
+                "its device plugin serves it again"
+                if resource in serving
+                else "no slot is held through it any more"
+            )
+            self._stop_later(endpoint, f"stopped holding device plugin {resource}: {why}")
+        new = []
+        for resource in sorted(needed - set(self.holding_plugins)):
+            log.info(
+                "keeping device plugin %s registered on node %s, offering no device: %d "
+                "slot(s) are still held through it by pods that got them from a device plugin "
+                "(kubelet rewrites its checkpoint only when a plugin sends it a list: the "
+                "reclaimer needs that to free them when the pods end)",
+                resource,
+                self.node,
+                self.held_resources[resource],
+            )
+            endpoint = self._endpoint(HoldingPlugin(resource, self.node))
+            new.append((self.holding_plugins, resource, endpoint))
+        return new
+
     async def sync(self) -> None:
         """Start/stop plugins to match the cache and notify the affected ones."""
         self.syncs += 1
@@ -291,7 +374,15 @@ class DevicePluginManager:
         if full:
             self._on_node.clear()
             self._per_configuration.clear()
+            self._held.clear()
+            self._held_names.clear()
+            self.held_resources.clear()
+            held_dirty = {i.name for i in self.served.store.list_cached()}
             dirty |= {i.name for i in self.served.all()} | set(self.instance_plugins)
+        else:
+            held_dirty = set(dirty)
+        for name in held_dirty:
+            self._track_held(name)
         touched: set[str] = set()
         for name in dirty:
             before, after = self._track(name)
@@ -392,6 +483,9 @@ class DevicePluginManager:
                     "through DRA: device plugins on all of them)"
                 )
                 log.info("%s on node %s: device plugin%s", endpoint.resource_name, self.node, why)
+        # after the serving plugins' stops and before their starts: a holding plugin stopped
+        # here is waited for by a serving plugin of its name starting now (_start)
+        starting.extend(self._plan_holding({e.resource_name for _, _, e in starting}))
         for plugins, name, endpoint in starting:
             plugins[name] = endpoint  # listed at once: close() stops it even mid-start
         failed = await self._start_all(starting)
@@ -403,7 +497,7 @@ class DevicePluginManager:
             cl = self.configuration_plugins.get(configuration)
             if cl is not None:
                 cl.service.changed()
-        if self.claims_needed is not None and not self.endpoints() and not self._stopping:
+        if self.claims_needed is not None and not self._serving_or_stopping():
             await self.claims_needed(False)
         if failed:
             raise RuntimeError(f"{failed} device plugin(s) did not start")
@@ -454,7 +548,9 @@ class DevicePluginManager:
             resource.removeprefix(RESOURCE_PREFIX),
         )
 
-    def _endpoint(self, logic: InstancePlugin | ConfigurationPlugin) -> PluginEndpoint:
+    def _endpoint(
+        self, logic: InstancePlugin | ConfigurationPlugin | HoldingPlugin
+    ) -> PluginEndpoint:
         interval = self.cl_update_interval if isinstance(logic, ConfigurationPlugin) else 0.0
         return PluginEndpoint(
             DevicePluginService(logic, min_interval=interval),
@@ -503,8 +599,15 @@ class DevicePluginManager:
 
     def _stopped(self, endpoint: PluginEndpoint) -> None:
         self._stopping.pop(endpoint, None)
-        if self.claims_needed is not None and not self._stopping and not self.endpoints():
+        if self.claims_needed is not None and not self._serving_or_stopping():
             self._wake.set()  # the last one: the next sync says claims need no following
+
+    def _serving_or_stopping(self) -> bool:
+        """Whether a plugin that offers devices runs or is still stopping (a holding plugin
+        offers none: the DRA claims need no following for it)."""
+        return bool(self.serving_endpoints()) or any(
+            not isinstance(e.service.logic, HoldingPlugin) for e in self._stopping
+        )
 
     async def _stop(self, endpoint: PluginEndpoint, done: str | None = None) -> None:
         try:

@@ -16,7 +16,7 @@ from agent.core.model.keys import ObjectKey
 from agent.core.model.naming import configuration_resource_name, parse_slot_id
 from agent.core.store.base import StoreError
 from agent.node.deviceplugin.container_env import container_edits
-from agent.node.deviceplugin.service import AllocationError
+from agent.node.deviceplugin.service import AllocationError, Listed
 from agent.node.deviceplugin.views import (
     ConfigurationDevices,
     DeviceView,
@@ -311,3 +311,45 @@ class ConfigurationPlugin:
                 await self._ledger.release(instance, slot, owner)
             except Exception as error:
                 log.warning("could not roll back %s: %s", slot, error)
+
+
+class HoldingPlugin:
+    """``akri.sh/<name>`` kept registered, offering no device, while this node holds slots
+    under the name through a device plugin that no longer serves it (the name went to DRA on
+    this node, or its Instance or Configuration left the node) — until those slots are
+    freed. docs/device-plugins.md, "A name nobody serves any more".
+
+    kubelet rewrites its device-manager checkpoint only after an allocation or when a plugin
+    sends it a list; the reclaimer counts a device in use while that file lists it, so without
+    a registered plugin whose list it can have re-sent (``nudge_kubelet``) a pod that ended
+    would stay in the file, and its slot held, for good. An empty list, not the held devices
+    marked Unhealthy: kubelet's allocatable for the name is 0 either way — so the scheduler
+    keeps taking DRA for it (KEP-5004: a name with allocatable 0 and a DeviceClass goes
+    through DRA) and kubelet admits no pod through it — but a device listed Unhealthy would
+    show as Unhealthy in its running pod's ``allocatedResourcesStatus``."""
+
+    preferred_allocation = False
+
+    def __init__(self, resource_name: str, node: str) -> None:
+        self.resource_name = resource_name
+        self.node = node
+
+    def devices(self) -> Sequence[Listed]:
+        return ()  # the one empty tuple: a stream sees it unchanged without comparing
+
+    def preferred(
+        self, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        return []
+
+    async def allocate(
+        self, container_requests: Sequence[Sequence[str]]
+    ) -> list[api_pb2.ContainerAllocateResponse]:
+        # kubelet asks no plugin without a healthy device (devicesToAllocate); something
+        # that bypasses that check gets a clear answer
+        raise AllocationError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{self.resource_name}: no device is offered through this device plugin on node "
+            f"{self.node}: it stays registered only until the pods that got its slots through "
+            "a device plugin end",
+        )

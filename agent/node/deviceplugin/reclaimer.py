@@ -171,7 +171,8 @@ class SlotReclaimer:
     it. ``events`` (the store's ``subscribe_instances``) keeps the held-slot index without
     listing every Instance on every pass; without it ``list_instances`` is read each pass.
     ``served`` tells which Instances this node serves (the others are never touched);
-    ``nudge`` asks kubelet to rewrite its checkpoint (a plugin re-sends its device list).
+    ``nudge`` asks kubelet to rewrite its checkpoint (a plugin re-sends its device list; it
+    returns False when no plugin runs to send it).
     """
 
     def __init__(
@@ -409,8 +410,13 @@ class SlotReclaimer:
         for key in [k for k in self._nudged if k not in current]:
             del self._nudged[key]
         if due:
+            if self._nudge() is False:
+                # no plugin to send it through yet (the holding plugin of a name nobody
+                # serves is starting): ask again at the next pass, not RENUDGE_INTERVAL later
+                for key in current:
+                    self._nudged.pop(key, None)
+                return False
             self.nudges += 1
-            self._nudge()
         return due
 
     async def _release(self, due: Sequence[HeldSlot]) -> list[HeldSlot]:

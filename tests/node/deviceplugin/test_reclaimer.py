@@ -516,6 +516,34 @@ async def test_a_gone_pod_left_in_the_checkpoint_is_freed_after_kubelet_rewrites
     assert [when for when, _ in store.writes] == [pytest.approx(103.1)]
 
 
+async def test_a_nudge_with_no_plugin_to_send_it_is_asked_again_at_the_next_pass(
+    store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
+) -> None:
+    """No plugin runs yet to re-send a list (an agent restarted on DRA: the holding plugin of
+    the name is still starting): the nudge says so (False), and the next pass asks again
+    instead of waiting the 10 s between nudges of the same slot."""
+    await store.create(make("cam-aaaaaa", s0=NODE))
+    rewritten = [False]
+    kubelet.checkpoint = lambda now: (
+        {} if rewritten[0] else {"akri.sh/cam-aaaaaa": frozenset({"cam-aaaaaa-0"})}
+    )
+    asked: list[float] = []
+
+    def nudge() -> bool:
+        asked.append(fake.now)
+        if fake.now < 102.0:
+            return False  # the holding plugin has not started yet
+        rewritten[0] = True
+        return True
+
+    reclaimer = reclaimer_for(store, fake, tmp_path, kubelet=kubelet, nudge=nudge)
+    store.reset()
+    await run_until(reclaimer, fake, START + 6.5)
+    assert asked == [100.0, 101.0, 102.0]
+    assert [when for when, _ in store.writes] == [pytest.approx(105.1)]
+    assert reclaimer.nudges == 1
+
+
 async def test_a_kubelet_restart_drops_the_evidence_and_pauses(
     store: CountingStore, fake: FakeTime, kubelet: Kubelet, tmp_path: Path
 ) -> None:
