@@ -151,3 +151,21 @@ async def test_an_instance_that_left_the_node_keeps_a_holder_while_its_slot_is_h
     store.remove(instance(0).name)
     await kubelet.wait_for(lambda: kubelet.endpoint_stopped(il(0)), 10, "holder stopped")
     assert holders(manager) == set()
+
+
+async def test_a_holding_plugin_registers_again_after_a_kubelet_restart(
+    store: MemoryStore, kubelet: KubeletDouble, make_manager: Factory
+) -> None:
+    """kubelet restarted (its socket directory wiped): the holding plugin registers again like
+    every plugin, so the reclaimer can still have kubelet rewrite its checkpoint."""
+    store.put(holding(0, [NODE, ""]))
+    manager = await make_manager(paths=Mode(DRA).paths())
+    await registered(kubelet, [il(0)])
+    restarted = await kubelet.restart()
+    await manager.check_sockets()
+    await registered(kubelet, [il(0)], after=restarted)
+    await kubelet.wait_for(lambda: kubelet.connected(il(0)), 10)
+    writes = kubelet.checkpoint_writes
+    assert manager.nudge_kubelet()
+    await kubelet.wait_for(lambda: kubelet.checkpoint_writes > writes, 10)
+    assert kubelet.devices(il(0)) == {} and holders(manager) == {il(0)}
