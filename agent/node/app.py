@@ -178,9 +178,13 @@ class Agent:
             self.served.all,
             self.discovery.offline_instances,
             self.discovery.seen_instances,
-            lambda: {key.name for key in self.discovery.draining()},
+            # not marked: Instances this node drains, and those of a deleted Configuration
+            # (the collector deletes them a moment later; a mark would be a useless write)
+            lambda: {key.name for key in self.discovery.draining()}
+            | self.discovery.retiring_instances(),
         )
         self.discovery.add_offline_listener(self.offline_marks.changed)
+        self.discovery.add_seen_listener(self.offline_marks.changed)
         if settings.local:
             # local mode has no Events: `akri status --state-dir` reads this file instead
             self.discovery.notes_listeners.append(self._record_notes)

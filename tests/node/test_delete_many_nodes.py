@@ -160,6 +160,41 @@ async def test_nodes_deleting_together_write_once_per_instance_without_conflicts
             await node.stop()
 
 
+async def test_nodes_write_no_offline_mark_while_the_collector_is_on_its_way(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """On a real cluster the collector deletes a deleted Configuration's Instances a moment
+    after the agents have seen the Configuration go (here: the double's collector lags 1 s).
+    Meanwhile each node reports their slots Unhealthy, but it does not record them as offline
+    in the Instance (``akri.sh/offline.<node>``): nothing schedules from a pool being deleted,
+    and those marks were one write per node per Instance, some of them 409s (acceptance
+    finding F11 on the 1.36.2 cluster). The only writes are the settler's, one per Instance."""
+    nodes = await start_nodes(api, tmp_path, ["node-a", "node-b", "node-c"])
+    try:
+        api.store.gc.delay = 1.0
+        api.clear_requests()
+        api.delete("configurations.akri.sh", "cam")
+        for node in nodes:
+            await eventually(
+                lambda n=node: CONFIGURATION in n.discovery.retirements, 10, f"{node.name} retiring"
+            )
+        await asyncio.sleep(0.5)  # the marks' passes, had they anything to write
+        assert set(api_instances(api)) == {A, B}  # the collector has not come yet
+        await eventually(lambda: not api_instances(api), 15, "both gone")
+        await answered(api)
+        marks = [
+            r.status
+            for r in api.requests_for(verb="patch", resource="instances")
+            if b"akri.sh/offline" in r.body
+        ]
+        assert marks == []
+        assert instance_writes(api) == [200, 200]  # the settler's, one per Instance
+        assert conflicts(api) == 0
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
 async def test_a_gone_settler_delays_the_deletion_only(
     api: ApiServerDouble, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -691,3 +691,24 @@ async def test_losing_a_create_race_joins_from_the_cache(tmp_path: Path) -> None
     finally:
         await manager.close()
         await store.close()
+
+
+async def test_the_seen_listeners_hear_when_a_device_is_first_reported(setup) -> None:  # type: ignore[no-untyped-def]
+    """An offline mark this node left before a restart is cleared only once its handler
+    reports the device (:meth:`DiscoveryManager.seen_instances`); the offline set does not
+    change then, so the marks must hear of it otherwise — before, they waited for their 30 s
+    recheck (seen as a flaky multi-agent test under load)."""
+    _store, handler, manager = setup
+    heard: list[frozenset[str]] = []
+    manager.add_seen_listener(lambda: heard.append(manager.seen_instances()))
+    await manager.handle_configuration_event(
+        ConfigurationEvent(EventType.ADDED, ObjectKey("default", "cfg"), cfg())
+    )
+    await handler.queue.put([Device("d1")])
+    await until(lambda: len(heard) == 1)
+    (name,) = heard[0]
+    assert manager.offline_instances() == frozenset()  # nothing else would have told them
+    await handler.queue.put([Device("d1")])  # the same list again: nothing new seen
+    await handler.queue.put([Device("d1"), Device("d2")])
+    await until(lambda: len(heard) == 2)
+    assert name in heard[1] and len(heard[1]) == 2

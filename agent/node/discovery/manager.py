@@ -87,6 +87,7 @@ class DiscoveryManager:
         self._sweep_pending = True
         self._unreadable_noticed: list[str] = []
         self._offline_listeners: list[Callable[[], None]] = []
+        self._seen_listeners: list[Callable[[], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._retries: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()  # one Configuration event at a time
@@ -129,6 +130,14 @@ class DiscoveryManager:
 
     def _offline_changed(self) -> None:
         for listener in self._offline_listeners:
+            listener()
+
+    def add_seen_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever :meth:`seen_instances` may have changed."""
+        self._seen_listeners.append(listener)
+
+    def _seen_changed(self) -> None:
+        for listener in self._seen_listeners:
             listener()
 
     def offline_instances(self) -> frozenset[str]:
@@ -175,6 +184,15 @@ class DiscoveryManager:
             for name, slots in retirement.draining.items():
                 result[ObjectKey(retirement.configuration.namespace, name)] = slots
         return result
+
+    def retiring_instances(self) -> frozenset[str]:
+        """Names of the Instances of Configurations that are gone here (draining, or left
+        to the garbage collector): their slots are offered nowhere, and they are no device
+        that went offline — this node writes no offline mark onto them."""
+        result: set[str] = set()
+        for retirement in self.retirements.values():
+            result |= retirement.offline
+        return frozenset(result)
 
     def device_for(self, instance: str) -> Device | None:
         """The device behind Instance ``instance`` (a served name) as last discovered here."""
@@ -442,6 +460,7 @@ class DiscoveryManager:
             on_offline_change=self._offline_changed,
             ledger=self.ledger,
             budget=self.budget,
+            on_seen_change=self._seen_changed,
         )
         self.runners[key] = runner
         runner.start()

@@ -116,8 +116,9 @@ def mark_changes(
     draining: Collection[str],
 ) -> list[tuple[Instance, str | None]]:
     """The shared Instances whose mark of ``node`` must change (pure): to the time it went
-    offline (published offline, a member not draining it) or to nothing (not published
-    offline and reported by this node's discovery, or no longer a member)."""
+    offline (published offline, a member, not in ``draining``: drained or retired here) or
+    to nothing (not published offline and reported by this node's discovery, or no longer a
+    member)."""
     changes: list[tuple[Instance, str | None]] = []
     key = offline_annotation(node)
     for instance in instances:

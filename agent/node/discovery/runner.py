@@ -82,8 +82,10 @@ class ConfigurationRunner:
         on_offline_change: Callable[[], None] = lambda: None,
         ledger: SlotLedger | None = None,
         budget: InstanceBudget | None = None,
+        on_seen_change: Callable[[], None] = lambda: None,
     ) -> None:
         self._on_offline_change = on_offline_change
+        self._on_seen_change = on_seen_change
         # the node's Instance budget (agent/node/discovery/budget.py): devices beyond it are
         # planned as if not reported
         self._budget = budget
@@ -295,7 +297,12 @@ class ConfigurationRunner:
             # thousands of upserts could hold the loop (and a SIGTERM) for their whole run
             await asyncio.sleep(0)
         self._settled = settled
+        seen_before = self.devices_by_instance.keys()
         self.devices_by_instance = {d.name: d.device for d in plan.upserts}
+        if self.devices_by_instance.keys() != seen_before:
+            # an offline mark this node left (before a restart, say) is cleared only once the
+            # device is reported: that moment must wake the marks, not their next recheck
+            self._on_seen_change()
         for name in plan.leave:
             await self._leave(name)
             await asyncio.sleep(0)

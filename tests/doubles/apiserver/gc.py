@@ -36,6 +36,7 @@ ordering.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,11 @@ class GarbageCollector:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.enabled = True
+        # seconds the collector lags behind the write that gave it work (0: it runs at the
+        # end of that write). kube-controller-manager's collector is asynchronous: on a real
+        # cluster the agents see a deleted Configuration well before its Instances terminate
+        self.delay = 0.0
+        self._queued_at: float | None = None
         # owner uid -> dependents naming it; uid -> where the object is
         self._dependents: defaultdict[str, set[Ref]] = defaultdict(set)
         self._where: dict[str, Ref] = {}
@@ -178,9 +184,16 @@ class GarbageCollector:
         return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
     def drain(self) -> None:
-        """Run the queued work (and the work it causes) to the end."""
+        """Run the queued work (and the work it causes) to the end; with a :attr:`delay`,
+        only once the oldest work has waited that long (:meth:`due`)."""
         if self._running or not self.enabled:
             return
+        if self.delay > 0 and self._work:
+            if self._queued_at is None:
+                self._queued_at = time.monotonic()
+            if time.monotonic() - self._queued_at < self.delay:
+                return  # the server's periodic pass drains it (Store.collector_pass)
+        self._queued_at = None
         self._running = True
         try:
             while self._work:

@@ -209,9 +209,11 @@ class ApiServerDouble:
         return self.url
 
     async def _namespace_controller(self) -> None:
-        """kube-controller-manager's namespace controller (Store.namespace_controller_pass)."""
+        """kube-controller-manager's namespace controller (Store.namespace_controller_pass) and
+        its garbage collector's delayed work (Store.collector_pass)."""
         while True:
             try:
+                self.store.collector_pass()
                 self.store.namespace_controller_pass()
             except Exception as error:  # a bug of the double: seen by the tests' fixture
                 self.internal_errors.append(error)

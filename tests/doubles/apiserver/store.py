@@ -1036,6 +1036,11 @@ class Store:
         return not left
 
     @_collecting
+    def collector_pass(self) -> None:
+        """The garbage collector's delayed work, once due (``gc.delay``; the decorator
+        drains it)."""
+
+    @_collecting
     def namespace_controller_pass(self) -> list[str]:
         """The namespace controller: each namespace terminating for ``namespace_cleanup_delay``
         seconds has its objects deleted, and goes once none is left (an object held by a

@@ -80,6 +80,20 @@ def marked(api: ApiServerDouble) -> list[str]:
     return sorted(n for n in NODES if offline_annotation(n) in instance.annotations)
 
 
+async def answered(api: ApiServerDouble, since: int) -> None:
+    """Until every write since request ``since`` has its answer recorded (the double applies a
+    write, and shows it, before it answers)."""
+    await eventually(
+        lambda: all(
+            r.status is not None
+            for r in api.requests[since:]
+            if r.verb in ("create", "update", "patch", "delete")
+        ),
+        within=30,
+        what="every write answered",
+    )
+
+
 def writes(api: ApiServerDouble, resource: str, since: int) -> dict[str, int]:
     """Writes of ``resource`` since request ``since``: successful ones and 409s."""
     done = [
@@ -112,19 +126,23 @@ async def test_the_publisher_losing_the_device_does_not_taint_the_pool(
         nodes[0].offline(True)
         await eventually(
             lambda: pool(api) == (["node-b", "node-c"], False),
-            within=10,
+            within=30,
             what="the pool without node-a, untainted",
         )
         assert marked(api) == ["node-a"]
         (instance,) = api_instances(api).values()
         assert sorted(instance.nodes) == list(NODES)  # node-a keeps it for its grace
-        assert nodes[1].publisher is not None and nodes[1].publisher.writes > b_writes
+        # node-b wrote it (the double shows a write before its answer reaches the writer)
+        publisher = nodes[1].publisher
+        assert publisher is not None
+        await eventually(lambda: publisher.writes > b_writes, within=30, what="node-b wrote it")
         nodes[0].offline(False)
         await eventually(
             lambda: pool(api) == (list(NODES), False) and marked(api) == [],
-            within=10,
+            within=30,
             what="all three again",
         )
+        await answered(api, mark)
         instance_writes = writes(api, "instances", mark)
         # node-a's mark, then its removal; nothing else, and no conflict
         assert instance_writes == {"ok": 2, "conflicts": 0}, instance_writes
@@ -149,14 +167,15 @@ async def test_the_pool_is_tainted_only_once_every_node_is_offline(
         steps = [(["node-b", "node-c"], False), (["node-c"], False), (list(NODES), True)]
         for node, expected in zip(nodes, steps, strict=True):
             node.offline(True)
-            await eventually(lambda e=expected: pool(api) == e, within=10, what=str(expected))
+            await eventually(lambda e=expected: pool(api) == e, within=30, what=str(expected))
         assert marked(api) == list(NODES)
         set_offline(nodes, False)
         await eventually(
             lambda: pool(api) == (list(NODES), False) and marked(api) == [],
-            within=10,
+            within=30,
             what="all three again, untainted",
         )
+        await answered(api, mark)
         instance_writes = writes(api, "instances", mark)
         assert instance_writes == {"ok": 6, "conflicts": 0}, instance_writes
         slice_writes = writes(api, "resourceslices", mark)
@@ -185,6 +204,7 @@ async def test_a_blinking_device_does_not_make_a_write_storm(api: ApiServerDoubl
             within=20,
             what="settled on all three",
         )
+        await answered(api, mark)
         instance_writes = writes(api, "instances", mark)
         slice_writes = writes(api, "resourceslices", mark)
         assert instance_writes["conflicts"] == 0, instance_writes
@@ -219,23 +239,24 @@ async def test_a_restarted_agent_keeps_its_mark_while_offline_and_clears_it_when
     try:
         nodes[0].offline(True)
         nodes[1].offline(True)
-        await eventually(lambda: pool(api) == (["node-c"], False), within=10, what="node-c")
-        await eventually(lambda: marked(api) == ["node-a", "node-b"], within=10, what="marks")
+        await eventually(lambda: pool(api) == (["node-c"], False), within=30, what="node-c")
+        await eventually(lambda: marked(api) == ["node-a", "node-b"], within=30, what="marks")
         mark = len(api.requests)
         await restart(nodes[1])
         runners = nodes[1].discovery.runners
         await eventually(
             lambda: bool(runners) and all(r.reconciled.is_set() for r in runners.values()),
-            within=10,
+            within=30,
             what="node-b's handler reported",
         )
         await asyncio.sleep(1.0)  # a few passes of its offline marks
         assert marked(api) == ["node-a", "node-b"]
+        await answered(api, mark)
         assert writes(api, "instances", mark) == {"ok": 0, "conflicts": 0}
         await restart(nodes[0], lambda: nodes[0].offline(False))
         await eventually(
             lambda: pool(api) == (["node-a", "node-c"], False) and marked(api) == ["node-b"],
-            within=10,
+            within=30,
             what="node-a back after its restart",
         )
         assert api.internal_errors == []
