@@ -238,9 +238,7 @@ async def measure_latency(cycles: int) -> dict[str, Any]:
     }
 
 
-async def run(
-    before: Path | None, after: Path, startups: int, cycles: int
-) -> dict[str, Any]:
+async def run(before: Path | None, after: Path, startups: int, cycles: int) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
     if before is not None:
         results["footprint"] = await measure_footprint(before, after, startups)

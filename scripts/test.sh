@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install the project with its test/dev extras into .venv and run the whole suite:
-# ruff, mypy --strict, then pytest. Usage: bash scripts/test.sh [pytest args...]
+# ruff (lint and format check), mypy --strict, then pytest. Usage: bash scripts/test.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
-echo "== ruff" && .venv/bin/ruff check .
+echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy --strict" && .venv/bin/mypy
 echo "== pytest" && .venv/bin/python -m pytest -q "$@"

@@ -180,8 +180,10 @@ class Agent:
             self.discovery.seen_instances,
             # not marked: Instances this node drains, and those of a deleted Configuration
             # (the collector deletes them a moment later; a mark would be a useless write)
-            lambda: {key.name for key in self.discovery.draining()}
-            | self.discovery.retiring_instances(),
+            lambda: (
+                {key.name for key in self.discovery.draining()}
+                | self.discovery.retiring_instances()
+            ),
         )
         self.discovery.add_offline_listener(self.offline_marks.changed)
         self.discovery.add_seen_listener(self.offline_marks.changed)

@@ -129,9 +129,7 @@ async def _get(client: KubeClient, path: str) -> tuple[dict[str, Any] | None, in
         return None, error.status
 
 
-async def why_stopping(
-    client: KubeClient, environ: Mapping[str, str] = os.environ
-) -> Why:
+async def why_stopping(client: KubeClient, environ: Mapping[str, str] = os.environ) -> Why:
     """Ask the API server whether this agent's DaemonSet stays (bounded by LOOK_TIMEOUT
     each; any failure but 401/403/404 reads as unknown)."""
     name, namespace = environ.get(POD_NAME_ENV), environ.get(POD_NAMESPACE_ENV)

@@ -51,8 +51,6 @@ def holder_kind(value: str) -> str:
     return "unknown"
 
 
-
-
 class NodeParts(Protocol):
     """What the collector reads of a node agent (``agent.node.app.Agent`` has all of it)."""
 

@@ -76,8 +76,7 @@ class Tracker:
         self.details = details
         call = Call.FIND_SERVERS_ON_NETWORK if details.method == MULTICAST else Call.FIND_SERVERS
         self.targets: dict[str, Target] = {
-            url: Target(url, configured=True, call=call, due=now)
-            for url in details.discovery_urls
+            url: Target(url, configured=True, call=call, due=now) for url in details.discovery_urls
         }
         self.listed: list[Listed] = []  # the tracked servers, in order
         self.over_cap = 0  # listed servers beyond maxServers (not tracked)
@@ -95,9 +94,7 @@ class Tracker:
 
     def next_due(self) -> float:
         """When the next target not in flight is due (``inf`` if none)."""
-        return min(
-            (t.due for t in self.targets.values() if not t.in_flight), default=math.inf
-        )
+        return min((t.due for t in self.targets.values() if not t.in_flight), default=math.inf)
 
     def settled(self) -> bool:
         """Every target was asked at least once and nothing is in flight."""

@@ -287,9 +287,7 @@ class _Exchange:
         self.writer.write(self._frame(b"OPN", request))
         kind, _chunk, body = await self._read_chunk()
         if kind != b"OPN":
-            raise CallError(
-                f"answered OpenSecureChannel with {kind.decode()}", unreachable=False
-            )
+            raise CallError(f"answered OpenSecureChannel with {kind.decode()}", unreachable=False)
         try:
             buffer = Buffer(body)
             buffer.read(4)  # its channel id, also in the token

@@ -386,6 +386,7 @@ def test_stale_shared_slices_are_those_listing_the_dead_node_and_no_live_one() -
     """A shared slice that still lists a live node is that node's to rewrite in place (the
     pool's publisher, issue 36: no gap for the scheduler); one listing only dead nodes has
     nobody left to delete it."""
+
     def slice_(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         return {"metadata": {"name": name, "resourceVersion": "7"},
                 "spec": {"driver": "akri.sh", **spec}}  # fmt: skip

@@ -167,8 +167,7 @@ def test_strict_parsing_names_every_unknown_field_and_what_was_meant() -> None:
         "metadata.labls: unknown field (did you mean 'labels'?)",
         "spec.discoveryHandler.discoveryProperties[0].valueFrom.secretKeyRef.optinal: "
         "unknown field (did you mean 'optional'?)",
-        "spec.discoveryHandler.discoveryProperties[2].valu: unknown field (did you mean "
-        "'value'?)",
+        "spec.discoveryHandler.discoveryProperties[2].valu: unknown field (did you mean 'value'?)",
         "spec.capacty: unknown field (did you mean 'capacity'?)",
         "spec.brokerProperites: unknown field (did you mean 'brokerProperties'?)",
         "status: unknown field",

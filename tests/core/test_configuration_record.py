@@ -165,9 +165,9 @@ async def test_a_record_that_cannot_be_written_is_retried(
         assert not (state / CONFIGURATIONS_FILE).exists()
         full[0] = False
         store._config_files.scan()  # the next scan writes it
-        assert "default/cam" in json.loads((state / CONFIGURATIONS_FILE).read_text())[
-            "configurations"
-        ]
+        assert (
+            "default/cam" in json.loads((state / CONFIGURATIONS_FILE).read_text())["configurations"]
+        )
     finally:
         await store.close()
 

@@ -26,8 +26,10 @@ def host_inotify(monkeypatch: pytest.MonkeyPatch) -> None:
     try:
         fswatch._inotify_module.Inotify().close()
     except OSError as error:
-        pytest.skip(f"this host gives no inotify instance now ({error}): its user's "
-                    "fs.inotify.max_user_instances is used up by other processes")
+        pytest.skip(
+            f"this host gives no inotify instance now ({error}): its user's "
+            "fs.inotify.max_user_instances is used up by other processes"
+        )
 
 
 async def test_a_created_socket_wakes_it_and_other_names_do_not(tmp_path: Path) -> None:

@@ -44,8 +44,9 @@ json_values = st.recursive(
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=False)
     | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=20,
 )
 
@@ -281,9 +282,7 @@ def test_a_broken_dra_checkpoint_stops_a_cluster_agent_with_exit_3(tmp_path: Pat
             finally:
                 agent.cleanup()
         assert code == 3, agent.describe()
-        assert agent.matching(rf"refusing to start: state file {book} is corrupt"), (
-            agent.describe()
-        )
+        assert agent.matching(rf"refusing to start: state file {book} is corrupt"), agent.describe()
         assert agent.matching("move it aside"), agent.describe()
         assert not agent.matching("Traceback"), agent.describe()
     finally:

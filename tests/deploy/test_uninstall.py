@@ -164,9 +164,7 @@ async def installed(tmp: Path, *, shared: bool = True) -> AsyncIterator[Cluster]
             api.add_user(f"agent-{node}", "system:serviceaccount:akri:akri-agent", agent_rules,
                          node=node)  # fmt: skip
         api.add_user("controller", "system:serviceaccount:akri:akri-controller", controller_rules)
-        cluster.tasks.append(
-            asyncio.create_task(_revoke_tokens_of_deleted_accounts(api, tokens))
-        )
+        cluster.tasks.append(asyncio.create_task(_revoke_tokens_of_deleted_accounts(api, tokens)))
         try:
             for node in NODES:
                 name = f"akri-agent-{node}"

@@ -59,7 +59,6 @@ def schema_of(crd: dict[str, Any]) -> Schema:
     return root
 
 
-
 JUNCTORS = ("oneOf", "anyOf", "allOf")
 
 

@@ -59,9 +59,7 @@ class MulticastRecords:
 
     records: dict[tuple[str, str], ua.ServerOnNetwork] = field(default_factory=dict)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
-    reset: datetime.datetime = field(
-        default_factory=lambda: datetime.datetime.now(datetime.UTC)
-    )
+    reset: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
 
     def register(self, params: ua.RegisterServer2Parameters) -> None:
         server = params.Server

@@ -123,8 +123,7 @@ async def test_an_apply_changing_another_managers_value_is_refused(
         "field": ".metadata.annotations.akri.sh/offline.a",
     }
     assert status["message"] == (
-        'Apply failed with 1 conflict: conflict with "m/a": '
-        ".metadata.annotations.akri.sh/offline.a"
+        'Apply failed with 1 conflict: conflict with "m/a": .metadata.annotations.akri.sh/offline.a'
     )
     # the same value is no conflict: both own it then
     same = await client.apply(PATH, part("a", "t1"), field_manager="m/other")

@@ -133,9 +133,7 @@ def test_the_documented_schema_and_the_parser_agree() -> None:
 
     import jsonschema
 
-    schema = json.loads(
-        (REPO / "docs/mqtt-announcement.schema.json").read_text()
-    )
+    schema = json.loads((REPO / "docs/mqtt-announcement.schema.json").read_text())
     good = {"id": "sensor-7", "properties": {"room": "lab", "n": 1}, "availabilityTopic": "s/7"}
     jsonschema.validate(good, schema)
     parse_akri("t", json.dumps(good).encode())

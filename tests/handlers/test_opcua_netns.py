@@ -355,7 +355,8 @@ async def test_a_stopped_server_is_gone_after_the_grace_and_back_when_it_returns
                 "discoveryHandler": {
                     "name": "opcua",
                     "discoveryDetails": standard(
-                        E, extra="recheckIntervalSeconds: 1\nretryIntervalSeconds: 0.3\n"
+                        E,
+                        extra="recheckIntervalSeconds: 1\nretryIntervalSeconds: 0.3\n"
                         "timeoutSeconds: 1\n",
                     ),
                 },

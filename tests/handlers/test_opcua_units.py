@@ -156,8 +156,7 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them() -> None:
     found = warnings(text)
     assert any("applicationName " in w and "in discoveryDetails" in w for w in found), found
     assert any(
-        "discoveryURLs, serverCapabilities in discoveryDetails.opcuaDiscoveryMethod.standard"
-        in w
+        "discoveryURLs, serverCapabilities in discoveryDetails.opcuaDiscoveryMethod.standard" in w
         for w in found
     ), found
     assert parse_details(text).discovery_urls == DEFAULT_DISCOVERY_URLS  # as Akri: the default
@@ -280,9 +279,12 @@ def test_properties_are_env_safe_and_bounded() -> None:
     }
     assert env_value("é" * 2000) == "é" * 1024
     record = Record(1, "A", "opc.tcp://a:1/", ("DA", "HD"))
-    assert device_of(Listed("opc.tcp://a:1/", record=record), hostile).properties[
-        "OPCUA_SERVER_CAPABILITIES"
-    ] == "DA,HD"
+    assert (
+        device_of(Listed("opc.tcp://a:1/", record=record), hostile).properties[
+            "OPCUA_SERVER_CAPABILITIES"
+        ]
+        == "DA,HD"
+    )
 
 
 def test_instance_names_are_akris_for_a_discovery_url() -> None:

@@ -54,12 +54,9 @@ def pinned_node(pod: JSON) -> str | None:
     spec = pod.get("spec") or {}
     if spec.get("nodeName"):
         return str(spec["nodeName"])
-    required = (
-        ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        )
-        or {}
-    )
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
     for term in required.get("nodeSelectorTerms") or []:
         for field in term.get("matchFields") or []:
             if field.get("key") == "metadata.name" and field.get("operator") == "In":

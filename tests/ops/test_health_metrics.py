@@ -449,7 +449,10 @@ def test_refused_slice_writes_and_dropped_events_are_exported() -> None:
     agent = SimpleNamespace(
         publisher=SimpleNamespace(refused_writes=3),
         store=SimpleNamespace(events_dropped=2),
-        reclaimer=None, dra_reclaimer=None, plugins=None, dra=None,
+        reclaimer=None,
+        dra_reclaimer=None,
+        plugins=None,
+        dra=None,
     )
     exported = {
         sample.name: sample.value
@@ -459,8 +462,12 @@ def test_refused_slice_writes_and_dropped_events_are_exported() -> None:
     assert exported["akri_resource_slice_writes_refused_total"] == 3
     assert exported["akri_events_dropped_total"] == 2
     local = SimpleNamespace(  # local store: no Events
-        publisher=None, store=SimpleNamespace(),
-        reclaimer=None, dra_reclaimer=None, plugins=None, dra=None,
+        publisher=None,
+        store=SimpleNamespace(),
+        reclaimer=None,
+        dra_reclaimer=None,
+        plugins=None,
+        dra=None,
     )
     exported = {
         sample.name: sample.value

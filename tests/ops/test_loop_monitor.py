@@ -52,9 +52,9 @@ async def test_a_held_loop_is_counted_in_the_lag_histogram(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     after = lag_histogram()
-    held_after = after["akri_event_loop_lag_seconds_count"] - after[
-        "akri_event_loop_lag_seconds_bucket0.05"
-    ]
+    held_after = (
+        after["akri_event_loop_lag_seconds_count"] - after["akri_event_loop_lag_seconds_bucket0.05"]
+    )
     assert held_after >= held_before + 1  # at least one sample over 50 ms
     assert after["akri_event_loop_lag_seconds_count"] == telemetry.LOOP_LAG.count
     assert monitor.max_lag >= 0.15

@@ -502,9 +502,7 @@ def decide_leave(instance: Instance, node: str) -> Leave | Drain | None:
         return Drain(held, with_draining(instance, node, True).without_offline_mark(node))
     remaining = tuple(n for n in instance.nodes if n != node)
     updated = (
-        with_draining(instance, node, False)
-        .without_offline_mark(node)
-        .evolve(nodes=remaining)
+        with_draining(instance, node, False).without_offline_mark(node).evolve(nodes=remaining)
     )
     return Leave(updated, delete=not remaining and held_count(instance) == 0)
 

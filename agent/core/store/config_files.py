@@ -185,9 +185,7 @@ class ConfigurationFiles:
         try:
             atomic_write_json(self._record_path, document, durable=self._durable)
         except StorageError as error:
-            log.warning(
-                "cannot record Configuration owners (retried at the next scan): %s", error
-            )
+            log.warning("cannot record Configuration owners (retried at the next scan): %s", error)
             return
         self._recorded = wanted
         self._to_record = None

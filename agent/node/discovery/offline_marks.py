@@ -283,4 +283,3 @@ class OfflineMarks:
                 break
             await asyncio.sleep(0)
         return deadline
-

@@ -135,8 +135,7 @@ def parse_checkpoint(data: Any) -> tuple[dict[str, PreparedClaim], dict[str, Pen
             namespace=_field(claim, "namespace", where),
             name=_field(claim, "name", where),
             devices=tuple(
-                _device(device, f"{where}.devices[{index}]")
-                for index, device in enumerate(devices)
+                _device(device, f"{where}.devices[{index}]") for index, device in enumerate(devices)
             ),
         )
     pending: dict[str, PendingClaim] = {}
@@ -234,8 +233,7 @@ class Checkpoint:
                 "version": VERSION,
                 "preparedClaims": {uid: asdict(claim) for uid, claim in claims.items()},
                 "preparingClaims": {
-                    uid: {"namespace": p.namespace, "name": p.name}
-                    for uid, p in pending.items()
+                    uid: {"namespace": p.namespace, "name": p.name} for uid, p in pending.items()
                 },
             },
             durable=self._durable,

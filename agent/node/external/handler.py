@@ -265,9 +265,7 @@ class ExternalHandler(DiscoveryHandler):
                 if uid not in streams:
                     # (a stream that stopped stays in ``streams``, done, until the endpoint
                     # registers again)
-                    state = states.setdefault(
-                        uid, _StreamState(endpoint, self.reconnect_backoff)
-                    )
+                    state = states.setdefault(uid, _StreamState(endpoint, self.reconnect_backoff))
                     state.endpoint = endpoint
                     if state.down_since is None and uid in lists:
                         # registered again while its last list is kept: down until its new

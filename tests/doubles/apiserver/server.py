@@ -105,6 +105,7 @@ def _media_type(request: web.Request) -> str:
 
 NAMESPACE_CONTROLLER_PERIOD = 0.1  # seconds between two namespace controller passes
 
+
 class _Target:
     """A parsed resource URL."""
 

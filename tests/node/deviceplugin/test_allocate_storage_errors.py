@@ -139,8 +139,10 @@ def _instance_file_fails(after: int, *, once: bool = True) -> tuple[list[int], o
             target = ""
         # an Instance file's temp file, or its slot journal (agent/core/store/journal.py)
         name = target.rsplit("/", 1)[-1]
-        if "/instances/" in target and name.startswith((f"{TMP_PREFIX}cam-", "cam-")) and (
-            state[0] >= 0
+        if (
+            "/instances/" in target
+            and name.startswith((f"{TMP_PREFIX}cam-", "cam-"))
+            and (state[0] >= 0)
         ):
             if state[0] == 0:
                 if once:

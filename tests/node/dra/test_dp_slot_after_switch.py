@@ -124,8 +124,10 @@ async def test_slots_held_through_both_plugins_are_freed_after_auto_moves_to_dra
         for pod in ("il-pod", "cl-pod"):
             assert await plugins.delete_pod("default", pod)
         await eventually(
-            lambda: sorted(v for v in api_instances(api)["cam-8120fe"].device_usage.values() if v)
-            == [dra_slot],
+            lambda: (
+                sorted(v for v in api_instances(api)["cam-8120fe"].device_usage.values() if v)
+                == [dra_slot]
+            ),
             within=30,
             what="both device-plugin slots freed, the claim's kept",
         )

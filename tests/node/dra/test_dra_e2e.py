@@ -290,9 +290,7 @@ async def test_v1beta1_service_works_too(api: ApiServerDouble, tmp_path: Path) -
 async def test_every_dra_request_is_allowed_by_rbac(api: ApiServerDouble, tmp_path: Path) -> None:
     import yaml
 
-    documents = yaml.safe_load_all(
-        (REPO / "deploy/base/rbac.yaml").read_text()
-    )
+    documents = yaml.safe_load_all((REPO / "deploy/base/rbac.yaml").read_text())
     role = next(d for d in documents if d["kind"] == "ClusterRole")
     allowed = {
         (group, resource, verb)
@@ -357,14 +355,14 @@ async def test_removed_registration_socket_is_served_again(
         # (it forgets the old registration before it registers the new one), and grpc.aio
         # ends a call whose channel is closed with CancelledError: the flake under load
         await kubelet.wait_for(
-            lambda: (reg := kubelet.registration("akri.sh")) is not None
-            and reg.registered_at > removed_at,
+            lambda: (
+                (reg := kubelet.registration("akri.sh")) is not None
+                and reg.registered_at > removed_at
+            ),
             timeout=30,
             what="akri.sh to register again",
         )
-        await eventually(
-            lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"], within=30
-        )
+        await eventually(lambda: published(api).get("cam-8120fe") == ["cam-8120fe-0"], within=30)
         uid, results = await claim_and_prepare(api, kubelet, "node-a", "after")
         assert results[uid].devices[0].device_name == "cam-8120fe-0"
     finally:

@@ -215,8 +215,6 @@ async def test_a_blinking_device_does_not_make_a_write_storm(api: ApiServerDoubl
         await stop_all(nodes)
 
 
-
-
 async def restart(node: DpNode, meanwhile: Callable[[], None] = lambda: None) -> None:
     """Stop ``node``'s agent, do ``meanwhile``, start it again (kubelet and files stay)."""
     settings = node.agent.settings

@@ -130,9 +130,7 @@ def test_no_slot_of_a_device_plugin_name_matches_its_class() -> None:
     from agent.node.dra.slices import desired_pools, extended_eligibility
 
     everything = [LOCAL_A, AB, AC, CD]
-    pools = desired_pools(
-        everything, "a", (), extended_of=extended_eligibility(everything, MODES)
-    )
+    pools = desired_pools(everything, "a", (), extended_of=extended_eligibility(everything, MODES))
     slice_ = {"spec": {"driver": "akri.sh"}}
     by_config = class_selector(configuration_class(CAM))
     devices = [d for pool in pools for d in pool.devices]
