@@ -188,10 +188,13 @@ class DiscoveryManager:
     def retiring_instances(self) -> frozenset[str]:
         """Names of the Instances of Configurations that are gone here (draining, or left
         to the garbage collector): their slots are offered nowhere, and they are no device
-        that went offline — this node writes no offline mark onto them."""
+        that went offline — this node writes no offline mark onto them. Only the owner
+        namespace's count, as in :meth:`offline_instances`: another namespace's retiring
+        Instance of the same name is not the one served under it."""
         result: set[str] = set()
-        for retirement in self.retirements.values():
-            result |= retirement.offline
+        for key, retirement in self.retirements.items():
+            if self.ownership.owns(key):
+                result |= retirement.offline
         return frozenset(result)
 
     def device_for(self, instance: str) -> Device | None:
