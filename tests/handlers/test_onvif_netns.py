@@ -25,7 +25,9 @@ from tests.handlers.test_onvif_discovery import Collector, uuids_of
 from tests.paths import REPO
 
 ROOT = REPO
-SUBNET = "10.231.77"
+# this namespace's end of the link holds an address of it: per process, so two suites run at
+# once on one host (as root) do not route each other's cameras (the link names are per process)
+SUBNET = f"10.231.{os.getpid() % 200 + 20}"
 HOST_ADDRESS = f"{SUBNET}.1"
 CAMERA_ADDRESSES = (f"{SUBNET}.2", f"{SUBNET}.3")
 
