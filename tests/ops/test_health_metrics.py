@@ -128,6 +128,14 @@ async def test_probes_and_metrics_during_allocations(api: ApiServerDouble, tmp_p
         await node.kubelet.wait_registered(CL, timeout=10)
         await until(lambda: ready(f"{base}/readyz"), "ready")
         assert (await fetch(f"{base}/healthz")) == (200, "ok\n")
+        # the restarted agent's device lists reach kubelet a moment after it registers (the
+        # scheduler sends no pod before kubelet posts them allocatable: neither does the test;
+        # seen admitting too early on a loaded machine)
+        await eventually(
+            lambda: node.kubelet.allocatable(IL) > 0 and node.kubelet.allocatable(CL) > 0,
+            30,
+            "allocatable",
+        )
 
         pod1 = await node.kubelet.admit_pod("default", "il", [("c", {IL: 1})])
         pod2 = await node.kubelet.admit_pod("default", "cl", [("c", {CL: 1})])
