@@ -206,6 +206,10 @@ class Agent:
         self._path_facts: Any = None  # dra/extended.py's NodeFacts the path was decided on
         self._awaits_classes = False  # auto: device plugins until a DeviceClass appears
         self._classes_task: asyncio.Task[None] | None = None
+        # auto: the Node followed, so a label or runtime change needs no restart
+        self._node_task: asyncio.Task[None] | None = None
+        self._cdi_notice: Any = None  # dra/extended.py's CdiNotice, once the runtime is known
+        self._path_lock = asyncio.Lock()
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
@@ -387,6 +391,8 @@ class Agent:
             self._classes_task = asyncio.create_task(
                 self._follow_device_classes(), name="deviceclasses"
             )
+        if self._path_facts is not None and self.settings.extended_resources == "auto":
+            self._node_task = asyncio.create_task(self._follow_node(), name="node")
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
@@ -546,9 +552,11 @@ class Agent:
         runtime = facts.runtime if facts is not None else None
         self.runtime_cdi = runtime
         status = self.dra.claim_status if self.dra is not None else None
-        if status is not None and runtime is not None and runtime.applies is not True:
-            # explicit claims are prepared here too: each gets a warning, not silence
-            status.listeners.append(CdiNotice(client, self.settings.node_name, runtime).prepared)
+        if status is not None and runtime is not None:
+            # explicit claims are prepared here too: each gets a warning, not silence, while
+            # the runtime is not known to inject CDI (the notice reads it as the Node changes)
+            self._cdi_notice = CdiNotice(client, self.settings.node_name, runtime)
+            status.listeners.append(self._cdi_notice.prepared)
         return decision.path
 
     async def _follow_device_classes(self) -> None:
@@ -558,10 +566,10 @@ class Agent:
         again and move to DRA in place (:meth:`_take_path`)."""
         from agent.node.dra.extended import choose_path, follow_device_classes, kubelet_of
 
-        facts = self._path_facts
         decided: list[Any] = []
 
         def seen(classes: list[Mapping[str, Any]]) -> bool:
+            facts = self._path_facts  # the Node's, as _follow_node last read it
             decision = choose_path(
                 self.settings.extended_resources,
                 dra_enabled=True,
@@ -576,9 +584,55 @@ class Agent:
 
         await follow_device_classes(self.store.api_client, seen)  # type: ignore[attr-defined]
         if decided:
-            await self._take_path(decided[0])
+            async with self._path_lock:
+                await self._take_path(decided[0], "a DeviceClass appeared after the start")
 
-    async def _take_path(self, decision: Any) -> None:
+    async def _follow_node(self) -> None:
+        """``auto``: follow this node's Node object; when its ``akri.sh/runtime-cdi`` label,
+        its runtime or its kubelet changes, decide again and take the new path in place
+        (:meth:`_take_path`), either way: an operator who labels a containerd 1.7 node after
+        the install gets DRA without restarting the agent, and one who sets the label to
+        ``false`` gets device plugins back."""
+        from agent.node.dra.extended import follow_node, path_inputs
+
+        client = self.store.api_client  # type: ignore[attr-defined]
+        facts = self._path_facts
+        await follow_node(
+            client, self.settings.node_name, path_inputs(facts.node), self._node_changed
+        )
+
+    async def _node_changed(self, node: Mapping[str, Any]) -> None:
+        from agent.node.dra.extended import DRA as DRA_MODE
+        from agent.node.dra.extended import choose_path, kubelet_of, node_facts, read_classes
+
+        facts = node_facts(node)
+        async with self._path_lock:
+            self._path_facts = facts
+            self.runtime_cdi = facts.runtime
+            if self._cdi_notice is not None and facts.runtime is not None:
+                self._cdi_notice.runtime = facts.runtime
+            if self._classes_task is not None and not self._classes_task.done():
+                return  # waiting for a DeviceClass: that follower decides with these facts
+            classes = await read_classes(self.store.api_client)  # type: ignore[attr-defined]
+            decision = choose_path(
+                self.settings.extended_resources,
+                dra_enabled=True,
+                kubelet=kubelet_of(facts),
+                classes=classes,
+                runtime=facts.runtime,
+            )
+            if classes is None:
+                return  # not readable now: the path stays as it is
+            if decision.awaits_classes and self.extended_resource_path == DRA_MODE:
+                return  # the classes went (an uninstall): a node on DRA stays, as before
+            if decision.path != self.extended_resource_path:
+                await self._take_path(decision, "the Node changed after the start")
+            if decision.awaits_classes and self.publisher is not None:
+                self._classes_task = asyncio.create_task(
+                    self._follow_device_classes(), name="deviceclasses"
+                )
+
+    async def _take_path(self, decision: Any, cause: str) -> None:
         """Move this node to ``decision``'s mode without a restart. Nothing is released: the
         names that now go through DRA stop their device plugins (kubelet keeps the pods that
         hold their slots; the reclaimer frees those slots when the pods end), the local
@@ -592,9 +646,9 @@ class Agent:
         if decision.path != self.extended_resource_path:
             decision = dataclasses.replace(
                 decision,
-                reason=f"{decision.reason} (a DeviceClass appeared after the start: switched "
-                f"from {self.extended_resource_path} without a restart; slots held either "
-                "way stay held)",
+                reason=f"{decision.reason} ({cause}: switched from "
+                f"{self.extended_resource_path} without a restart; slots held either way stay "
+                "held)",
             )
         # all at once, before any await: the plugins read this node's mode from both
         self.extended_resource_path = decision.path
@@ -684,7 +738,12 @@ class Agent:
             self._gc_freeze.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_freeze
-        for events in (self._slice_events, self._dra_options_task, self._classes_task):
+        for events in (
+            self._slice_events,
+            self._dra_options_task,
+            self._classes_task,
+            self._node_task,
+        ):
             if events is not None:
                 events.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

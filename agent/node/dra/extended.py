@@ -4,7 +4,8 @@ on this node (KEP-5004).
 The scheduler satisfies an extended resource from DRA on a node whose ``status.allocatable``
 has none of it (0 or absent) when a DeviceClass carries it as ``extendedResourceName``; a node
 whose device plugin advertises it keeps the device plugin. KEP-5004 forbids one node offering
-a name both ways, so the agent picks one per node, at start:
+a name both ways, so the agent picks one per node, at start (on ``auto`` again, in place,
+when a DeviceClass appears or its Node's label, kubelet or runtime changes):
 
 * ``--extended-resources dra`` / ``device-plugins`` force a path;
 * ``auto`` (the default) takes DRA when (1) the DRA driver runs (``--dra``), (2) the node's
@@ -55,7 +56,7 @@ import contextlib
 import datetime
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,9 +272,7 @@ async def read_node(client: KubeClient, node: str) -> NodeFacts:
     except ApiError as error:
         log.warning("cannot read Node %s for its kubelet and runtime versions: %s", node, error)
         return NodeFacts(None, None)
-    info = (obj.get("status") or {}).get("nodeInfo") or {}
-    labels = (obj.get("metadata") or {}).get("labels") or {}
-    return NodeFacts(obj, runtime_cdi(info.get("containerRuntimeVersion"), labels))
+    return node_facts(obj)
 
 
 async def decide_path(
@@ -416,6 +415,96 @@ async def follow_device_classes(
             await asyncio.sleep(retry)
 
 
+def path_inputs(node: Mapping[str, Any] | None) -> tuple[str, str, str]:
+    """What of a Node the path decision reads: its kubelet and runtime versions and its
+    ``akri.sh/runtime-cdi`` label (an operator labels a node after the install; a kubelet or
+    runtime upgrade changes the versions)."""
+    if node is None:
+        return ("", "", "")
+    info = (node.get("status") or {}).get("nodeInfo") or {}
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return (
+        str(info.get("kubeletVersion") or ""),
+        str(info.get("containerRuntimeVersion") or ""),
+        str(labels.get(RUNTIME_CDI_LABEL, "")),
+    )
+
+
+def node_facts(node: Mapping[str, Any]) -> NodeFacts:
+    """The facts of a Node object as :func:`read_node` reads them."""
+    info = (node.get("status") or {}).get("nodeInfo") or {}
+    labels = (node.get("metadata") or {}).get("labels") or {}
+    return NodeFacts(node, runtime_cdi(info.get("containerRuntimeVersion"), labels))
+
+
+async def read_classes(client: KubeClient) -> list[Mapping[str, Any]] | None:
+    """The DeviceClasses akri controller manages (None: they could not be read)."""
+    try:
+        found, _ = await client.list_all(
+            resource_path("resource.k8s.io", "v1", "deviceclasses"),
+            params={"labelSelector": LABEL_SELECTOR},
+        )
+    except (ApiError, TransportError, OSError) as error:
+        log.warning("cannot list DeviceClasses (%s)", error)
+        return None
+    return list(found)
+
+
+NodeChanged = Callable[[Mapping[str, Any]], Awaitable[None]]
+
+
+async def follow_node(
+    client: KubeClient,
+    node: str,
+    known: tuple[str, str, str],
+    changed: NodeChanged,
+    *,
+    retry: float = 1.0,
+    longest: float = 30.0,
+) -> None:
+    """Watch this node's Node object and await ``changed`` with it whenever
+    :func:`path_inputs` differ from the last ones (``known``: those the start decided on), so
+    that a label set after the install, or an upgraded runtime, takes effect without a
+    restart. An RBAC without ``list``/``watch`` on nodes (an install older than this
+    follower) is said once and ends it: the start's decision stays until a restart."""
+    path = resource_path("", "v1", "nodes")
+    selector = f"metadata.name={node}"
+    delay = retry
+    while True:
+        try:
+            found, version = await client.list_all(path, params={"fieldSelector": selector})
+            for obj in found:
+                if path_inputs(obj) != known:
+                    known = path_inputs(obj)
+                    await changed(obj)
+            delay = retry
+            stream = client.watch(
+                path, version, timeout_seconds=WATCH_TIMEOUT, field_selector=selector
+            )
+            async with contextlib.aclosing(watch_events(stream, "nodes")) as events:
+                async for kind, obj in events:
+                    if kind in ("ADDED", "MODIFIED") and path_inputs(obj) != known:
+                        known = path_inputs(obj)
+                        await changed(obj)
+        except WatchExpiredError:
+            continue
+        except ApiError as error:
+            if error.status in (401, 403):
+                log.warning(
+                    "cannot watch Node %s (%s): a change of its akri.sh/runtime-cdi label or "
+                    "of its runtime takes effect when the agent restarts (deploy/base/rbac.yaml "
+                    "grants list and watch on nodes)",
+                    node,
+                    error,
+                )
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, longest)
+        except (TransportError, OSError):
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, longest)
+
+
 def path_line(node: str, decision: PathDecision) -> str:
     """The one line that says a node's path and why (log, Event)."""
     shown = (
@@ -499,8 +588,9 @@ class CdiNotice:
         )
 
     def prepared(self, claim: PreparedClaim) -> None:
-        """After a prepare (sync, from the DRA driver): warn for a claim not warned about."""
-        if claim.uid in self._noticed:
+        """After a prepare (sync, from the DRA driver): warn for a claim not warned about,
+        while the runtime is not known to inject CDI (``runtime`` follows the Node)."""
+        if self.runtime.applies is True or claim.uid in self._noticed:
             return
         self._noticed[claim.uid] = None
         if len(self._noticed) > MAX_NOTICED_CLAIMS:

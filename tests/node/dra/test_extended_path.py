@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from tests.doubles.dra_kubelet import DraKubeletDouble
 from tests.doubles.dra_scheduler import schedule_extended_resources
 from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
+from tests.node.dra.test_claim_status import agent_rules
 from tests.node.test_settings import settings
 
 CAM = ObjectKey("default", "cam")
@@ -263,3 +265,101 @@ async def test_akri_status_says_which_path_each_node_is_on(
     code, out, err = await akri("status", "--kubeconfig", kubeconfig, "-o", "json")
     assert code == 0, err
     assert json.loads(out)["extendedResourcePaths"] == {"node-a": DRA, "node-b": DEVICE_PLUGINS}
+
+
+def label_node(api: ApiServerDouble, value: str | None) -> None:
+    node = api.get("nodes", "node-a") or {}
+    labels = dict(node["metadata"].get("labels") or {})
+    if value is None:
+        labels.pop("akri.sh/runtime-cdi", None)
+    else:
+        labels["akri.sh/runtime-cdi"] = value
+    node["metadata"]["labels"] = labels
+    api.store.update(api.resource("nodes"), "v1", None, "node-a", node)
+
+
+async def test_the_runtime_label_takes_effect_without_a_restart(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """containerd 1.7 (CDI off by default): device plugins. The operator labels the Node
+    akri.sh/runtime-cdi=true after the install, as the README says: the agent, following its
+    Node, moves to DRA in place (its device plugins go, a slot held through one stays held);
+    set to false, it is back on device plugins. Before, both took a restart of the agent."""
+    node_object(api, "v1.36.2", runtime="containerd://1.7.24")
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    il = "akri.sh/cam-8120fe"
+    try:
+        await node.kubelet.wait_registered(il)
+        assert node.agent.extended_resource_path == DEVICE_PLUGINS
+        assert "enable_cdi" in node.agent.extended_resource_reason
+        await eventually(lambda: node.kubelet.allocatable(il) == 2, what="offered")
+        assert (await node.kubelet.admit_pod("default", "dp-pod", [("c", {il: 1})])).admitted
+        held = dict(api_instances(api)["cam-8120fe"].device_usage)
+
+        label_node(api, "true")
+        await eventually(lambda: node.agent.extended_resource_path == DRA, within=15, what="on DRA")
+        assert "the Node changed after the start" in node.agent.extended_resource_reason
+        assert node.agent.runtime_cdi.applies is True
+        await eventually(lambda: node.kubelet.allocatable(il) == 0, what="plugins gone")
+        assert api_instances(api)["cam-8120fe"].device_usage == held
+
+        label_node(api, "false")
+        await eventually(
+            lambda: node.agent.extended_resource_path == DEVICE_PLUGINS,
+            within=15,
+            what="back on device plugins",
+        )
+        # registered again (kubelet counts the slot its own pod holds as allocatable)
+        await eventually(lambda: node.kubelet.allocatable(il) == 2, what="offered again")
+        assert api_instances(api)["cam-8120fe"].device_usage == held
+        second = await node.kubelet.admit_pod("default", "dp-pod-2", [("c", {il: 1})])
+        assert second.admitted, second.message  # the free slot, through the device plugin
+        usage = api_instances(api)["cam-8120fe"].device_usage
+        taken = {slot: holder for slot, holder in held.items() if holder}
+        assert all(usage.values()) and taken.items() <= usage.items()
+    finally:
+        await node.stop()
+
+
+@pytest.mark.parametrize("lists_nodes", [True, False], ids=["rbac.yaml", "older-rbac"])
+async def test_following_the_node_as_the_agents_service_account(
+    api: ApiServerDouble,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    lists_nodes: bool,
+) -> None:
+    """As the DaemonSet's ServiceAccount: deploy/base/rbac.yaml lets it watch its own Node
+    (a label change takes effect at once); an older install's rules (Nodes: get only) are
+    said once, and the start's path stays until a restart, as before."""
+    caplog.set_level(logging.INFO)
+    rules = agent_rules()
+    if not lists_nodes:
+        rules = [
+            {**rule, "verbs": ["get"]} if rule.get("resources") == ["nodes"] else rule
+            for rule in rules
+        ]
+    api.add_user("agent-a", "system:serviceaccount:akri:akri-agent", rules, node="node-a")
+    node_object(api, "v1.36.2", runtime="containerd://1.7.24")
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True, token="agent-a")
+    try:
+        await node.kubelet.wait_registered("akri.sh/cam-8120fe")
+        assert node.agent.extended_resource_path == DEVICE_PLUGINS
+        label_node(api, "true")
+        if lists_nodes:
+            await eventually(
+                lambda: node.agent.extended_resource_path == DRA, within=15, what="on DRA"
+            )
+            assert "cannot watch Node" not in caplog.text
+        else:
+            await eventually(
+                lambda: "cannot watch Node node-a" in caplog.text, within=15, what="said"
+            )
+            await asyncio.sleep(0.5)
+            assert node.agent.extended_resource_path == DEVICE_PLUGINS
+            assert caplog.text.count("cannot watch Node node-a") == 1
+    finally:
+        await node.stop()

@@ -105,10 +105,22 @@ async def api() -> AsyncIterator[ApiServerDouble]:
         yield server
 
 
-async def test_status_as_the_agents_service_account(api: ApiServerDouble, tmp_path: Path) -> None:
+def without_listing_nodes(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An older install's agent rules: Nodes get only (before the agent followed its Node)."""
+    return [
+        {**rule, "verbs": ["get"]} if rule.get("resources") == ["nodes"] else rule for rule in rules
+    ]
+
+
+@pytest.mark.parametrize("lists_nodes", [True, False], ids=["rbac.yaml", "older-rbac"])
+async def test_status_as_the_agents_service_account(
+    api: ApiServerDouble, tmp_path: Path, lists_nodes: bool
+) -> None:
     """What ``kubectl exec -n akri ds/akri-agent -- akri status`` runs as: the agent's
-    ServiceAccount with deploy/base/rbac.yaml (Nodes: get only, Events: create only)."""
-    api.add_user("agent-a", AGENT, agent_rules(), node="node-a")
+    ServiceAccount with deploy/base/rbac.yaml (Nodes: get, list and watch; Events: create
+    only), and with an older install's rules (Nodes: get only)."""
+    rules = agent_rules() if lists_nodes else without_listing_nodes(agent_rules())
+    api.add_user("agent-a", AGENT, rules, node="node-a")
     for obj in NODES:
         api.create({k: v for k, v in obj.items() if k != "status"})
         stored = api.get("nodes", obj["metadata"]["name"]) or {}
@@ -135,13 +147,13 @@ async def test_status_as_the_agents_service_account(api: ApiServerDouble, tmp_pa
     assert "node-a  DRA; device plugins for akri.sh/cam-ababab" in out
     assert "node-b  device plugins" in out and "node-z" not in out
     assert "unhealthy (node-a, kubelet)" not in out and "unhealthy (node-b, kubelet)" in out
-    # it listed what it may and got the Nodes it needs one by one
-    assert [r.status for r in api.requests_for(verb="list", resource="nodes")] == [403]
-    assert sorted(r.info.name for r in api.requests_for(verb="get", resource="nodes")) == [
-        "node-a",
-        "node-b",
-    ]
-    assert {r.status for r in api.requests_for(verb="get", resource="nodes")} == {200}
+    listed = [r.status for r in api.requests_for(verb="list", resource="nodes")]
+    got = sorted(r.info.name for r in api.requests_for(verb="get", resource="nodes"))
+    if lists_nodes:
+        assert (listed, got) == ([200], [])
+    else:  # it listed what it may and got the Nodes it needs one by one
+        assert (listed, got) == ([403], ["node-a", "node-b"])
+        assert {r.status for r in api.requests_for(verb="get", resource="nodes")} == {200}
     code, out, err = await akri("status", "--kubeconfig", kubeconfig, "-o", "json")
     assert code == 0, err
     body = json.loads(out)
