@@ -602,6 +602,21 @@ class Agent:
         )
 
     async def _node_changed(self, node: Mapping[str, Any]) -> None:
+        try:
+            await self._decide_again(node)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # the follower goes on; the path stays as it is
+            log.error(
+                "deciding the extended-resource path again after a change of Node %s failed "
+                "(%s: %s); the node stays on %s",
+                self.settings.node_name,
+                type(error).__name__,
+                error,
+                self.extended_resource_path,
+            )
+
+    async def _decide_again(self, node: Mapping[str, Any]) -> None:
         from agent.node.dra.extended import DRA as DRA_MODE
         from agent.node.dra.extended import choose_path, kubelet_of, node_facts, read_classes
 

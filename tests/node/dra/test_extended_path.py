@@ -363,3 +363,38 @@ async def test_following_the_node_as_the_agents_service_account(
             assert caplog.text.count("cannot watch Node node-a") == 1
     finally:
         await node.stop()
+
+
+async def test_a_failing_decision_after_a_node_change_is_said_and_changes_nothing(
+    api: ApiServerDouble,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug or an odd answer while deciding again is logged; the node keeps its path, the
+    follower keeps following, and the agent stops cleanly (the task did not die with it)."""
+    import agent.node.dra.extended as extended_module
+
+    node_object(api, "v1.36.2", runtime="containerd://1.7.24")
+    install_classes(api)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True)
+    calls: list[int] = []
+
+    async def broken(client: Any) -> None:
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    try:
+        await node.kubelet.wait_registered("akri.sh/cam-8120fe")
+        monkeypatch.setattr(extended_module, "read_classes", broken)
+        label_node(api, "true")
+        await eventually(lambda: "after a change of Node node-a failed" in caplog.text, 15)
+        assert node.agent.extended_resource_path == DEVICE_PLUGINS
+        monkeypatch.undo()
+        label_node(api, "yes-true")  # another change: followed again, now decided
+        await eventually(lambda: len(calls) == 1 and node.agent.runtime_cdi is not None, 5)
+        label_node(api, "true")
+        await eventually(lambda: node.agent.extended_resource_path == DRA, 15, "on DRA")
+    finally:
+        await node.stop()
