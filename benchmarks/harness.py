@@ -238,6 +238,39 @@ class ApiServer:
     def requests_since(self, mark: int) -> list[Any]:
         return list(self.api.requests[mark:])
 
+    async def quiet(self, seconds: float = 1.0, within: float = 60.0) -> bool:
+        """Wait until no request (watches aside) came for ``seconds``: a phase's late writes
+        are then counted in it. False if that did not happen within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            mark = self.request_mark()
+            await asyncio.sleep(seconds)
+            if not [r for r in self.requests_since(mark) if r.verb != "watch"]:
+                return True
+        return False
+
+    def create_nodes(self, names: Iterable[str]) -> None:
+        """A Node object per name, labelled ``kubernetes.io/hostname=<name>`` (what shared
+        DRA pools select on)."""
+        for name in names:
+            self.api.create(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+                }
+            )
+
+
+def agents_started(nodes: Iterable[Node]) -> bool:
+    """Whether every node's agent logged its start (raises if one has exited)."""
+    started = True
+    for node in nodes:
+        assert node.agent is not None
+        node.agent.check_running()
+        started = started and bool(node.agent.log_lines("agent started on node"))
+    return started
+
 
 def debug_echo_configuration(
     name: str, descriptions: Sequence[str], capacity: int

@@ -64,16 +64,6 @@ def fd_kinds(pid: int) -> Counter[str]:
     return kinds
 
 
-async def _quiet(api: ApiServer, seconds: float, within: float) -> None:
-    """Wait until the API double saw no request (watches aside) for ``seconds``."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        mark = api.request_mark()
-        await asyncio.sleep(seconds)
-        if not [r for r in api.requests_since(mark) if r.verb != "watch"]:
-            return
-
-
 async def serve(
     n: int, limit: int | None, options: AgentOptions, restarts: int = 0
 ) -> dict[str, Any]:
@@ -106,7 +96,7 @@ async def serve(
             )
             up = time.monotonic() - started
             await asyncio.sleep(3)
-            await _quiet(api, 1.0, within=120)
+            await api.quiet(1.0, within=120)
             kinds = fd_kinds(agent.pid)
             rss = round(rss_mb(agent.pid), 1)
             after_restarts = []
@@ -119,7 +109,7 @@ async def serve(
                     interval=0.2,
                 )
                 await asyncio.sleep(3)
-                await _quiet(api, 1.0, within=120)
+                await api.quiet(1.0, within=120)
                 after_restarts.append(round(rss_mb(agent.pid), 1))
             return {
                 "devices": n,

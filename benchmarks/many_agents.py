@@ -45,6 +45,7 @@ from benchmarks.harness import (
     ApiServer,
     Node,
     RunqueueWindow,
+    agents_started,
     cpu_seconds,
     debug_echo_configuration,
     log,
@@ -150,18 +151,14 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             node.start_agent()
         pids = {node.name: node.agent.pid for node in nodes if node.agent is not None}
 
-        def all_started() -> bool:
-            for node in nodes:
-                assert node.agent is not None
-                node.agent.check_running()
-            return all(
-                node.agent is not None and node.agent.log_lines("agent started on node")
-                for node in nodes
-            )
-
-        await wait_until(all_started, within=plan.within, what=f"{n} agents started", interval=0.1)
+        await wait_until(
+            lambda: agents_started(nodes),
+            within=plan.within,
+            what=f"{n} agents started",
+            interval=0.1,
+        )
         start_s = time.monotonic() - started
-        await _quiet(api, 2.0, within=60)
+        await api.quiet(2.0, within=60)
 
         agents = [node.agent for node in nodes if node.agent is not None]
 
@@ -189,7 +186,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             f"many agents N={n}: joined in {join_s:.2f}s, {join['requests_per_agent']} "
             f"requests/agent, {join['conflicts']} conflicts"
         )
-        await _quiet(api, 2.0, within=60)
+        await api.quiet(2.0, within=60)
 
         # a Configuration edit: the capacity of every Instance changes
         gave_up = _gave_up(agents)
@@ -243,7 +240,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             f"many agents N={n}: half left in {loss_s:.1f}s (grace {plan.offline_grace}s "
             f"included), {loss['conflicts']} conflicts"
         )
-        await _quiet(api, 2.0, within=60)
+        await api.quiet(2.0, within=60)
 
         # every node sees the devices again (not measured): the deletes start from N nodes
         for node in leaving:
@@ -265,7 +262,7 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
             f"many agents N={n}: deleted in {delete['seconds']}s, "
             f"{delete['requests_per_agent']} requests/agent, {delete['conflicts']} conflicts"
         )
-        await _quiet(api, 2.0, within=60)
+        await api.quiet(2.0, within=60)
 
         # the same with slots held on three nodes
         api.api.create(
@@ -421,17 +418,6 @@ async def _settled(api: ApiServer) -> None:
         quiet = not [r for r in api.requests_since(mark) if r.verb != "watch"]
         if quiet and sum(api.api.watch_events_sent.values()) == events:
             return
-
-
-async def _quiet(api: ApiServer, quiet: float, within: float) -> bool:
-    """Wait until no request (but watches) came for ``quiet`` seconds."""
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        mark = api.request_mark()
-        await asyncio.sleep(quiet)
-        if not [r for r in api.requests_since(mark) if r.verb != "watch"]:
-            return True
-    return False
 
 
 async def run_many_agents(plan: ManyAgentsPlan, options: AgentOptions) -> dict[str, Any]:

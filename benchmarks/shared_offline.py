@@ -138,16 +138,6 @@ def write_figures(requests: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-async def _settled(api: ApiServer) -> None:
-    """Until no request came for a second (the phase's late writes are counted in it)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        mark = api.request_mark()
-        await asyncio.sleep(1.0)
-        if not [r for r in api.requests_since(mark) if r.verb != "watch"]:
-            return
-
-
 async def measure(plan: SharedOfflinePlan, options: AgentOptions) -> dict[str, Any]:
     api = ApiServer()
     api.start()
@@ -156,14 +146,7 @@ async def measure(plan: SharedOfflinePlan, options: AgentOptions) -> dict[str, A
     try:
         options = replace(options, shared_offline_grace=300.0)
         names = [f"node-{i:03d}" for i in range(plan.agents)]
-        for name in names:
-            api.api.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-                }
-            )
+        api.create_nodes(names)
         config = debug_echo_configuration(
             CONFIGURATION, [f"cam{i}" for i in range(plan.devices)], plan.capacity
         )
@@ -179,7 +162,7 @@ async def measure(plan: SharedOfflinePlan, options: AgentOptions) -> dict[str, A
             return pools_are(api, names, False, plan.devices, plan.capacity)
 
         await wait_until(ready, within=max(plan.within, 120), what="every node in every pool")
-        await _settled(api)
+        await api.quiet()
 
         def online(which: Sequence[Node], value: bool) -> None:
             for node in which:
@@ -209,7 +192,7 @@ async def measure(plan: SharedOfflinePlan, options: AgentOptions) -> dict[str, A
             except WaitTimeout:
                 done = False  # the figures until the bound still say what happened
             seconds = time.monotonic() - began
-            await _settled(api)
+            await api.quiet()
             figures = {
                 "converged": done,
                 "seconds": round(seconds, 2),

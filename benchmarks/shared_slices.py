@@ -49,6 +49,7 @@ from benchmarks.harness import (
     ApiServer,
     Node,
     WaitTimeout,
+    agents_started,
     debug_echo_configuration,
     log,
     start_node,
@@ -158,16 +159,6 @@ def slice_figures(requests: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-async def _settled(api: ApiServer) -> None:
-    """Until no request came for a second (the phase's late writes are counted in it)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        mark = api.request_mark()
-        await asyncio.sleep(1.0)
-        if not [r for r in api.requests_since(mark) if r.verb != "watch"]:
-            return
-
-
 async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, Any]:
     api = ApiServer()
     api.start()
@@ -176,31 +167,17 @@ async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, An
     try:
         options = replace(options, shared_offline_grace=plan.offline_grace)
         names = [f"node-{i:03d}" for i in range(plan.agents)]
-        for name in names:
-            api.api.create(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Node",
-                    "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-                }
-            )
+        api.create_nodes(names)
         api.api.create(configuration(plan, plan.capacity, "m1"))
         nodes = [await start_node(api, name, options) for name in names]
         for node in nodes:
             node.set_available(False)
             node.start_agent()
 
-        def started() -> bool:
-            for node in nodes:
-                assert node.agent is not None
-                node.agent.check_running()
-            return all(
-                node.agent is not None and node.agent.log_lines("agent started on node")
-                for node in nodes
-            )
-
-        await wait_until(started, within=plan.within, what="agents started", interval=0.1)
-        await _settled(api)
+        await wait_until(
+            lambda: agents_started(nodes), within=plan.within, what="agents started", interval=0.1
+        )
+        await api.quiet()
 
         async def phase(name: str, act: Any, nodes_: set[str], capacity: int, model: str) -> None:
             mark = api.request_mark()
@@ -224,7 +201,7 @@ async def measure(plan: SharedSlicesPlan, options: AgentOptions) -> dict[str, An
             except WaitTimeout:
                 done = False  # the figures until the bound still say what happened
             seconds = time.monotonic() - began
-            await _settled(api)
+            await api.quiet()
             figures = {
                 "converged": done,
                 "seconds": round(seconds, 2),
