@@ -584,7 +584,7 @@ async def test_watch_selectors_follow_objects_in_and_out(co: client.CustomObject
     )
     first = await collect_events(stream, 1)
     assert [(t, o["metadata"]["name"]) for t, o in first] == [("ADDED", "a")]
-    await co.patch_namespaced_custom_object(
+    moved = await co.patch_namespaced_custom_object(
         GROUP, VERSION, NS, PLURAL, "a", {"metadata": {"labels": {"app": "x"}}}
     )
     await co.patch_namespaced_custom_object(
@@ -605,6 +605,29 @@ async def test_watch_selectors_follow_objects_in_and_out(co: client.CustomObject
         ("MODIFIED", "b"),
         ("DELETED", "b"),
     ]
+    # as kube-apiserver's watch cache: the DELETED of an object that stopped matching carries
+    # its previous content (still labelled app=cam) at the version of the change
+    left = rest[0][1]
+    assert left["metadata"]["labels"] == {"app": "cam"}
+    assert left["metadata"]["resourceVersion"] == moved["metadata"]["resourceVersion"]
+    assert rest[1][1]["metadata"]["labels"] == {"app": "cam"}  # ADDED: the new content
+
+    # a watch resumed from before the change replays the same translation
+    resumed = w.stream(
+        co.list_namespaced_custom_object,
+        GROUP,
+        VERSION,
+        NS,
+        PLURAL,
+        label_selector="app=cam",
+        resource_version=first[0][1]["metadata"]["resourceVersion"],
+        timeout_seconds=5,
+    )
+    replayed = await collect_events(resumed, 1)
+    await w.close()
+    assert replayed[0][0] == "DELETED"
+    assert replayed[0][1]["metadata"]["labels"] == {"app": "cam"}
+    assert replayed[0][1]["metadata"]["resourceVersion"] == moved["metadata"]["resourceVersion"]
 
 
 async def test_watch_field_selector_on_pods(core: client.CoreV1Api) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import json
 import random
@@ -201,8 +202,13 @@ class Watcher:
         was, now = self.matches(event.old), self.matches(event.obj)
         if was and now:
             return ("MODIFIED", event.obj)
-        if was:
-            return ("DELETED", event.obj)
+        if was and event.old is not None:
+            # as kube-apiserver's watch cache (cacheWatcher.convertToWatchEvent): an object
+            # that stops matching the selector is a DELETED event carrying its previous
+            # content (the last state the watcher was entitled to) at the event's version
+            gone = copy.deepcopy(event.old)
+            gone.setdefault("metadata", {})["resourceVersion"] = str(event.rv)
+            return ("DELETED", gone)
         if now:
             return ("ADDED", event.obj)
         return None
