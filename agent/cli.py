@@ -14,8 +14,6 @@ from agent import __version__
 
 if TYPE_CHECKING:
     import argparse
-    import asyncio
-    from collections.abc import Callable
     from pathlib import Path
 
     from agent.controller.settings import ControllerSettings
@@ -188,31 +186,6 @@ def _parser(command: str | None = None) -> FlagParser:
     return parser
 
 
-def _hold_stop_signals() -> None:
-    """Hold Ctrl-C (SIGINT) and SIGTERM until the event loop takes them (``_take_stop_signals``);
-    ``agent/launch.py`` does it first thing for the ``akri`` command (issue 34.13)."""
-    from agent.launch import hold_stop_signals
-
-    hold_stop_signals()
-
-
-def _release_stop_signals() -> None:
-    """Python's own handling of SIGINT and SIGTERM again (a command that does not run a loop)."""
-    import signal
-
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
-
-
-def _take_stop_signals(loop: asyncio.AbstractEventLoop, stop: Callable[[], None]) -> None:
-    """The loop answers SIGINT and SIGTERM with ``stop`` from now on; one held since the start
-    arrives now."""
-    import signal
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
-
-
 def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
     import logging
 
@@ -254,6 +227,7 @@ async def _run_agent(settings: AgentSettings) -> int:
     from agent.core.store.base import CorruptStateError, StoreError
     from agent.core.store.local import LocalInstanceStore
     from agent.node.app import Agent
+    from agent.stop_signals import take_stop_signals
 
     store: InstanceStore
     if settings.local:
@@ -294,7 +268,7 @@ async def _run_agent(settings: AgentSettings) -> int:
         gc.disable()
         stop.set()
 
-    _take_stop_signals(loop, stop_the_process)
+    take_stop_signals(loop, stop_the_process)
     try:
         await agent.run(stop)
     except CorruptStateError as error:
@@ -325,6 +299,7 @@ async def _run_controller(settings: ControllerSettings) -> int:
     from agent.controller.app import Controller
     from agent.core.kube import ApiError, make_kube_client
     from agent.core.store.base import StoreError
+    from agent.stop_signals import take_stop_signals
 
     log = logging.getLogger("agent.controller")
     try:
@@ -338,7 +313,7 @@ async def _run_controller(settings: ControllerSettings) -> int:
         return EXIT_USAGE
     controller = Controller(settings, client)
     stop = asyncio.Event()
-    _take_stop_signals(asyncio.get_running_loop(), stop.set)
+    take_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         await controller.run(stop)
     except StoreError as error:
@@ -618,6 +593,7 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
 
     from agent.node.app import build_handlers
     from agent.node.external.serve import run_handler_process
+    from agent.stop_signals import take_stop_signals
 
     handlers = build_handlers(settings)
     handler = handlers.get(name)
@@ -628,7 +604,7 @@ async def _run_handler(settings: AgentSettings, name: str, port: int) -> int:
         )
         return EXIT_USAGE
     stop = asyncio.Event()
-    _take_stop_signals(asyncio.get_running_loop(), stop.set)
+    take_stop_signals(asyncio.get_running_loop(), stop.set)
     try:
         await run_handler_process(handler, settings.discovery_handlers_dir, port, stop)
     except OSError as error:
@@ -655,9 +631,13 @@ def _main(argv: Sequence[str] | None, signals_held: bool) -> int:
     command = next((word for word in arguments if not word.startswith("-")), None)
     if command not in RUN_UNTIL_STOPPED:
         if signals_held:
-            _release_stop_signals()  # a Ctrl-C held meanwhile arrives now (KeyboardInterrupt)
+            from agent.stop_signals import release_stop_signals
+
+            release_stop_signals()  # a Ctrl-C held meanwhile arrives now (KeyboardInterrupt)
     elif not signals_held and argv is None:
-        _hold_stop_signals()  # `python -m agent.cli agent ...`
+        from agent.stop_signals import hold_stop_signals
+
+        hold_stop_signals()  # `python -m agent.cli agent ...`
     if arguments in (["--version"], ["version"]):
         # before the parser: building it imports the agent's settings (and their modules)
         print(f"akri {__version__}")
@@ -715,6 +695,6 @@ def _main(argv: Sequence[str] | None, signals_held: bool) -> int:
 
 
 if __name__ == "__main__":
-    from agent.launch import main as launch
-
-    sys.exit(launch())
+    # `python -m agent.cli`: main holds SIGINT/SIGTERM first thing for the commands that run
+    # until stopped, as agent/launch.py does for the console script
+    sys.exit(main())

@@ -32,8 +32,10 @@ if TYPE_CHECKING:
     from agent.node.deviceplugin.reclaimer import SlotReclaimer
     from agent.node.dra.allocated import AllocatedClaims
     from agent.node.dra.driver import DraDriver
+    from agent.node.dra.extended import RuntimeCdi
     from agent.node.dra.health import HealthReporter
     from agent.node.dra.options import DraOptions
+    from agent.node.dra.path_follower import PathFollower
     from agent.node.dra.publisher import SlicePublisher
     from agent.node.dra.reclaim import DraReclaimer
     from agent.node.dra.state import DraState
@@ -200,22 +202,12 @@ class Agent:
         self.dra_state: DraState | None = None
         self.dra_health: HealthReporter | None = None
         self.dra_options: DraOptions | None = None
-        self.extended_resource_path = "device-plugins"  # dra/extended.py decides at start
-        self.extended_resource_reason = ""
-        self.runtime_cdi: Any = None  # dra/extended.py's RuntimeCdi of this node, once read
-        self._path_facts: Any = None  # dra/extended.py's NodeFacts the path was decided on
-        self._awaits_classes = False  # auto: device plugins until a DeviceClass appears
-        self._classes_task: asyncio.Task[None] | None = None
-        # auto: the Node followed, so a label or runtime change needs no restart
-        self._node_task: asyncio.Task[None] | None = None
-        self._cdi_notice: Any = None  # dra/extended.py's CdiNotice, once the runtime is known
-        self._path_lock = asyncio.Lock()
+        # which path serves akri.sh/<name> limits here, followed (cluster mode only: a local
+        # agent serves them through device plugins)
+        self.paths: PathFollower | None = None
         self.dra_reclaimer: DraReclaimer | None = None
         self._dra_reclaim_task: asyncio.Task[None] | None = None
         self.publisher: SlicePublisher | None = None
-        # slots allocated to ResourceClaims not prepared yet: held back from device plugins
-        self.allocated_claims: AllocatedClaims | None = None
-        self._claims_lock = asyncio.Lock()
         self._slice_events: asyncio.Task[None] | None = None
         self._dra_options_task: asyncio.Task[None] | None = None
         self._gc_freeze: asyncio.Task[None] | None = None
@@ -340,19 +332,7 @@ class Agent:
         self.ownership.refresh()
         if self.settings.dra:
             self._build_dra()
-        path = await self._extended_resources_path()
-        if self.publisher is not None:
-            self.publisher.extended_path = path  # its local slices say it; eligibility
-            if self.plugins is not None:
-                self._decide_names_per_node()
-                if path == "device-plugins":
-                    # device plugins and DRA serve the same slots here: hold back the ones the
-                    # scheduler allocated to claims (on DRA only once a name here needs its
-                    # device plugin: claims_needed)
-                    await self._follow_allocated_claims()  # before the plugins offer slots
-                else:
-                    # every node's mode, before the plugins decide which names they serve
-                    await self.publisher.load()
+        path = await self._decide_path()
         self._activity = asyncio.create_task(
             log_instance_changes(self.store.subscribe_instances()), name="activity-log"
         )
@@ -387,12 +367,8 @@ class Agent:
                     ),
                     name="dra-options",
                 )
-        if self._awaits_classes:
-            self._classes_task = asyncio.create_task(
-                self._follow_device_classes(), name="deviceclasses"
-            )
-        if self._path_facts is not None and self.settings.extended_resources == "auto":
-            self._node_task = asyncio.create_task(self._follow_node(), name="node")
+        if self.paths is not None:
+            self.paths.follow()
         if self.settings.external_handlers:
             # last: the embedded handlers and the plugins are not kept waiting for gRPC
             await self._serve_registration()
@@ -522,9 +498,9 @@ class Agent:
         finally:
             changes.close()
 
-    async def _extended_resources_path(self) -> str:
-        """Which path serves ``akri.sh/<name>`` limits on this node (``dra/extended.py``):
-        decided once per start, logged, exported as ``akri_extended_resource_path``."""
+    async def _decide_path(self) -> str:
+        """This node's extended-resource path, decided and then followed
+        (agent/node/dra/path_follower.py); a local agent serves through device plugins."""
         # a store of the Kubernetes backend exists only once its module is imported: a local
         # agent does not import it (7 ms of its start) for this check
         kubernetes = sys.modules.get("agent.core.store.kubernetes")
@@ -532,213 +508,48 @@ class Agent:
             None if kubernetes is None else kubernetes.KubernetesInstanceStore
         )
         if backend is None or not isinstance(self.store, backend):
-            self.extended_resource_path = "device-plugins"  # local mode: no API, no DRA
-            return self.extended_resource_path
-        from agent.node.dra.extended import CdiNotice, decide_path, read_node
+            return "device-plugins"  # local mode: no API, no DRA
+        from agent.node.dra.path_follower import PathFollower
 
-        client = self.store.api_client
-        facts = await read_node(client, self.settings.node_name) if self.dra is not None else None
-        decision = await decide_path(
-            client,
+        self.paths = PathFollower(
+            self.store.api_client,
             self.settings.node_name,
             self.settings.extended_resources,
+            ledger=self.ledger,
+            instances=self.served.all,
+            instance_events=self.store.subscribe_instances,
+            plugins=self.plugins,
+        )
+        return await self.paths.decide(
             dra_enabled=self.dra is not None,
-            facts=facts,
-        )
-        self.extended_resource_path = decision.path
-        self.extended_resource_reason = decision.reason
-        self._path_facts = facts
-        self._awaits_classes = decision.awaits_classes and self.publisher is not None
-        runtime = facts.runtime if facts is not None else None
-        self.runtime_cdi = runtime
-        status = self.dra.claim_status if self.dra is not None else None
-        if status is not None and runtime is not None:
-            # explicit claims are prepared here too: each gets a warning, not silence, while
-            # the runtime is not known to inject CDI (the notice reads it as the Node changes)
-            self._cdi_notice = CdiNotice(client, self.settings.node_name, runtime)
-            status.listeners.append(self._cdi_notice.prepared)
-        return decision.path
-
-    async def _follow_device_classes(self) -> None:
-        """``auto`` took device plugins at the start because no DeviceClass of akri controller
-        carried ``extendedResourceName`` yet (installed in the README's order, the agent starts
-        before the controller has written any): follow the classes, and once one does, decide
-        again and move to DRA in place (:meth:`_take_path`)."""
-        from agent.node.dra.extended import choose_path, follow_device_classes, kubelet_of
-
-        decided: list[Any] = []
-
-        def seen(classes: list[Mapping[str, Any]]) -> bool:
-            facts = self._path_facts  # the Node's, as _follow_node last read it
-            decision = choose_path(
-                self.settings.extended_resources,
-                dra_enabled=True,
-                kubelet=kubelet_of(facts),
-                classes=classes,
-                runtime=facts.runtime if facts is not None else None,
-            )
-            if decision.awaits_classes:
-                return False
-            decided.append(decision)
-            return True
-
-        await follow_device_classes(self.store.api_client, seen)  # type: ignore[attr-defined]
-        if decided:
-            async with self._path_lock:
-                await self._take_path(decided[0], "a DeviceClass appeared after the start")
-
-    async def _follow_node(self) -> None:
-        """``auto``: follow this node's Node object; when its ``akri.sh/runtime-cdi`` label,
-        its runtime or its kubelet changes, decide again and take the new path in place
-        (:meth:`_take_path`), either way: an operator who labels a containerd 1.7 node after
-        the install gets DRA without restarting the agent, and one who sets the label to
-        ``false`` gets device plugins back."""
-        from agent.node.dra.extended import follow_node, path_inputs
-
-        client = self.store.api_client  # type: ignore[attr-defined]
-        facts = self._path_facts
-        await follow_node(
-            client, self.settings.node_name, path_inputs(facts.node), self._node_changed
+            publisher=self.publisher,
+            claim_status=self.dra.claim_status if self.dra is not None else None,
         )
 
-    async def _node_changed(self, node: Mapping[str, Any]) -> None:
-        try:
-            await self._decide_again(node)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # the follower goes on; the path stays as it is
-            log.error(
-                "deciding the extended-resource path again after a change of Node %s failed "
-                "(%s: %s); the node stays on %s",
-                self.settings.node_name,
-                type(error).__name__,
-                error,
-                self.extended_resource_path,
-            )
+    @property
+    def extended_resource_path(self) -> str:
+        """``dra`` or ``device-plugins``: this node's mode (dra/extended.py)."""
+        return self.paths.path if self.paths is not None else "device-plugins"
 
-    async def _decide_again(self, node: Mapping[str, Any]) -> None:
-        from agent.node.dra.extended import DRA as DRA_MODE
-        from agent.node.dra.extended import choose_path, kubelet_of, node_facts, read_classes
+    @property
+    def extended_resource_reason(self) -> str:
+        return self.paths.reason if self.paths is not None else ""
 
-        facts = node_facts(node)
-        async with self._path_lock:
-            self._path_facts = facts
-            self.runtime_cdi = facts.runtime
-            if self._cdi_notice is not None and facts.runtime is not None:
-                self._cdi_notice.runtime = facts.runtime
-            if self._classes_task is not None and not self._classes_task.done():
-                return  # waiting for a DeviceClass: that follower decides with these facts
-            classes = await read_classes(self.store.api_client)  # type: ignore[attr-defined]
-            decision = choose_path(
-                self.settings.extended_resources,
-                dra_enabled=True,
-                kubelet=kubelet_of(facts),
-                classes=classes,
-                runtime=facts.runtime,
-            )
-            if classes is None:
-                return  # not readable now: the path stays as it is
-            if decision.awaits_classes and self.extended_resource_path == DRA_MODE:
-                return  # the classes went (an uninstall): a node on DRA stays, as before
-            if decision.path != self.extended_resource_path:
-                await self._take_path(decision, "the Node changed after the start")
-            if decision.awaits_classes and self.publisher is not None:
-                self._classes_task = asyncio.create_task(
-                    self._follow_device_classes(), name="deviceclasses"
-                )
+    @property
+    def runtime_cdi(self) -> RuntimeCdi | None:
+        """This node's runtime's CDI, once read."""
+        return self.paths.runtime_cdi if self.paths is not None else None
 
-    async def _take_path(self, decision: Any, cause: str) -> None:
-        """Move this node to ``decision``'s mode without a restart. Nothing is released: the
-        names that now go through DRA stop their device plugins (kubelet keeps the pods that
-        hold their slots; the reclaimer frees those slots when the pods end), the local
-        slices say the new mode, the slots' attributes follow (name_paths.py), and the names
-        still shared with device-plugin nodes keep their plugins. Said like the choice at the
-        start: log line, ``ExtendedResourcePath`` Event, ``akri_extended_resource_path``."""
-        import dataclasses
-
-        from agent.node.dra.extended import announce
-
-        if decision.path != self.extended_resource_path:
-            decision = dataclasses.replace(
-                decision,
-                reason=f"{decision.reason} ({cause}: switched from "
-                f"{self.extended_resource_path} without a restart; slots held either way stay "
-                "held)",
-            )
-        # all at once, before any await: the plugins read this node's mode from both
-        self.extended_resource_path = decision.path
-        self.extended_resource_reason = decision.reason
-        if self.publisher is not None:
-            self.publisher.extended_path = decision.path
-            self.publisher.trigger()
-        if self.plugins is not None:
-            self.plugins.paths_changed()
-        await announce(
-            self.store.api_client,  # type: ignore[attr-defined]
-            self.settings.node_name,
-            self._path_facts,
-            decision,
-        )
-
-    def _decide_names_per_node(self) -> None:
-        """The device plugins serve, on a node in ``dra`` mode, only the names the rule of
-        ``agent/node/dra/name_paths.py`` gives them (shared with a device-plugin node), and
-        follow every node's mode as the slice publisher learns it."""
-        from agent.node.dra.name_paths import NodeNamePaths
-
-        assert self.plugins is not None and self.publisher is not None
-        self.plugins.paths = NodeNamePaths(
-            self.settings.node_name, lambda: self.extended_resource_path, self.publisher.node_paths
-        )
-        self.plugins.claims_needed = self._claims_needed
-        self.publisher.paths_listeners.append(self.plugins.paths_changed)
-
-    async def _claims_needed(self, needed: bool) -> None:
-        """From the device-plugin manager: a plugin starts (``needed``), or none runs. On a node
-        in ``dra`` mode the claims are followed only while a plugin runs (issue 33.5: nothing
-        else here could take a slot the scheduler allocated to a claim); a device-plugin node
-        follows them from its start, as before."""
-        async with self._claims_lock:
-            if needed and self.allocated_claims is None and self.publisher is not None:
-                if self.extended_resource_path != "device-plugins":
-                    log.info(
-                        "following ResourceClaims: a device plugin on this node serves a name "
-                        "whose slots DRA also allocates"
-                    )
-                await self._follow_allocated_claims()
-            elif (
-                not needed
-                and self.allocated_claims is not None
-                and self.extended_resource_path != "device-plugins"
-            ):
-                from agent.core.ledger.reservations import DRA_ALLOCATED
-
-                claims, self.allocated_claims = self.allocated_claims, None
-                await claims.close()
-                self.ledger.reservations.replace(DRA_ALLOCATED, {})
-                log.info("no longer following ResourceClaims: no device plugin runs on this node")
+    @property
+    def allocated_claims(self) -> AllocatedClaims | None:
+        """The ResourceClaims followed for this node's device plugins, while they are."""
+        return self.paths.allocated_claims if self.paths is not None else None
 
     def _wake_publisher(self) -> None:
         if self.publisher is not None:
             self.publisher.trigger()
         if self.dra_health is not None:
             self.dra_health.changed()
-
-    async def _follow_allocated_claims(self) -> None:
-        """Hold back from the device plugins the slots allocated to ResourceClaims not
-        prepared yet (agent/node/dra/allocated.py)."""
-        from agent.core.store.kubernetes import KubernetesInstanceStore
-        from agent.node.dra.allocated import AllocatedClaims
-
-        assert isinstance(self.store, KubernetesInstanceStore)  # DRA runs on the API only
-        self.allocated_claims = AllocatedClaims(
-            self.store.api_client,
-            self.settings.node_name,
-            self.served.all,
-            self.ledger.reservations,
-        )
-        await self.allocated_claims.start()
-        self.allocated_claims.follow_instances(self.store.subscribe_instances())
 
     async def _trigger_publisher(self, events: Subscription[InstanceEvent]) -> None:
         async for _ in events:
@@ -753,22 +564,19 @@ class Agent:
             self._gc_freeze.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_freeze
-        for events in (
-            self._slice_events,
-            self._dra_options_task,
-            self._classes_task,
-            self._node_task,
-        ):
+        for events in (self._slice_events, self._dra_options_task):
             if events is not None:
                 events.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await events
+        if self.paths is not None:
+            await self.paths.stop_following()
         if self.publisher is not None:
             await self.publisher.close()
         # before discovery: its runners clear their offline sets when they stop
         await self.offline_marks.close()
-        if self.allocated_claims is not None:
-            await self.allocated_claims.close()
+        if self.paths is not None:
+            await self.paths.close_claims()
         if self._dra_reclaim_task is not None:
             self._dra_reclaim_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

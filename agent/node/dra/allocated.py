@@ -21,8 +21,8 @@ has nothing left to do; it ends when the claim is deallocated or deleted.
 plugins only for the names it shares with device-plugin nodes (``agent/node/dra/name_paths.py``);
 while none runs nothing there could take an allocated slot. The agent follows claims on a
 device-plugin node that also runs the DRA driver, and on a ``dra``-mode node only while one of
-its device plugins runs (``agent/node/app.py``, ``Agent._claims_needed``). The API cannot narrow
-the stream (a ResourceClaim's selectable fields are ``metadata.name``/``namespace`` only, and
+its device plugins runs (``agent/node/dra/path_follower.py``, ``claims_step``). The API cannot
+narrow the stream (a ResourceClaim's selectable fields are ``metadata.name``/``namespace`` only, and
 claims carry no label of their driver), so what the agent holds is narrowed instead: a list
 page is reduced to the claims with ``akri.sh`` results as it arrives (never the whole
 collection at once), and the cache holds only those claims, in :func:`compact` form; a watch

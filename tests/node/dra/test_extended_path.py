@@ -373,7 +373,7 @@ async def test_a_failing_decision_after_a_node_change_is_said_and_changes_nothin
 ) -> None:
     """A bug or an odd answer while deciding again is logged; the node keeps its path, the
     follower keeps following, and the agent stops cleanly (the task did not die with it)."""
-    import agent.node.dra.extended as extended_module
+    import agent.node.dra.path_follower as extended_module  # read_classes, as it calls it
 
     node_object(api, "v1.36.2", runtime="containerd://1.7.24")
     install_classes(api)
