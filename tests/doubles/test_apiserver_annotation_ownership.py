@@ -131,3 +131,42 @@ async def test_an_apply_changing_another_managers_value_is_refused(
         ("m/a", "Apply"): ["akri.sh/offline.a"],
         ("m/other", "Apply"): ["akri.sh/offline.a"],
     }
+
+
+async def test_labels_are_owned_per_key_like_annotations(
+    api: ApiServerDouble, client: KubeClient
+) -> None:
+    """``metadata.labels`` is a granular map too (issue 41: a node's label
+    ``node.akri.sh/<hash>`` goes with its apply): a label a manager applied goes when it
+    applies without it; one a plain write carries unchanged stays the applier's alone; one
+    another writer owns too stays."""
+    await created(client, ["a"])
+
+    def labelled(node: str, label: bool) -> dict[str, Any]:
+        body = part(node, None)  # its entry and its label: applied together, left together
+        if label:
+            body["metadata"]["labels"] = {f"node.example/{node}": ""}
+        else:
+            body["spec"]["nodes"] = []
+        return body
+
+    await client.apply(PATH, labelled("b", True), field_manager="m/b")
+    await client.apply(PATH, labelled("c", True), field_manager="m/c")
+    current = api.get(INSTANCES, "cam", "default")
+    assert sorted(current["metadata"]["labels"]) == ["node.example/b", "node.example/c"]
+    current["metadata"]["annotations"] = {"x": "y"}  # a PUT that leaves the labels as they are
+    await client.replace(PATH, current)
+    left = await client.apply(PATH, labelled("b", False), field_manager="m/b")
+    assert left["metadata"]["labels"] == {"node.example/c": ""}
+    assert left["spec"]["nodes"] == ["a", "c"]
+    current = api.get(INSTANCES, "cam", "default")
+    current["metadata"]["labels"]["other"] = "x"  # a PUT adding a label owns only that one
+    put = await client.replace(PATH, current)
+    owned = {
+        (e["manager"], e["operation"]): sorted(e["fieldsV1"]["f:metadata"].get("f:labels", {}))
+        for e in put["metadata"]["managedFields"]
+        if "f:labels" in e["fieldsV1"].get("f:metadata", {})
+    }
+    assert owned == {("m/c", "Apply"): ["f:node.example/c"], (AGENT, "Update"): ["f:other"]}
+    gone = await client.apply(PATH, labelled("c", False), field_manager="m/c")
+    assert gone["metadata"]["labels"] == {"other": "x"}

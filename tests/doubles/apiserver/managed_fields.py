@@ -20,10 +20,11 @@ ObjectMeta; a CRD's schema cannot change it): an apply adds and drops finalizers
 a set, and a finalizer a plain write added (a create, a PUT) stays owned by that write's
 manager, so no apply that omits it removes it.
 
-``metadata.annotations`` (a ``map[string]string``, granular: each key is a field of its own)
-is tracked per key the same way: an apply owns the keys it sends and removes the keys it
-applied before and omits now unless another manager owns them too; a plain write owns the
-keys it adds or changes (taking them from their former owners) and a key it drops is nobody's.
+``metadata.annotations`` and ``metadata.labels`` (each a ``map[string]string``, granular:
+each key is a field of its own) are tracked per key the same way: an apply owns the keys it
+sends and removes the keys it applied before and omits now unless another manager owns them
+too; a plain write owns the keys it adds or changes (taking them from their former owners)
+and a key it drops is nobody's.
 An apply that changes the value of a key another manager owns is refused with 409 and a
 ``FieldManagerConflict`` cause for each, as structured-merge-diff does without ``force``
 (:class:`ApplyConflict`). Other fields are not tracked: an apply merges them like a merge
@@ -45,6 +46,7 @@ Owner = tuple[str, str]  # (manager, operation)
 UNKNOWN_MANAGER = "unknown"
 FINALIZERS: Path = ("metadata", "finalizers")
 ANNOTATIONS: Path = ("metadata", "annotations")
+LABELS: Path = ("metadata", "labels")
 
 
 class ApplyConflict(Exception):

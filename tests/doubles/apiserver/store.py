@@ -793,9 +793,9 @@ class Store:
             raise errors.apply_conflict(conflict.conflicts) from None
 
     def _granular_maps(self, rt: ResourceType) -> list[managed_fields.Path]:
-        """The maps whose keys have owners (``metadata.annotations``), on custom resources,
-        as the set-typed lists."""
-        return [managed_fields.ANNOTATIONS] if rt.custom else []
+        """The maps whose keys have owners (``metadata.annotations`` and ``metadata.labels``),
+        on custom resources, as the set-typed lists."""
+        return [managed_fields.ANNOTATIONS, managed_fields.LABELS] if rt.custom else []
 
     def _set_lists(self, rt: ResourceType, version: str) -> list[managed_fields.Path]:
         """The set-typed lists of a custom resource (their elements have owners): those of
