@@ -30,6 +30,7 @@ from urllib.parse import SplitResult, urlsplit
 from discovery_handlers.base import InvalidDiscoveryDetailsError
 from discovery_handlers.details import brief, load_details, unknown_fields
 from discovery_handlers.filters import FilterList, parse_filter
+from discovery_handlers.resolver import host_name_problem
 
 NAME = "opcua"
 FIELDS = (
@@ -101,6 +102,33 @@ def url_problem(url: str) -> str | None:
     return None
 
 
+def url_key(url: str) -> str:
+    """The form URLs are compared in (never shown, never the device id): ``opc.tcp://`` in
+    lower case, the host in lower case, the port always written (4840 if none), no trailing
+    slash — ``opc.tcp://PLC:4840/`` (Akri's chart) and ``opc.tcp://plc`` (a server's own)
+    are one server, asked once. The path keeps its case (servers tell endpoints apart by
+    it). A URL that does not split is its own key."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        return url
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    path = parts.path.rstrip("/")
+    query = f"?{parts.query}" if parts.query else ""
+    return f"{SCHEME}://{host}:{port}{path}{query}"
+
+
+def host_problem(url: str) -> str | None:
+    """Why the host of an accepted URL cannot be looked up (None if it can): a name that is
+    not IDNA-encodable (``plc..local``, a label over 63 characters). Such a URL costs itself
+    only: a configured one is skipped with a warning, a listed one is not offered."""
+    problem = host_name_problem(urlsplit(url).hostname or "")
+    return None if problem is None else f"has a host that {problem}"
+
+
 def split_url(url: str) -> SplitResult:
     """``urlsplit`` of a URL :func:`url_problem` accepted."""
     return urlsplit(url)
@@ -127,7 +155,11 @@ def _urls(raw: Any, field: str) -> tuple[str, ...]:
         if problem is not None:
             raise _fail(f"{field}[{index}] {brief(item)} {problem}")
         urls.append(item)
-    return tuple(dict.fromkeys(urls))
+    # one per server: the first of the URLs that are the same server (:func:`url_key`)
+    first: dict[str, str] = {}
+    for url in urls:
+        first.setdefault(url_key(url), url)
+    return tuple(first.values())
 
 
 def _capabilities(raw: Any, field: str) -> tuple[str, ...]:
@@ -227,6 +259,14 @@ def warnings(text: str) -> list[str]:
             f"{NAME}: ignoring unknown field(s) {', '.join(unknown)} in "
             f"discoveryDetails.opcuaDiscoveryMethod.{method} (known: {', '.join(known)})"
         )
+    urls = body.get("discoveryUrls")
+    for index, url in enumerate(urls if isinstance(urls, list) else []):
+        problem = host_problem(url) if isinstance(url, str) else None
+        if problem is not None:
+            found.append(
+                f"{NAME}: discoveryDetails.opcuaDiscoveryMethod.{method}.discoveryUrls[{index}] "
+                f"{brief(url)} {problem}: it is skipped (the other URLs are asked)"
+            )
     if body.get("discoveryUrls") == []:
         found.append(
             f"{NAME}: discoveryDetails.opcuaDiscoveryMethod.{method}.discoveryUrls is empty: "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -32,21 +31,31 @@ from discovery_handlers.base import (
     DiscoveryProperties,
     ProblemReporter,
 )
-from discovery_handlers.opcua.details import NAME, OpcuaDetails, parse_details, warnings
+from discovery_handlers.opcua.details import (
+    NAME,
+    OpcuaDetails,
+    host_problem,
+    parse_details,
+    url_key,
+    warnings,
+)
 from discovery_handlers.opcua.servers import (
     Application,
     Listed,
+    bad_hosts,
     hosts_of,
     listed_by_find_servers,
     listed_by_find_servers_on_network,
+    offered,
 )
 from discovery_handlers.opcua.tracker import Call, Failure, Target, Tracker
+from discovery_handlers.resolver import BadHostName, LookupFailed, NoSuchHost, shared_resolver
 
 log = logging.getLogger("discovery_handlers.opcua")
 
 CONCURRENCY = 16  # calls in flight per Configuration
-RESOLUTIONS = 4  # host-name lookups at a time per Configuration (they take the loop's
-# default executor threads, which the rest of the agent shares)
+RESOLUTIONS = 16  # host-name lookups at a time per Configuration (on the resolver's own
+# threads, discovery_handlers/resolver.py: never the loop's default executor)
 MAX_RESOLVED = 4096  # host names whose last resolution is remembered
 IDLE = 3600.0  # seconds to sleep when nothing is ever due (no discovery URL)
 _TRANSPORT = "discovery_handlers.opcua.transport"
@@ -56,6 +65,9 @@ _TRANSPORT = "discovery_handlers.opcua.transport"
 class _Answer:
     own: Sequence[Application]
     listing: Sequence[Listed] | None
+    # standard, configured: the applications of the answer that may be offered (trimmed, at
+    # most maxServers + 1): relisted as their host names resolve
+    offered: tuple[Application, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -108,32 +120,55 @@ class _Session:
         self.details = details
         self.transport = transport
         self.problems = problems
+        self.resolver = shared_resolver()
         self.tasks: dict[asyncio.Task[_Answer | _Failed], Target] = {}
         self.calls = asyncio.Semaphore(CONCURRENCY)
         self.resolved: dict[str, bool] = {}  # host -> it resolved when last asked
-        self.lookups = asyncio.Semaphore(RESOLUTIONS)
+        self.lookups: dict[asyncio.Task[bool | None], str] = {}  # in flight -> host
+        self.looking: set[str] = set()
+        self.lookup_slots = asyncio.Semaphore(RESOLUTIONS)
+        # configured standard targets (by url_key): what their last answer offers
+        self.offered: dict[str, tuple[Application, ...]] = {}
 
     async def run(self) -> AsyncIterator[list[Device]]:
         loop = asyncio.get_running_loop()
         tracker = Tracker(self.details, loop.time())
+        for url in self.details.discovery_urls:
+            problem = host_problem(url)
+            if problem is not None:
+                self.problems.report(
+                    url,
+                    "OpcuaServerUnreachable",
+                    f"opcua: discovery URL {url}: {problem}; skipped",
+                )
         last: list[Device] | None = None
         seen = -1  # the tracker's version the last list was made at
         while True:
+            tracker.expire(loop.time())
             for target in tracker.take_due(loop.time()):
                 self.tasks[asyncio.create_task(self._ask(target))] = target
             due = tracker.next_due()
             wait = min(IDLE, max(0.0, due - loop.time()))
-            if self.tasks:
+            waiting: set[asyncio.Task[Any]] = {*self.tasks, *self.lookups}
+            if waiting:
                 done, _ = await asyncio.wait(
-                    self.tasks, timeout=wait, return_when=asyncio.FIRST_COMPLETED
+                    waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
             else:
                 await asyncio.sleep(wait)
                 done = set()
+            resolved = False
             for task in done:
-                self._apply(tracker, self.tasks.pop(task), task.result(), loop.time())
-            if last is None and not tracker.settled():
-                continue  # the first list waits for every URL's first answer (bounded)
+                if task in self.lookups:
+                    resolved |= self._verdict(self.lookups.pop(task), task.result())
+                else:
+                    self._apply(tracker, self.tasks.pop(task), task.result(), loop.time())
+            if resolved:
+                self._relist(tracker, loop.time())
+            if last is None and (not tracker.settled() or self.lookups):
+                # the first list waits for every URL's first answer and the host names they
+                # list (each bounded by the timeout); later lists wait for nothing
+                continue
             if tracker.version == seen:
                 continue
             seen = tracker.version
@@ -143,8 +178,9 @@ class _Session:
                 yield devices
 
     async def close(self) -> None:
-        tasks = list(self.tasks)
+        tasks: list[asyncio.Task[Any]] = [*self.tasks, *self.lookups]
         self.tasks.clear()
+        self.lookups.clear()
         for task in tasks:
             task.cancel()
         self.problems.close()  # no Events from a stopped discovery
@@ -162,6 +198,7 @@ class _Session:
                         details.timeout,
                         details.server_capabilities,
                         details.max_servers,
+                        details.recheck_interval,
                     )
                     listing, skipped = listed_by_find_servers_on_network(
                         records, details.server_capabilities
@@ -169,7 +206,7 @@ class _Session:
                     self._skipped(target.url, skipped)
                     return _Answer(own=(), listing=listing)
                 applications: list[Application] = await self.transport.find_servers(
-                    target.url, details.timeout
+                    target.url, details.timeout, details.recheck_interval
                 )
             except self.transport.CallError as error:
                 return _Failed(str(error), error.unreachable)
@@ -179,33 +216,68 @@ class _Session:
         if not target.configured:
             return _Answer(own=applications, listing=None)
         names = details.application_names
-        resolvable = await self._resolve(hosts_of(applications, names, details.max_servers))
-        listing, skipped = listed_by_find_servers(target.url, applications, names, resolvable)
-        self._skipped(target.url, skipped)
-        return _Answer(own=applications, listing=listing)
+        for url in bad_hosts(applications, names):
+            self.problems.report(
+                url,
+                "OpcuaServerUnreachable",
+                f"opcua: {target.url} lists {url[:200]}, which {host_problem(url)}; skipped",
+            )
+        return _Answer(
+            own=applications,
+            listing=None,
+            offered=offered(applications, names, details.max_servers),
+        )
 
-    async def _resolve(self, hosts: list[str]) -> dict[str, bool]:
-        """Does each host name resolve on this node? A temporary failure (or no answer within
-        the timeout) keeps the previous verdict, so a DNS hiccup does not change device ids;
-        never asked before, it counts as not resolving (Akri's rule)."""
+    def _listing(self, target: Target) -> list[Listed]:
+        """A configured standard target's servers, from its last answer and what is known of
+        their host names (one not known yet is left out until it is)."""
+        applications = self.offered.get(url_key(target.url), ())
+        hosts = hosts_of(applications, self.details.application_names, self.details.max_servers)
+        verdicts: dict[str, bool | None] = {host: self.resolved.get(host) for host in hosts}
+        listing, skipped = listed_by_find_servers(
+            target.url, applications, self.details.application_names, verdicts
+        )
+        self._skipped(target.url, skipped)
+        return listing
+
+    def _look_up(self, hosts: list[str]) -> None:
+        """Resolve ``hosts`` in the background (a host already being resolved is not asked
+        twice); :meth:`_verdict` takes each answer."""
         if len(self.resolved) > MAX_RESOLVED:
             self.resolved.clear()
-        results = await asyncio.gather(*(self._resolves(host) for host in hosts))
-        for host, verdict in zip(hosts, results, strict=True):
-            if verdict is not None:
-                self.resolved[host] = verdict
-        return {host: self.resolved.get(host, False) for host in hosts}
+        for host in hosts:
+            if host not in self.looking:
+                self.looking.add(host)
+                self.lookups[asyncio.create_task(self._resolves(host))] = host
+
+    def _verdict(self, host: str, verdict: bool | None) -> bool:
+        """Note what ``host``'s lookup said; True if a list may change. No answer keeps the
+        previous verdict (a DNS hiccup does not change device ids); never known, it counts as
+        not resolving (Akri's rule)."""
+        self.looking.discard(host)
+        before = self.resolved.get(host)
+        if verdict is None:
+            verdict = False if before is None else before
+        self.resolved[host] = verdict
+        return before != verdict
+
+    def _relist(self, tracker: Tracker, now: float) -> None:
+        for key in self.offered:
+            target = tracker.targets.get(key)
+            if target is not None and target.configured:
+                tracker.relist(target, self._listing(target), now)
 
     async def _resolves(self, host: str) -> bool | None:
-        loop = asyncio.get_running_loop()
+        """Does ``host`` resolve (None: no answer in time, or a temporary failure)? One that
+        gives no answer is not asked again before the next recheck."""
         try:
-            async with self.lookups, asyncio.timeout(self.details.timeout):
-                await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except socket.gaierror as error:
-            if error.errno in (socket.EAI_AGAIN,):
-                return None
+            async with self.lookup_slots:
+                await self.resolver.lookup(
+                    host, seconds=self.details.timeout, quiet=self.details.recheck_interval
+                )
+        except (BadHostName, NoSuchHost):
             return False
-        except (TimeoutError, OSError):
+        except LookupFailed:
             return None
         return True
 
@@ -224,7 +296,16 @@ class _Session:
             target.in_flight = False
             return
         if isinstance(result, _Answer):
-            tracker.answered(target, now, own=result.own, listing=result.listing)
+            listing = result.listing
+            if result.offered is not None:
+                self.offered[url_key(target.url)] = result.offered
+                self._look_up(
+                    hosts_of(
+                        result.offered, self.details.application_names, self.details.max_servers
+                    )
+                )
+                listing = self._listing(target)
+            tracker.answered(target, now, own=result.own, listing=listing)
             if self.problems.resolved(target.url):
                 log.info("opcua: %s answers again", target.url)
             if tracker.over_cap:

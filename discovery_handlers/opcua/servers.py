@@ -15,7 +15,9 @@ Akri's rules (``discovery-handlers/opcua/src/discovery_impl.rs``), and where we 
   explicit port other than the queried URL's keeps its own port (a server registered with a
   discovery server on the same host; Akri would take the discovery server's port);
 - URLs are kept verbatim (never normalised): the device id is the DiscoveryURL string, hashed
-  into the Instance name like Akri does.
+  into the Instance name like Akri does; two URLs of one server (``opc.tcp://plc:4840/`` and
+  ``opc.tcp://PLC``) are told apart by :func:`~discovery_handlers.opcua.details.url_key` only,
+  and the first one is the id.
 
 Property values come from the network, so they are made safe for container environments:
 control characters become spaces and each value is at most :data:`MAX_VALUE` characters.
@@ -31,7 +33,14 @@ from dataclasses import dataclass
 
 from discovery_handlers.base import Device
 from discovery_handlers.filters import FilterList, equal, passes
-from discovery_handlers.opcua.details import DEFAULT_PORT, SCHEME, split_url, url_problem
+from discovery_handlers.opcua.details import (
+    DEFAULT_PORT,
+    SCHEME,
+    host_problem,
+    split_url,
+    url_key,
+    url_problem,
+)
 
 DISCOVERY_URL = "OPCUA_DISCOVERY_URL"
 APPLICATION_URI = "OPCUA_APPLICATION_URI"
@@ -39,6 +48,7 @@ APPLICATION_NAME = "OPCUA_APPLICATION_NAME"
 PRODUCT_URI = "OPCUA_PRODUCT_URI"
 SERVER_CAPABILITIES = "OPCUA_SERVER_CAPABILITIES"
 MAX_VALUE = 1024
+MAX_CAPABILITIES = 32  # kept per FindServersOnNetwork record
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -86,6 +96,21 @@ def env_value(text: str) -> str:
     """``text`` safe for a container's environment: control characters (NUL among them)
     become spaces, at most :data:`MAX_VALUE` characters."""
     return _CONTROL.sub(" ", text[:MAX_VALUE])
+
+
+def trimmed(application: Application) -> Application:
+    """What is kept of an application (bounded, whatever a server sent): its texts cut to
+    :data:`MAX_VALUE` characters (what a property can show) and its first ``opc.tcp``
+    DiscoveryURL only (the one :func:`chosen_url` takes; its own length is bounded by
+    :func:`url_problem`) — at most ~5 KB of text per server."""
+    url = chosen_url(application)
+    return Application(
+        uri=application.uri[:MAX_VALUE],
+        product_uri=application.product_uri[:MAX_VALUE],
+        name=application.name[:MAX_VALUE],
+        type=application.type,
+        discovery_urls=(url,) if url is not None else (),
+    )
 
 
 def offered_type(application: Application) -> bool:
@@ -150,12 +175,14 @@ def listed_by_find_servers(
     queried: str,
     applications: Sequence[Application],
     names: FilterList | None,
-    resolvable: Mapping[str, bool],
+    resolvable: Mapping[str, bool | None],
 ) -> tuple[list[Listed], list[str]]:
     """The servers a FindServers answer from ``queried`` offers (in answer order, first of a
     URL kept), and why others were skipped (for the debug log). ``resolvable`` says for each
-    host name of :func:`hosts_of` whether it resolves on this node."""
-    listed: dict[str, Listed] = {}
+    host name of :func:`hosts_of` whether it resolves on this node (None: not known yet, the
+    server is left out until it is). A URL whose host is not a host name at all
+    (:func:`~discovery_handlers.opcua.details.host_problem`) is skipped: it costs itself."""
+    listed: dict[str, Listed] = {}  # by url_key: the first of a server's URLs
     skipped: list[str] = []
     for application in applications:
         if not wanted(application, names):
@@ -164,13 +191,20 @@ def listed_by_find_servers(
         if url is None:
             skipped.append(f"{application.name[:80]!r} has no usable opc.tcp DiscoveryURL")
             continue
+        if host_problem(url) is not None:
+            skipped.append(f"{application.name[:80]!r}: {url[:200]!r} {host_problem(url)}")
+            continue
         host = url_host(url)
-        if needs_resolving(host) and not resolvable.get(host, True):
-            url = substitute_host(queried, url)
-            if url_problem(url) is not None:
-                skipped.append(f"{application.name[:80]!r}: {url[:200]!r} is not usable")
-                continue
-        listed.setdefault(url, Listed(url, application=application))
+        if needs_resolving(host):
+            verdict = resolvable.get(host, True)
+            if verdict is None:
+                continue  # not resolved yet: listed once it is (the others do not wait)
+            if not verdict:
+                url = substitute_host(queried, url)
+                if url_problem(url) is not None:
+                    skipped.append(f"{application.name[:80]!r}: {url[:200]!r} is not usable")
+                    continue
+        listed.setdefault(url_key(url), Listed(url, application=application))
     return list(listed.values()), skipped
 
 
@@ -187,9 +221,40 @@ def hosts_of(
             break
         if wanted(application, names):
             url = chosen_url(application)
-            if url is not None and needs_resolving(url_host(url)):
+            if url is not None and needs_resolving(url_host(url)) and host_problem(url) is None:
                 hosts[url_host(url)] = None
     return list(hosts)
+
+
+def offered(
+    applications: Iterable[Application], names: FilterList | None, limit: int
+) -> tuple[Application, ...]:
+    """What is kept of a discovery URL's FindServers answer: the applications that may be
+    offered (wanted, with a usable ``opc.tcp`` URL whose host is a host name), trimmed
+    (:func:`trimmed`), the first ``limit + 1`` distinct URLs (one more than are tracked
+    tells that there were more)."""
+    kept: dict[str, Application] = {}
+    for application in applications:
+        if len(kept) > limit:
+            break
+        if not wanted(application, names):
+            continue
+        url = chosen_url(application)
+        if url is not None and host_problem(url) is None:
+            kept.setdefault(url_key(url), trimmed(application))
+    return tuple(kept.values())
+
+
+def bad_hosts(applications: Iterable[Application], names: FilterList | None) -> list[str]:
+    """The DiscoveryURLs that would be offered but whose host is not a host name (each one
+    is skipped, with a warning naming it)."""
+    found: list[str] = []
+    for application in applications:
+        if wanted(application, names):
+            url = chosen_url(application)
+            if url is not None and host_problem(url) is not None:
+                found.append(url)
+    return found
 
 
 def listed_by_find_servers_on_network(
@@ -208,8 +273,20 @@ def listed_by_find_servers_on_network(
         if not url.startswith(SCHEME) or url_problem(url) is not None:
             skipped.append(f"{record.server_name[:80]!r}: {url[:200]!r} is not an opc.tcp URL")
             continue
-        listed.setdefault(url, Listed(url, record=record))
+        if host_problem(url) is not None:
+            skipped.append(f"{record.server_name[:80]!r}: {url[:200]!r} {host_problem(url)}")
+            continue
+        listed.setdefault(url_key(url), Listed(url, record=_trimmed_record(record)))
     return list(listed.values()), skipped
+
+
+def _trimmed_record(record: Record) -> Record:
+    return Record(
+        record_id=record.record_id,
+        server_name=record.server_name[:MAX_VALUE],
+        discovery_url=record.discovery_url,
+        capabilities=tuple(c[:MAX_VALUE] for c in record.capabilities[:MAX_CAPABILITIES]),
+    )
 
 
 def _endpoint(url: str) -> tuple[str, int] | None:
@@ -224,8 +301,9 @@ def own_application(url: str, applications: Sequence[Application]) -> Applicatio
     one listing ``url`` among its DiscoveryURLs, else the one listing the same host and port
     (a discovery server lists its own URL without the path its mDNS record has, and the
     servers registered with it too), else the only one; None if that cannot tell."""
+    key = url_key(url)
     for application in applications:
-        if url in application.discovery_urls:
+        if any(url_key(item) == key for item in application.discovery_urls):
             return application
     endpoint = _endpoint(url)
     for application in applications:

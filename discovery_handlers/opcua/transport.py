@@ -41,6 +41,7 @@ from asyncua.ua.ua_binary import (
 
 from discovery_handlers.opcua.details import host_and_port
 from discovery_handlers.opcua.servers import Application, Record
+from discovery_handlers.resolver import LookupFailed, shared_resolver
 
 RECEIVE_BUFFER = 65535  # the largest chunk we accept (what asyncua announces too)
 MAX_MESSAGE = 1024 * 1024  # the largest answer: ~6,000 servers; decoding it takes ~0.3 s
@@ -63,17 +64,18 @@ class CallError(Exception):
         self.unreachable = unreachable
 
 
-async def find_servers(url: str, seconds: float) -> list[Application]:
+async def find_servers(url: str, seconds: float, quiet: float = 0.0) -> list[Application]:
     """FindServers on ``url``, all within ``seconds``: the applications it knows (itself; a
-    discovery server also the servers registered with it)."""
+    discovery server also the servers registered with it). A host name that gives no answer
+    in time is not looked up again for ``quiet`` seconds."""
     request = ua.FindServersRequest()
     request.Parameters.EndpointUrl = url
-    response = await _call(url, seconds, request, ua.FindServersResponse, "FindServers")
+    response = await _call(url, seconds, request, ua.FindServersResponse, "FindServers", quiet)
     return [_application(item) for item in response.Servers or ()]
 
 
 async def find_servers_on_network(
-    url: str, seconds: float, capabilities: Sequence[str], max_records: int
+    url: str, seconds: float, capabilities: Sequence[str], max_records: int, quiet: float = 0.0
 ) -> list[Record]:
     """FindServersOnNetwork on ``url`` (a discovery server with LDS-ME), each call within
     ``seconds``: its records of
@@ -88,7 +90,7 @@ async def find_servers_on_network(
         request.Parameters.MaxRecordsToReturn = page
         request.Parameters.ServerCapabilityFilter = list(capabilities)
         response = await _call(
-            url, seconds, request, ua.FindServersOnNetworkResponse, "FindServersOnNetwork"
+            url, seconds, request, ua.FindServersOnNetworkResponse, "FindServersOnNetwork", quiet
         )
         servers = response.Parameters.Servers or []
         records += [_record(item) for item in servers]
@@ -124,8 +126,10 @@ def _record(item: Any) -> Record:
     )
 
 
-async def _call(url: str, seconds: float, request: Any, response_type: type[T], name: str) -> T:
-    session = _Exchange(url, seconds)
+async def _call(
+    url: str, seconds: float, request: Any, response_type: type[T], name: str, quiet: float
+) -> T:
+    session = _Exchange(url, seconds, quiet)
     try:
         async with asyncio.timeout(seconds):
             await session.connect()
@@ -157,9 +161,10 @@ def _os_error(error: OSError, step: str) -> str:
 class _Exchange:
     """One connection: Hello, OpenSecureChannel (None), one request, CloseSecureChannel."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, quiet: float = 0.0) -> None:
         self.url = url
         self.timeout = timeout
+        self.quiet = quiet  # a host name that does not answer is not asked again for so long
         self.step = "connecting"
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -170,9 +175,24 @@ class _Exchange:
         self.request_id = 0
 
     async def connect(self) -> None:
+        """Connect to the URL's host: a name is resolved on the resolver's own threads
+        (never the loop's default executor, which the agent shares), then its addresses are
+        tried in turn."""
         host, port = host_and_port(self.url)
-        reader, writer = await asyncio.open_connection(host, port, limit=RECEIVE_BUFFER)
-        self.reader, self.writer = reader, writer
+        try:
+            addresses = await shared_resolver().lookup(host, seconds=self.timeout, quiet=self.quiet)
+        except LookupFailed as error:
+            raise CallError(f"its host {error.reason}", unreachable=True) from None
+        failure: OSError | None = None
+        for _family, address in addresses:
+            try:
+                reader, writer = await asyncio.open_connection(address, port, limit=RECEIVE_BUFFER)
+            except OSError as error:
+                failure = failure or error
+                continue
+            self.reader, self.writer = reader, writer
+            return
+        raise failure or OSError(f"no address for {host}")
 
     def close(self) -> None:
         writer = self.writer

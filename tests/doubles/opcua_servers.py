@@ -251,6 +251,47 @@ def _request_id(body: bytes, kind: bytes) -> int:
     return int(request_id)
 
 
+def find_servers_answer(request_id: int, applications: list[dict[str, Any]]) -> bytes:
+    """A one-chunk FindServers response listing ``applications`` (``name``, ``url``,
+    optional ``type``: 0 Server, 2 ClientAndServer, 3 DiscoveryServer)."""
+    response = ua.FindServersResponse()
+    for item in applications:
+        response.Servers.append(
+            ua.ApplicationDescription(
+                ApplicationUri=ua.String(item.get("uri", f"urn:akri-py:tests:{item['name']}")),
+                ApplicationName=ua.LocalizedText(item["name"]),
+                ApplicationType=ua.ApplicationType(item.get("type", 0)),
+                DiscoveryUrls=[item["url"]],
+            )
+        )
+    payload = struct.pack("<IIII", 7, 1, 2, request_id) + struct_to_binary(response)
+    return _chunk(b"MSG", b"F", payload)
+
+
+async def answer_find_servers(
+    applications: list[dict[str, Any]],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> None:
+    """Serve one connection as a plain, light OPC UA server: Acknowledge, OpenSecureChannel
+    (None), then a FindServers answer listing ``applications`` (a server lists itself; a
+    discovery server, the servers registered with it). Thousands of these fit in one
+    process (asyncua's ``Server`` costs ~30 MB each): the benchmark's 200 servers."""
+    try:
+        await _read_message(reader)
+        writer.write(_acknowledge())
+        kind, body = await _read_message(reader)
+        writer.write(_open_response(_request_id(body, kind)))
+        kind, body = await _read_message(reader)
+        writer.write(find_servers_answer(_request_id(body, kind), applications))
+        await writer.drain()
+        await reader.read()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        writer.close()
+
+
 async def _hostile(kind: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         if kind == "garbage":

@@ -19,23 +19,32 @@ from agent.core.model.naming import candidate_names, device_key
 from discovery_handlers.base import InvalidDiscoveryDetailsError
 from discovery_handlers.filters import Action, FilterList
 from discovery_handlers.opcua import OpcuaHandler, parse_details
-from discovery_handlers.opcua.details import DEFAULT_DISCOVERY_URLS, OpcuaDetails, warnings
+from discovery_handlers.opcua.details import (
+    DEFAULT_DISCOVERY_URLS,
+    OpcuaDetails,
+    host_problem,
+    url_key,
+    warnings,
+)
 from discovery_handlers.opcua.servers import (
     Application,
     ApplicationType,
     Listed,
     Record,
+    bad_hosts,
     chosen_url,
     device_of,
     env_value,
     hosts_of,
     listed_by_find_servers,
     listed_by_find_servers_on_network,
+    offered,
     own_application,
     substitute_host,
+    trimmed,
     wanted,
 )
-from discovery_handlers.opcua.tracker import Call, Failure, Tracker
+from discovery_handlers.opcua.tracker import LIST_TRUST, Call, Failure, Tracker, max_backoff
 from tests.paths import FIXTURES
 
 # -- discoveryDetails ----------------------------------------------------------------------------
@@ -344,14 +353,30 @@ def test_a_server_that_stops_is_gone_after_two_failures_and_back_after_the_retry
     (target,) = tracker.take_due(11.0)
     assert tracker.failed(target, 11.0, Failure.UNREACHABLE) is True
     assert tracker.devices() == []
-    for now in (12.0, 13.0, 14.0):  # while it cannot be reached: every retry interval
-        assert tracker.next_due() == now
-        (target,) = tracker.take_due(now)
-        assert tracker.failed(target, now, Failure.UNREACHABLE) is False
-    # it comes back: found at the next retry, 1 s after it failed last, not 10 s
-    assert tracker.next_due() == 15.0
-    answer_direct(tracker, 15.0)
+    # while it cannot be reached: the retry interval, then twice as long each time
+    for then in (12.0, 14.0, 18.0):
+        assert tracker.next_due() == then
+        (target,) = tracker.take_due(then)
+        assert tracker.failed(target, then, Failure.UNREACHABLE) is False
+    # it comes back: found at the next try (8 s after it failed last, not a fixed 10 s)
+    assert tracker.next_due() == 26.0
+    answer_direct(tracker, 26.0)
     assert [d.id for d in tracker.devices()] == [DIRECT]
+
+
+def test_an_unreachable_server_backs_off_up_to_a_cap_not_every_retry_for_ever() -> None:
+    """Issue 42.5: 250 dead servers asked every second cost ~6 % of a core for ever."""
+    tracker = Tracker(details(DIRECT), now=0.0)
+    now, waits = 0.0, []
+    for _ in range(12):
+        (target,) = tracker.take_due(now)
+        tracker.failed(target, now, Failure.UNREACHABLE)
+        waits.append(tracker.next_due() - now)
+        now = tracker.next_due()
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60, 60, 60]
+    assert max_backoff(details(DIRECT, recheck_interval=300.0)) == 300.0
+    answer_direct(tracker, now)  # back: asked at the normal period again
+    assert tracker.next_due() == now + 10.0
 
 
 def test_a_broken_server_is_asked_again_after_a_period_not_the_retry() -> None:
@@ -547,3 +572,157 @@ def test_the_handler_validates_without_importing_asyncua() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO
     )
     assert done.stdout.strip() == "[]"
+
+
+# -- issue 42: a plant floor -----------------------------------------------------------------------
+
+BAD_HOSTS = ("opc.tcp://plc..local:4840/", f"opc.tcp://{'a' * 64}.example:4840/")
+
+
+def test_a_url_whose_host_is_not_a_host_name_costs_that_url_only() -> None:
+    """Issue 42.1: ``getaddrinfo`` raises UnicodeError (a ValueError) for these."""
+    for url in BAD_HOSTS:
+        assert host_problem(url) is not None and "not a valid host name" in str(host_problem(url))
+    assert host_problem("opc.tcp://plc.local:4840/") is None
+    assert host_problem("opc.tcp://[fe80::1]:4840/") is None
+    answer = [app("Bad 1", BAD_HOSTS[0]), app("Good", "opc.tcp://plc-g.example:4840/"),
+              app("Bad 2", BAD_HOSTS[1])]  # fmt: skip
+    assert hosts_of(answer, None, 10) == ["plc-g.example"]
+    assert bad_hosts(answer, None) == list(BAD_HOSTS)
+    listed, skipped = listed_by_find_servers(LDS, answer, None, {"plc-g.example": True})
+    assert [item.url for item in listed] == ["opc.tcp://plc-g.example:4840/"]
+    assert len(skipped) == 2 and all("not a valid host name" in line for line in skipped)
+    # configured: a warning naming it, and the other URLs run
+    text = f"opcuaDiscoveryMethod: {{standard: {{discoveryUrls: ['{BAD_HOSTS[0]}', '{DIRECT}']}}}}"
+    (warning,) = warnings(text)
+    assert "discoveryUrls[0] 'opc.tcp://plc..local:4840/' has a host that is not a" in warning
+    tracker = Tracker(parse_details(text), now=0.0)
+    assert [t.url for t in tracker.take_due(0.0)] == [DIRECT]
+    records = [Record(1, "Bad", BAD_HOSTS[0], ()), Record(2, "Good", B, ())]
+    listed, skipped = listed_by_find_servers_on_network(records, [])
+    assert [item.url for item in listed] == [B] and len(skipped) == 1
+
+
+async def test_one_bad_host_name_costs_one_entry_and_the_good_servers_are_offered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 42.1, end to end: a discovery server listing URLs whose hosts do not encode as
+    IDNA, one of them also configured. Before: the discovery task died with UnicodeError in
+    ``_resolves`` on every restart and no server was ever offered."""
+    listing: list[dict[str, Any]] = []  # filled once the URLs are known
+    async with answering([]) as good_url, answering(listing) as lds_url:
+        listing += [
+            {"name": "LDS", "url": lds_url, "type": 3},
+            {"name": "Good", "url": good_url},
+            {"name": "Bad 1", "url": BAD_HOSTS[0]},
+            {"name": "Bad 2", "url": BAD_HOSTS[1]},
+        ]
+        text = yaml.safe_dump(
+            {"opcuaDiscoveryMethod": {"standard": {"discoveryUrls": [BAD_HOSTS[0], lds_url]}}}
+        )
+        with caplog.at_level("INFO", logger="discovery_handlers.opcua"):
+            devices = await first_list(text)
+    assert [d.id for d in devices] == [good_url]
+    logged = caplog.text
+    assert f"discovery URL {BAD_HOSTS[0]}: has a host that is not a valid host name" in logged
+    assert f"lists {BAD_HOSTS[1]}, which has a host that is not a valid host name" in logged
+
+
+def test_urls_of_one_server_are_one_target_asked_once() -> None:
+    """Issue 42.4: Akri's chart renders ``opc.tcp://host:4840/``; the server lists itself as
+    ``opc.tcp://host:4840`` (or without the port, or in another case)."""
+    assert url_key("opc.tcp://PLC.example:4840/") == url_key("opc.tcp://plc.example")
+    assert url_key("OPC.TCP://plc.example:4840") == "opc.tcp://plc.example:4840"
+    assert url_key("opc.tcp://plc:4840/a/") == "opc.tcp://plc:4840/a" != url_key("opc.tcp://plc/A")
+    assert url_key("opc.tcp://[FE80::1]/") == "opc.tcp://[fe80::1]:4840"
+    assert url_key("opc.tcp://plc:4841/") != url_key("opc.tcp://plc/")
+    urls = "['opc.tcp://10.0.0.2:4840/', 'opc.tcp://10.0.0.2', 'opc.tcp://10.0.0.3/']"
+    parsed = parse_details(f"opcuaDiscoveryMethod: {{standard: {{discoveryUrls: {urls}}}}}")
+    assert parsed.discovery_urls == ("opc.tcp://10.0.0.2:4840/", "opc.tcp://10.0.0.3/")
+    tracker = Tracker(details("opc.tcp://10.0.0.2:4840/"), now=0.0)
+    (target,) = tracker.take_due(0.0)
+    itself = app("Server A", "opc.tcp://10.0.0.2:4840")  # its own URL: no slash
+    listing, _ = listed_by_find_servers(target.url, [itself], None, {})
+    tracker.answered(target, 0.0, own=[itself], listing=listing)
+    assert tracker.take_due(0.0) == [] and len(tracker.targets) == 1  # not a second target
+    assert [d.id for d in tracker.devices()] == ["opc.tcp://10.0.0.2:4840"]
+    # two discovery servers listing one server under two spellings: one target, one device
+    tracker = Tracker(details(LDS, B), now=0.0)
+    for lds in tracker.take_due(0.0):
+        spelling = "opc.tcp://10.0.0.9:4840/" if lds.url == LDS else "opc.tcp://10.0.0.9"
+        tracker.answered(lds, 0.0, listing=[Listed(spelling, application=app("S", spelling))])
+    assert [t.url for t in tracker.take_due(0.0)] == ["opc.tcp://10.0.0.9:4840/"]
+
+
+def test_a_dead_discovery_servers_list_is_trusted_for_a_while_then_dropped() -> None:
+    """Issue 42.5: the last list of a discovery server that died was kept for good."""
+    tracker = Tracker(details(LDS), now=0.0)
+    (lds,) = tracker.take_due(0.0)
+    server_b = app("Server B", B)
+    tracker.answered(lds, 0.0, listing=[Listed(B, application=server_b)])
+    now = 0.0
+    while now < LIST_TRUST + 60:
+        for target in tracker.take_due(now):
+            if target.url == B:
+                tracker.answered(target, now, own=[server_b])
+            else:
+                tracker.failed(target, now, Failure.UNREACHABLE)
+        if now < LIST_TRUST:
+            assert [d.id for d in tracker.devices()] == [B], now  # B answers itself: kept
+        now = min(tracker.next_due(), now + 5.0)
+        tracker.expire(now)
+    assert tracker.devices() == [] and B not in [t.url for t in tracker.targets.values()]
+    # the discovery server answers again: its list counts again
+    (lds,) = [t for t in tracker.take_due(now + 60.0) if t.configured]
+    tracker.answered(lds, now + 60.0, listing=[Listed(B, application=server_b)])
+    assert B in [t.url for t in tracker.targets.values()]
+
+
+def test_what_is_kept_of_a_server_is_bounded_whatever_it_sends() -> None:
+    """Issue 42.3: each tracked server's whole FindServers answer was kept (up to ~7.6 MB
+    decoded): 20 servers pointing at one hostile server took RSS 56 → 208 MB."""
+    flood = [
+        Application(uri="u" * 100_000, product_uri="p" * 100_000, name=f"N{i}" * 10_000, type=0,
+                    discovery_urls=tuple(f"opc.tcp://10.0.{i}.{j}:4840/" for j in range(100)))
+        for i in range(50)
+    ]  # fmt: skip
+    tracker = Tracker(details(LDS), now=0.0)
+    (lds,) = tracker.take_due(0.0)
+    tracker.answered(lds, 0.0, listing=[Listed(B, application=flood[0])])
+    (b,) = tracker.take_due(0.0)
+    tracker.answered(b, 0.0, own=flood)  # a server answering with thousands of descriptions
+    kept = [b.itself, *(item.application for item in tracker.listed)]
+    for application in kept:
+        assert application is not None
+        texts = (application.uri, application.product_uri, application.name)
+        assert all(len(text) <= 1024 for text in texts)
+        assert len(application.discovery_urls) <= 1
+    assert trimmed(flood[0]).discovery_urls == ("opc.tcp://10.0.0.0:4840/",)
+    assert len(offered(flood, None, 10)) == 11  # maxServers + 1: "there were more"
+
+
+@contextlib.asynccontextmanager
+async def answering(applications: list[dict[str, Any]]) -> AsyncIterator[str]:
+    """A light OPC UA server on loopback answering FindServers with ``applications`` (read
+    at each call: the caller may fill it once it knows the URLs)."""
+    from tests.doubles.opcua_servers import answer_find_servers
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answer_find_servers(applications, reader, writer)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"opc.tcp://127.0.0.1:{port}/"
+    finally:
+        server.close()
+
+
+async def first_list(text: str, deadline: float = 60.0) -> list[Any]:
+    """The handler's first device list for ``text`` (bounded by a generous deadline)."""
+    stream = OpcuaHandler().discover(text, {})
+    try:
+        async with asyncio.timeout(deadline):
+            return await anext(stream)
+    finally:
+        await stream.aclose()
