@@ -183,7 +183,57 @@ def _parser(command: str | None = None) -> FlagParser:
         "directory or the cluster may not be there yet) before printing; exit 1 if none came "
         "(default: 0: print at once)",
     )
+    cleanup = commands.add_parser(
+        "uninstall-cleanup",
+        help="delete every Configuration and wait until their Instances and brokers are gone "
+        "(the first step of an uninstall; the Helm chart's pre-delete hook)",
+        description="Deletes every Configuration (all namespaces), then waits until no "
+        "Instance, broker Pod/Job/Service (controller=akri.sh) or DeviceClass of akri "
+        "controller is left, saying what it waits for every 10 s. Exit 0 once they are "
+        "gone, 1 after --timeout with what is left (docs/install.md, Uninstall).",
+    )
+    cleanup.add_argument(
+        "--timeout",
+        type=parse_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="give up after SECONDS (default: 120)",
+    )
+    cleanup.add_argument(
+        "--kubeconfig",
+        default=None,
+        metavar="PATH",
+        help="kubeconfig (default: in-cluster config, then $KUBECONFIG, ~/.kube/config) "
+        "[env AKRI_KUBECONFIG, then KUBECONFIG]",
+    )
     return parser
+
+
+def _uninstall_cleanup(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
+    from agent.ops.uninstall_cleanup import run_cleanup
+
+    _configure_logging("INFO")
+    kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
+
+    async def run() -> bool:
+        client = make_kube_client(kubeconfig)
+        try:
+            return await run_cleanup(client, give_up_after=args.timeout)
+        finally:
+            await client.close()
+
+    try:
+        return 0 if asyncio.run(run()) else EXIT_FAILURE
+    except (ApiError, TransportError) as error:
+        print(f"akri uninstall-cleanup: {error}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ConfigError as error:
+        print(f"akri uninstall-cleanup: {error}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _configure_logging(level: str, log_format: str = "text", node: str = "") -> None:
@@ -665,6 +715,8 @@ def _main(argv: Sequence[str] | None, signals_held: bool) -> int:
         return _status(args)
     if args.command == "controller":
         return _controller(args)
+    if args.command == "uninstall-cleanup":
+        return _uninstall_cleanup(args)
     if args.command == "handler":
         try:
             values = resolve(args, AGENT_OPTIONS, os.environ)

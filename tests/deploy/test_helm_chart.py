@@ -27,12 +27,24 @@ needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (kustomize) 
 
 # The chart does not create its namespace (helm install --create-namespace does, or it exists).
 ONLY_IN_KUSTOMIZE = {("Namespace", "", "akri")}
+# The uninstall hook (Kustomize has none: docs/install.md's uninstall runs the same steps with
+# kubectl) and its RBAC.
+ONLY_IN_HELM = {
+    ("Job", "akri", "akri-cleanup-hook"),
+    ("ServiceAccount", "akri", "akri-cleanup-hook"),
+    ("ClusterRole", "", "akri-cleanup-hook"),
+    ("ClusterRoleBinding", "", "akri-cleanup-hook"),
+}
 CEL_FIELDS = (".expression", ".messageExpression", ".message")
 # The copies the chart carries (Helm reads nothing outside the chart directory).
 COPIES = {
     "crds/akri-configuration-crd.yaml": "crds/akri-configuration-crd.yaml",
     "crds/akri-instance-crd.yaml": "crds/akri-instance-crd.yaml",
     "files/resourceslice-policy.yaml": "deploy/base/resourceslice-policy.yaml",
+    **{
+        f"files/{name}": f"deploy/components/monitoring/{name}"
+        for name in ("podmonitors.yaml", "alerts.yaml", "prometheus-rbac.yaml", "dashboard.json")
+    },
 }
 
 
@@ -73,7 +85,9 @@ def compare(rendered: Objects, expected: Objects) -> list[str]:
         f"only in kustomize: {k}"
         for k in sorted(set(kustomized) - set(charted) - ONLY_IN_KUSTOMIZE)
     ]
-    problems += [f"only in helm: {k}" for k in sorted(set(charted) - set(kustomized))]
+    problems += [
+        f"only in helm: {k}" for k in sorted(set(charted) - set(kustomized) - ONLY_IN_HELM)
+    ]
     for k in sorted(set(charted) & set(kustomized)):
         problems += differences("/".join(k), charted[k], kustomized[k])
     return problems
@@ -86,6 +100,7 @@ def compare(rendered: Objects, expected: Objects) -> list[str]:
     [
         ((), "deploy"),
         (("dra.enabled=false",), "deploy/overlays/no-dra"),
+        (("prometheus.enabled=true",), "deploy/overlays/monitoring"),
     ],
 )
 def test_chart_renders_what_kustomize_renders(values: tuple[str, ...], tree: str) -> None:
