@@ -55,6 +55,10 @@ LOCAL_PATHS = {  # relative to --state-dir
     "discovery_handlers_dir": Path(),
 }
 
+# the directories and sockets the agent shares with kubelet and handler processes (gRPC
+# addresses and paths others read): made absolute at start (AgentSettings.from_values)
+SHARED_PATHS = ("state_dir", "device_plugin_dir", *SYSTEM_PATHS)
+
 
 def _where(name: str) -> str:
     local = "STATE_DIR" if LOCAL_PATHS[name] == Path() else f"STATE_DIR/{LOCAL_PATHS[name]}"
@@ -406,6 +410,12 @@ class AgentSettings:
         for name, system in SYSTEM_PATHS.items():
             if data.get(name) is None:
                 data[name] = data["state_dir"] / LOCAL_PATHS[name] if data["local"] else system
+        for name in SHARED_PATHS:
+            if data.get(name) is not None:
+                # gRPC reads unix://state/agent-registration.sock as host "state": a relative
+                # directory turned external handlers off. The agent never changes directory,
+                # so the absolute path names the same place.
+                data[name] = Path(data[name]).absolute()
         if data["health_port"] is None:
             data["health_port"] = 0 if data["local"] else CLUSTER_HEALTH_PORT
         if not data.get("max_instances"):

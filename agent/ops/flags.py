@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -142,12 +143,42 @@ class Option:
 
 
 class FlagParser(argparse.ArgumentParser):
-    """``argparse`` whose errors are one line — the command, the flag, what is wrong and what
-    would be right (with a "did you mean") — instead of the whole usage and a line at its end.
-    Sub-commands' parsers are of this class too."""
+    """``argparse`` whose errors are one line — the command, the flag as the user typed it,
+    what is wrong and what would be right (with a "did you mean") — instead of the whole usage
+    and a line at its end. Sub-commands' parsers are of this class too.
+
+    A flag is taken only as written, never by a prefix (``allow_abbrev`` off, here and in every
+    sub-command's parser, which ``add_subparsers`` makes of this class): with prefixes on,
+    ``akri status --state X`` silently meant ``--state-dir X``, and a script's abbreviation
+    would change meaning (or break) the day a flag with the same start is added."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self._words: list[str] = []  # the arguments this parser was given, for its errors
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {self.explain(message)}\n")
+
+    def typed(self, names: str) -> str:
+        """Which of an argument's ``names`` (``--dra/--no-dra``, ``--output/-o``, as argparse
+        names it) the user typed: ``--no-dra``; a short one with its long name, ``-o
+        (--output)``. The first name when none was typed as such."""
+        options = names.split("/")
+        for word in self._words:
+            for option in options:
+                if word == option or (option.startswith("--") and word.startswith(option + "=")):
+                    if option.startswith("--") or option == options[0]:
+                        return option
+                    longs = [o for o in options if o.startswith("--")]
+                    return f"{option} ({longs[0]})" if longs else option
+        return options[0]
 
     def subparser(self, command: str) -> FlagParser:
         """The parser of ``command`` (this one if it has no such sub-command)."""
@@ -179,7 +210,7 @@ class FlagParser(argparse.ArgumentParser):
                     f"unknown command {value!r}{did_you_mean(value, choices)} "
                     f"(commands: {', '.join(choices)})"
                 )
-            flag = what.split("/")[0]
+            flag = self.typed(what)
             hint = did_you_mean(value, choices)
             return f"{flag}: must be {' or '.join(choices)}, got {value!r}{hint}"
         required = re.fullmatch(r"the following arguments are required: (.*)", message)
@@ -193,10 +224,14 @@ class FlagParser(argparse.ArgumentParser):
             return self.unknown(unrecognized.group(1).split())
         one_value = re.fullmatch(r"argument (\S+): expected one argument", message)
         if one_value:
-            return f"{one_value.group(1).split('/')[0]}: needs a value"
+            return f"{self.typed(one_value.group(1))}: needs a value"
+        no_value = re.fullmatch(r"argument (\S+): ignored explicit argument '(.*)'", message, re.S)
+        if no_value:
+            names, value = no_value.groups()
+            return f"{self.typed(names)}: takes no value, got {value[:40]!r}{switch_hint(names)}"
         argument = re.fullmatch(r"argument (\S+): (.*)", message, re.S)
         if argument:
-            return f"{argument.group(1).split('/')[0]}: {argument.group(2)}"
+            return f"{self.typed(argument.group(1))}: {argument.group(2)}"
         return message
 
     def unknown(self, words: list[str]) -> str:
@@ -209,6 +244,15 @@ class FlagParser(argparse.ArgumentParser):
                 f"({self.prog} --help lists them)"
             )
         return f"unexpected argument {words[0]!r} ({self.prog} --help)"
+
+
+def switch_hint(names: str) -> str:
+    """`` (--dra turns it on, --no-dra off)`` for an on/off flag's ``--dra/--no-dra``."""
+    options = names.split("/")
+    on = next((o for o in options if o.startswith("--") and not o.startswith("--no-")), None)
+    if on is not None and f"--no-{on[2:]}" in options:
+        return f" ({on} turns it on, --no-{on[2:]} off)"
+    return ""
 
 
 def add_options(parser: argparse.ArgumentParser, options: tuple[Option, ...]) -> None:

@@ -130,3 +130,51 @@ def test_the_local_quick_start_serves_nothing_outside_its_state_dir(tmp_path: Pa
     finally:
         agent.cleanup()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_relative_state_dir_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    local = settings(["--local", "--state-dir", "state", "--cdi-dir", "cdi"])
+    assert local.state_dir == tmp_path / "state"
+    assert local.discovery_handlers_dir == tmp_path / "state"
+    assert local.cdi_dir == tmp_path / "cdi"
+    assert local.plugins_registry_dir == tmp_path / "state" / "kubelet/plugins_registry"
+
+
+def test_a_relative_state_dir_keeps_external_handlers_on(tmp_path: Path) -> None:
+    """Issue 39.5: ``--state-dir state`` had gRPC read ``unix://state/agent-registration.sock``
+    as the host ``state``: "external discovery handlers off: cannot serve ...". The
+    registration socket is served, under the state dir, and a handler process registers."""
+    agent = AgentProcess(
+        [
+            "--local",
+            "--state-dir",
+            "state",
+            "--config",
+            str(REPO / "examples" / "debug-echo.yaml"),
+            "--node-name",
+            "n1",
+            "--no-debug-echo",
+        ],
+        cwd=tmp_path,
+    )
+    handler: AgentProcess | None = None
+    try:
+        served = agent.wait_for_log(r"discovery handler registration served on (\S+)", timeout=30)
+        assert Path(served.group(1)) == tmp_path / "state" / "agent-registration.sock"
+        handler = AgentProcess(
+            ["debugEcho", "--discovery-handlers-dir", "state"],
+            command="handler",
+            cwd=tmp_path,
+            label="handler",
+        )
+        agent.wait_for_log(r"instance akri-debug-echo-foo-\w+ added", timeout=30)
+        assert "external discovery handlers off" not in "\n".join(agent.lines)
+        assert handler.stop() == 0
+        assert agent.stop() == 0
+    finally:
+        if handler is not None:
+            handler.cleanup()
+        agent.cleanup()

@@ -84,7 +84,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["agnet"], "akri: unknown command 'agnet'; did you mean 'agent'?"),
         (["agent", "--reclaim-grace", "abc"], "akri agent: --reclaim-grace: must be a number"),
         (["agent", "--log-level", "INFOO"], "akri agent: --log-level: must be DEBUG, INFO"),
-        (["status", "-o", "yaml"], "akri status: --output: must be table or json, got 'yaml'"),
+        (["status", "-o", "yaml"], "akri status: -o (--output): must be table or json, got 'yaml'"),
+        (["status", "--output=yaml"], "akri status: --output: must be table or json, got 'yaml'"),
+        # issue 39.5: the flag as typed, not the first name of its pair
+        (["agent", "--no-dra=1"], "akri agent: --no-dra: takes no value, got '1' (--dra turns"),
+        (["agent", "--local", "--dra=yes"], "akri agent: --dra: takes no value, got 'yes'"),
         (
             ["controller", "--lease-duraton", "5"],
             "akri controller: unknown flag --lease-duraton; did you mean '--lease-duration'?",
@@ -118,3 +122,34 @@ def test_an_environment_value_is_checked_like_the_flag(
         "akri agent: environment variable AKRI_LOG_LEVEL (--log-level): must be DEBUG, INFO, "
         "WARNING or ERROR, got 'loud'\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["status", "--state", "x"],
+            "akri status: unknown flag --state; did you mean '--state-dir'?",
+        ),
+        (["status", "--out", "json"], "akri status: unknown flag --out; did you mean '--output'?"),
+        (["agent", "--local", "--conf", "x.yaml"], "akri agent: unknown flag --conf"),
+        (["agent", "--local", "--state", "x"], "akri agent: unknown flag --state"),
+        (["controller", "--lease-dur", "5"], "akri controller: unknown flag --lease-dur"),
+        (["handler", "debugEcho", "--po", "9"], "akri handler: unknown flag --po"),
+    ],
+)
+def test_a_flag_is_never_taken_by_its_prefix(argv: list[str], expected: str) -> None:
+    """Issue 39.5: argparse took ``--state`` for ``--state-dir``: a script's abbreviation
+    changes meaning, or breaks, the day a flag with the same start is added."""
+    done = run(*argv)
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(expected), done.stderr
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_every_parser_refuses_prefixes(command: str | None) -> None:
+    parser = _parser(command)
+    chosen = parser.subparser(command) if command else parser
+    assert chosen.allow_abbrev is False
+    if command:
+        assert chosen is not parser  # the sub-command's own parser, not the top one
