@@ -712,3 +712,58 @@ async def test_the_seen_listeners_hear_when_a_device_is_first_reported(setup) ->
     await handler.queue.put([Device("d1"), Device("d2")])
     await until(lambda: len(heard) == 2)
     assert name in heard[1] and len(heard[1]) == 2
+
+
+async def test_a_device_an_edited_configuration_no_longer_selects_goes_without_the_grace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 42.6: a filter edit is not an outage. With a 300 s shared grace, a device the
+    edited Configuration no longer selects (missing from its first full list) is left at
+    once — draining while this node holds a slot, then gone when it is released — instead
+    of staying offline for the grace as if it had gone. A device that goes missing later
+    (not in the first list after an edit) still gets the grace."""
+    from agent.core.ledger.decisions import Owner
+
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    handler = ScriptedHandler()
+    registry = HandlerRegistry()
+    registry.register(handler)
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=300))
+    await manager.start()
+    key = ObjectKey("default", "cfg")
+    try:
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.ADDED, key, cfg(details="names: [a, b, c]"))
+        )
+        await handler.queue.put([Device("a"), Device("b"), Device("c")])
+        await until(lambda: len(instances(store)) == 3)
+        runner = manager.runners[key]
+        await until(lambda: len(runner.devices_by_instance) == 3)
+        names = {device.id: name for name, device in runner.devices_by_instance.items()}
+        held = ObjectKey("default", names["b"])
+        await manager.ledger.claim(held, f"{names['b']}-0", Owner.instance_level("node-a"))
+        # the filter is edited: a is no longer selected, b neither (and a slot of it is held)
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.MODIFIED, key, cfg(details="names: [c]"))
+        )
+        await until(lambda: handler.started == 2)
+        with caplog.at_level(logging.INFO, logger="agent.discovery"):
+            await handler.queue.put([Device("c")])
+            await until(lambda: store.get_cached(ObjectKey("default", names["a"])) is None)
+            await until(
+                lambda: "node-a" in (store.get_cached(held) or Instance("x")).draining_nodes
+            )
+        assert "no longer selected" in caplog.text
+        assert "its Configuration no longer selects the device" in caplog.text
+        assert manager.draining() == {held: (f"{names['b']}-0",)}
+        await manager.ledger.release_slots(held, {f"{names['b']}-0": "node-a"})
+        await until(lambda: store.get_cached(held) is None)
+        # a device missing from a later list is offline for the grace, not gone
+        await handler.queue.put([])
+        c = ObjectKey("default", names["c"])
+        await until(lambda: names["c"] in manager.offline_instances())
+        assert store.get_cached(c) is not None
+    finally:
+        await manager.close()
+        await store.close()

@@ -63,6 +63,11 @@ class HandlerFeed:
         self._on_devices = on_devices
         self._clock = clock
         self.devices: list[Device] | None = None  # None until the handler first reports
+        # Configuration edits that restarted the handler, and how many of them the handler
+        # had seen when it reported ``devices``: a list with ``devices_edit == edits`` newer
+        # than the last one the runner planned with is the edited Configuration's first
+        self.edits = 0
+        self.devices_edit = 0
         self.task: asyncio.Task[None] | None = None
         self._stop_watching: Callable[[], None] = lambda: None
         self._properties_digest: str | None = None
@@ -79,8 +84,11 @@ class HandlerFeed:
         """Stop watching the referenced Secrets/ConfigMaps (the caller cancels ``task``)."""
         self._stop_watching()
 
-    def restart(self) -> None:
-        """Cancel the handler task and start a new one; the last device list stays."""
+    def restart(self, edited: bool = False) -> None:
+        """Cancel the handler task and start a new one; the last device list stays.
+        ``edited``: the Configuration's discovery part changed (what it selects may have)."""
+        if edited:
+            self.edits += 1
         if self.task is not None:
             self.task.cancel()
         self.task = asyncio.create_task(self._run(), name=f"handler-{self._configuration().name}")
@@ -120,6 +128,7 @@ class HandlerFeed:
     async def _run(self) -> None:
         backoff = 1.0
         key = self._configuration().key
+        edit = self.edits  # the Configuration this task discovers for
         # an embedded handler's problems with single devices (discovery_handlers.base.
         # ProblemReporter) become Events on this Configuration (this task's context only)
         report_problems_to(
@@ -155,6 +164,7 @@ class HandlerFeed:
                         ids,
                     )
                     self.devices = list(devices)
+                    self.devices_edit = edit
                     self._on_devices()
                 log.warning(
                     "configuration %s: handler %s ended its stream; restarting",

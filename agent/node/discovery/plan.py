@@ -12,6 +12,11 @@ Offline grace: a device this node had but no longer sees is kept (its slots repo
 Unhealthy) until ``grace`` seconds have passed, then this node leaves the Instance — through
 the slot ledger, which keeps the node (draining) while it still holds slots there.
 
+A device missing from the first full list of an edited Configuration is not offline but no
+longer selected (a filter, a URL or a property changed what the handler looks for): this
+node leaves it at once, without the grace — draining while it holds slots, as on a
+Configuration delete. Every handler's filters get this, the handler need not say anything.
+
 ``deviceUsage`` is never decided here: new Instances get theirs from the ledger, and a
 capacity change is resized by the ledger in the same write.
 """
@@ -58,6 +63,8 @@ class DiscoveryPlan:
     missing_since: Mapping[str, float]
     next_deadline: float | None
     duplicate_ids: tuple[str, ...] = field(default=())
+    # of ``leave``: devices an edited Configuration no longer selects (left without grace)
+    unselected: tuple[str, ...] = field(default=())
 
 
 def assign_names(
@@ -120,10 +127,14 @@ def plan_discovery(
     now: float,
     grace: float,
     own: Iterable[Instance] | None = None,
+    reselected: bool = False,
 ) -> DiscoveryPlan:
     """Decide upserts, departures and offline Instances for this node. ``instances`` maps
     names of the Configuration's namespace to Instances (lookups only, unless ``own`` — the
-    Configuration's Instances — is not given)."""
+    Configuration's Instances — is not given). ``reselected``: ``devices`` is the first full
+    list of an edited Configuration — a device missing from it is not offline but no longer
+    selected (a filter or a URL changed): left at once, without the offline grace (draining
+    while this node holds slots, as on a Configuration delete)."""
     desired, duplicates = assign_names(configuration.name, node, shared, devices, instances)
     discovered = {item.name for item in desired}
     candidates = own if own is not None else instances.values()
@@ -136,9 +147,13 @@ def plan_discovery(
     leave: list[str] = []
     offline: list[str] = []
     deadline: float | None = None
+    unselected: list[str] = []
     for name in sorted(mine - discovered):
         since = missing_since.get(name, now)
-        if now - since >= grace:
+        if reselected:
+            unselected.append(name)
+            leave.append(name)
+        elif now - since >= grace:
             leave.append(name)
         else:
             still_missing[name] = since
@@ -152,6 +167,7 @@ def plan_discovery(
         missing_since=still_missing,
         next_deadline=deadline,
         duplicate_ids=tuple(duplicates),
+        unselected=tuple(unselected),
     )
 
 

@@ -99,6 +99,10 @@ class ConfigurationRunner:
         self._clock = clock
         self._feed = HandlerFeed(handler, store, lambda: self.configuration, self.wake, clock)
         self._missing_since: dict[str, float] = {}
+        # the Configuration edits whose first device list has been planned with (a device
+        # missing from that list is no longer selected: left without the offline grace)
+        self._selection_planned = 0
+        self._unselected: set[str] = set()  # left (or draining) as no longer selected
         self._wake = asyncio.Event()
         self._reconcile_task: asyncio.Task[None] | None = None
         self.offline: frozenset[str] = frozenset()  # names: in grace, or draining
@@ -171,7 +175,7 @@ class ConfigurationRunner:
                 configuration.key,
             )
             self._feed.watch_property_sources()
-            self._feed.restart()
+            self._feed.restart(edited=True)
         self.wake()
 
     def replace_handler(self, handler: DiscoveryHandler) -> None:
@@ -239,6 +243,16 @@ class ConfigurationRunner:
             if name in self.offline and name not in self.draining
         }
 
+    def _reselected(self) -> bool:
+        """Is the latest device list the first one of an edited Configuration (one that may
+        select other devices: a filter, its URLs)? Not when the node's Instance budget left
+        devices out of it (those are not unselected, only over the budget)."""
+        feed = self._feed
+        if feed.devices_edit <= self._selection_planned or feed.devices_edit != feed.edits:
+            return False
+        devices = feed.devices or []
+        return len(self._admitted_devices()) == len(devices)
+
     def current_plan(self) -> DiscoveryPlan:
         """The plan for the latest device list against the cache (pure)."""
         shared = self.handler.shared
@@ -252,11 +266,22 @@ class ConfigurationRunner:
             self._clock(),
             self._grace_for(self.configuration, shared),
             own=self.store.list_cached(self.configuration.key),
+            reselected=self._reselected(),
         )
 
     async def reconcile_once(self) -> float | None:
         """Apply one plan; returns the next grace deadline (monotonic) or None."""
         plan = self.current_plan()
+        self._selection_planned = max(self._selection_planned, self._feed.devices_edit)
+        for name in plan.unselected:
+            log.info(
+                "instance %s/%s: its device is not in the first list of the edited "
+                "configuration %s: no longer selected, %s leaves it (no offline grace)",
+                self.configuration.namespace,
+                name,
+                self.configuration.key,
+                self.node,
+            )
         for device_id in plan.duplicate_ids:
             log.warning(
                 "configuration %s: handler reported device id %r twice; using the first",
@@ -280,6 +305,7 @@ class ConfigurationRunner:
         self._evidence_waiting = set()
         for desired in plan.upserts:
             was_draining = self.draining.pop(desired.name, None)
+            self._unselected.discard(desired.name)  # selected again
             if self._is_settled(desired):
                 settled[desired.name] = self._settled[desired.name]
                 continue
@@ -303,8 +329,9 @@ class ConfigurationRunner:
             # an offline mark this node left (before a restart, say) is cleared only once the
             # device is reported: that moment must wake the marks, not their next recheck
             self._on_seen_change()
+        unselected = set(plan.unselected)
         for name in plan.leave:
-            await self._leave(name)
+            await self._leave(name, unselected=name in unselected)
             await asyncio.sleep(0)
         await self._adopt_unseen({d.name for d in plan.upserts})
         offline = frozenset(plan.offline) | frozenset(self.draining)
@@ -476,17 +503,24 @@ class ConfigurationRunner:
         with contextlib.suppress(NotFoundError):
             await self.store.get(key)
 
-    async def _leave(self, name: str) -> None:
+    async def _leave(self, name: str, unselected: bool = False) -> None:
         key = ObjectKey(self.configuration.namespace, name)
+        if unselected:
+            self._unselected.add(name)
         result = await self.ledger.leave(key)
         self.devices_by_instance.pop(name, None)
         if result.left:
             self.draining.pop(name, None)
             self._missing_since.pop(name, None)
             self._evidence_checked.pop(name, None)
+            self._unselected.discard(name)
             return
         if self.draining.get(name) != result.slots:
-            await report_draining(self.store, key, self.node, result.slots, "its device is gone")
+            if name in self._unselected:
+                why, asked = "its Configuration no longer selects the device", True
+            else:
+                why, asked = "its device is gone", False
+            await report_draining(self.store, key, self.node, result.slots, why, asked)
         self.draining[name] = result.slots
         # its grace is over: the next pass (woken by the release of a slot) tries to leave
         # again at once rather than starting a new grace
