@@ -631,14 +631,24 @@ class Agent:
             return
         # asked also with no claim prepared: an uninstalled agent removes its empty checkpoint
         why = await why_stopping(self.store.api_client, self.pod_environ)
+        if why.departure is Departure.UNKNOWN and checkpoint.claims:
+            # a rollout is never taken for an uninstall (issue 39.3): on doubt, leave as one
+            log.warning(
+                "stopping with %d DRA claim(s) prepared on this node; cannot tell a rollout "
+                "from an uninstall (%s): taken as a rollout, the next agent here unprepares "
+                "them (if the install is being removed, their pods end once an agent runs "
+                "here again: docs/install.md)",
+                len(checkpoint.claims),
+                why.reason,
+            )
+        elif why.departure is Departure.REPLACED and checkpoint.claims:
+            log.info(
+                "stopping with %d DRA claim(s) prepared on this node (%s): the next agent "
+                "here unprepares them",
+                len(checkpoint.claims),
+                why.reason,
+            )
         if why.departure is not Departure.UNINSTALLED:
-            if checkpoint.claims:
-                log.info(
-                    "stopping with %d DRA claim(s) prepared on this node (%s): the next agent "
-                    "here unprepares them",
-                    len(checkpoint.claims),
-                    why.reason,
-                )
             return
         if checkpoint.claims:
             self.dra.state.releases_may_fail = True

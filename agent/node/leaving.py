@@ -9,16 +9,20 @@ asks why:
   restart``, an upgrade), its Pod deleted by hand, a node shutting down. The next agent on
   this node reads the same DRA checkpoint and answers kubelet's unprepare calls; the slots
   stay held meanwhile. It leaves at once, as fast as ever.
-* **uninstalled** — its DaemonSet is gone or being deleted, or the API server no longer lets
-  it read its own Pod or DaemonSet (401/403: ``kubectl delete -k deploy/`` deletes the RBAC
-  and the ServiceAccount with the DaemonSet). No agent will come back: it **stays**, serving
-  kubelet's unprepare calls, until no claim is prepared here or its Pod's deletion deadline
-  (minus the time a clean stop needs) — at most :data:`LINGER_LIMIT` when that is unknown.
-  Meanwhile an unprepare whose slot release the API refuses completes on the node (CDI spec
-  and checkpoint entry removed): the Instance that would keep the value is going with the
-  install.
-* **unknown** — not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no DaemonSet owner, or the
-  API server unreachable: the old behaviour, leave at once.
+* **uninstalled** — only on positive evidence: its DaemonSet is gone (the API server answers
+  404 for it) or being deleted (``deletionTimestamp``). No agent will come back: it
+  **stays**, serving kubelet's unprepare calls, until no claim is prepared here or its Pod's
+  deletion deadline (minus the time a clean stop needs) — at most :data:`LINGER_LIMIT` when
+  that is unknown. Meanwhile an unprepare whose slot release the API refuses completes on the
+  node (CDI spec and checkpoint entry removed): the Instance that would keep the value is
+  going with the install.
+* **unknown** — anything it cannot tell: not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no
+  DaemonSet owner, or its Pod or DaemonSet not readable — 401/403 (the RBAC went with an
+  out-of-order uninstall, or a token or webhook hiccup on a rollout), 5xx, a timeout, no
+  connection. Taken as a rollout (issue 39.3): it leaves at once and keeps its checkpoint, so
+  a rollout is never mistaken for an uninstall; after an uninstall that removed the RBAC
+  first, the pods whose claims are still prepared end once an agent runs here again
+  (docs/install.md, "Out of order").
 
 It asks also when no claim is prepared: an agent uninstalled with none left (at once, or
 after staying) removes its empty DRA checkpoint and plugin directory once stopped
@@ -79,27 +83,33 @@ def decide_departure(
     daemonset_error: int | None,
 ) -> Why:
     """From what the GETs of this agent's Pod and of its DaemonSet answered (an object, or
-    the HTTP status of the failure; 0: unreachable; None/None: not asked)."""
-    if pod_error in (401, 403):
-        return Why(Departure.UNINSTALLED, f"the API server refuses to show this Pod ({pod_error})")
+    the HTTP status of the failure; 0: no answer; None/None: not asked). Uninstalled only on
+    the API server's word that the DaemonSet is gone or going; any doubt reads as unknown,
+    which leaves as a rollout does."""
     if pod is None:
-        return Why(Departure.UNKNOWN, f"this Pod cannot be read ({pod_error})")
+        return Why(Departure.UNKNOWN, f"this Pod cannot be read ({_failure(pod_error)})")
     deadline = parse_time((pod.get("metadata") or {}).get("deletionTimestamp"))
     owner = daemonset_owner(pod)
     if owner is None:
         return Why(Departure.UNKNOWN, "this Pod belongs to no DaemonSet", deadline)
-    if daemonset_error in (401, 403):
-        why = f"the API server refuses to show DaemonSet {owner} ({daemonset_error})"
-        return Why(Departure.UNINSTALLED, why, deadline)
     if daemonset_error == 404:
         return Why(Departure.UNINSTALLED, f"DaemonSet {owner} is deleted", deadline)
     if daemonset is None:
-        return Why(Departure.UNKNOWN, f"DaemonSet {owner} cannot be read ({daemonset_error})")
+        why = f"DaemonSet {owner} cannot be read ({_failure(daemonset_error)})"
+        return Why(Departure.UNKNOWN, why, deadline)
     meta = daemonset.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return Why(Departure.UNINSTALLED, f"DaemonSet {owner} is being deleted", deadline)
     # (one of that name created again after a delete is replaced too: it starts an agent here)
     return Why(Departure.REPLACED, f"DaemonSet {owner} stays", deadline)
+
+
+def _failure(status: int | None) -> str:
+    if not status:
+        return "no answer from the API server"
+    if status in (401, 403):
+        return f"{status}: the API server refuses; its RBAC may be gone, or it is a hiccup"
+    return f"{status}"
 
 
 def daemonset_owner(pod: Mapping[str, Any]) -> str | None:
@@ -125,13 +135,15 @@ def parse_time(text: Any) -> float | None:
 async def _get(client: KubeClient, path: str) -> tuple[dict[str, Any] | None, int | None]:
     try:
         return await client.get(path, request_timeout=LOOK_TIMEOUT), None
-    except ApiError as error:  # TransportError: status 0
+    except ApiError as error:  # TransportError (no answer, a timeout): status 0
         return None, error.status
+    except (OSError, TimeoutError):
+        return None, 0
 
 
 async def why_stopping(client: KubeClient, environ: Mapping[str, str] = os.environ) -> Why:
     """Ask the API server whether this agent's DaemonSet stays (bounded by LOOK_TIMEOUT
-    each; any failure but 401/403/404 reads as unknown)."""
+    each; any failure but a 404 of the DaemonSet reads as unknown)."""
     name, namespace = environ.get(POD_NAME_ENV), environ.get(POD_NAMESPACE_ENV)
     if not name or not namespace:
         return Why(Departure.UNKNOWN, f"not in a Pod (no {POD_NAME_ENV}/{POD_NAMESPACE_ENV})")

@@ -50,11 +50,11 @@ def test_why_the_agent_stops() -> None:
     deleting = _daemonset(deletionTimestamp=ending)
     assert decide_departure(_pod(), None, deleting, None).departure is Departure.UNINSTALLED
     assert decide_departure(_pod(), None, None, 404).departure is Departure.UNINSTALLED
-    assert decide_departure(_pod(), None, None, 403).departure is Departure.UNINSTALLED
-    assert decide_departure(None, 401, None, None).departure is Departure.UNINSTALLED
-    # anything it cannot tell keeps the old behaviour: leave at once
-    assert decide_departure(_pod(), None, None, 0).departure is Departure.UNKNOWN  # unreachable
-    assert decide_departure(_pod(), None, None, 500).departure is Departure.UNKNOWN
+    # anything it cannot tell is taken as a rollout: leave at once (issue 39.3: a refusal is
+    # no evidence of an uninstall; it may be a token or webhook hiccup during a rollout)
+    for status in (401, 403, 429, 500, 503, 0):  # 0: no answer (timeout, connection)
+        assert decide_departure(_pod(), None, None, status).departure is Departure.UNKNOWN
+        assert decide_departure(None, status, None, None).departure is Departure.UNKNOWN
     assert decide_departure(None, 404, None, None).departure is Departure.UNKNOWN
     assert decide_departure({"metadata": {}}, None, None, None).departure is Departure.UNKNOWN
 
@@ -83,8 +83,10 @@ async def api() -> AsyncIterator[ApiServerDouble]:
 
 
 async def _node_with_a_prepared_claim(
-    api: ApiServerDouble, tmp: Path
+    api: ApiServerDouble, tmp: Path, *, pod_grace: int | None = None
 ) -> tuple[DpNode, DraKubeletDouble, str]:
+    """A node whose agent runs as a DaemonSet's Pod (deleted at the end: its SIGTERM follows;
+    ``pod_grace``: the Pod's terminationGracePeriodSeconds, the agent's deadline to stay)."""
     api.create(debug_echo_configuration("cam", ("foo0",), 2))
     daemonset = api.create(
         {
@@ -96,7 +98,10 @@ async def _node_with_a_prepared_claim(
     )
     pod = _pod(finalizers=["tests.akri.sh/kubelet"])  # terminating once deleted, like kubelet's
     pod["metadata"]["ownerReferences"][0]["uid"] = daemonset["metadata"]["uid"]
-    api.create({"apiVersion": "v1", "kind": "Pod", **pod, "spec": {"nodeName": "node-a"}})
+    spec: dict[str, Any] = {"nodeName": "node-a"}
+    if pod_grace is not None:
+        spec["terminationGracePeriodSeconds"] = pod_grace
+    api.create({"apiVersion": "v1", "kind": "Pod", **pod, "spec": spec})
     node = await start_dp_node(api, "node-a", tmp, dra=True)
     node.agent.pod_environ = ENV
     kubelet = DraKubeletDouble(node.registry_dir, "node-a", api)
@@ -209,23 +214,54 @@ async def test_the_empty_checkpoint_goes_only_with_the_install(
         shutil.rmtree(node.base, ignore_errors=True)
 
 
-async def test_with_its_access_revoked_the_unprepare_completes_on_the_node(
-    api: ApiServerDouble, tmp_path: Path
+# (status or "timeout" / "no answer", the resource whose GET fails)
+LOOK_FAILURES = [
+    (401, "pods"),
+    (403, "pods"),
+    (503, "pods"),
+    ("no answer", "pods"),
+    (401, "daemonsets"),
+    (403, "daemonsets"),
+    (500, "daemonsets"),
+    (503, "daemonsets"),
+    ("timeout", "daemonsets"),
+]
+
+
+@pytest.mark.parametrize(("failure", "resource"), LOOK_FAILURES)
+async def test_a_rollout_is_never_taken_for_an_uninstall(
+    api: ApiServerDouble, tmp_path: Path, failure: int | str, resource: str
 ) -> None:
-    """``kubectl delete -k deploy/`` deletes the agent's RBAC with its DaemonSet: the API
-    refuses everything, and an unprepare that insisted on freeing the slot in the Instance
-    would leave its pod Terminating for good."""
-    node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
+    """Issue 39.3: a rollout (its DaemonSet stays) whose look at its own Pod or DaemonSet
+    fails — refused (401/403), a server error, no answer, too slow — leaves at once as a
+    replaced agent does: its claim stays prepared in the checkpoint, the slot stays held for
+    the next agent, nothing of the uninstall runs (before: a 401/403 read as an uninstall,
+    the agent stayed and completed unprepares whose releases failed)."""
+    from agent.node.leaving import LOOK_TIMEOUT
+
+    node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
+    name = POD if resource == "pods" else "akri-agent"
+    if failure == "no answer":
+        api.drop(verb="get", resource=resource, name=name, namespace=NS, times=None)
+    elif failure == "timeout":
+        api.hang(verb="get", resource=resource, name=name, namespace=NS, seconds=LOOK_TIMEOUT + 3)
+    else:
+        assert isinstance(failure, int)
+        api.fail(failure, verb="get", resource=resource, name=name, namespace=NS, times=None)
+    stopped = False
     try:
-        api.fail(403, times=None)  # every request of every client: the RBAC is gone
-        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
-        await asyncio.sleep(1.0)
-        assert not staying.done()
-        await kubelet.remove_pod("app-uid")  # answered without an error: the pod can end
-        await asyncio.wait_for(staying, 10)
-        assert node.dra is not None and node.dra.state.checkpoint.claims == {}
-        assert list(node.cdi_dir.glob("*.json")) == []
+        # at once: staying would last up to the Pod's deletion deadline (30 s on)
+        await asyncio.wait_for(node.agent.stay_while_uninstalled(), 15)
+        assert node.dra is not None and uid in node.dra.state.checkpoint.claims
+        assert not node.agent.leaving_for_good and not node.dra.state.releases_may_fail
+        assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
+        await _stop_keeping_files(node, kubelet)
+        stopped = True
+        assert uid in _checkpoint(node).read_text()  # for the next agent
+        assert list(node.cdi_dir.glob("*.json"))  # its container keeps its device
     finally:
         api.clear_faults()
-        await kubelet.stop()
-        await node.stop()
+        if not stopped:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(node.base, ignore_errors=True)
