@@ -224,7 +224,11 @@ def test_every_env_var_of_the_manifests_is_one_the_agent_reads() -> None:
 def test_no_dra_drops_the_dra_objects_and_turns_it_off() -> None:
     objects = render("deploy/overlays/no-dra")
     assert of_kind(objects, "DeviceClass") == []
-    assert of_kind(objects, "ValidatingAdmissionPolicy") == []
+    # the ResourceSlice policy goes; the Configuration policy (issue 40) is not about DRA
+    policies = of_kind(objects, "ValidatingAdmissionPolicy")
+    assert [p["metadata"]["name"] for p in policies] == ["akri-configuration-broker-fields"]
+    bindings = of_kind(objects, "ValidatingAdmissionPolicyBinding")
+    assert [b["metadata"]["name"] for b in bindings] == ["akri-configuration-broker-fields"]
     env = env_of(agent_daemonset(objects))
     assert cluster_defaults(env).dra is False
     assert cluster_defaults(env_of(agent_daemonset(render("deploy")))).dra is True

@@ -41,6 +41,7 @@ COPIES = {
     "crds/akri-configuration-crd.yaml": "crds/akri-configuration-crd.yaml",
     "crds/akri-instance-crd.yaml": "crds/akri-instance-crd.yaml",
     "files/resourceslice-policy.yaml": "deploy/base/resourceslice-policy.yaml",
+    "files/configuration-policy.yaml": "deploy/base/configuration-policy.yaml",
     **{
         f"files/{name}": f"deploy/components/monitoring/{name}"
         for name in ("podmonitors.yaml", "alerts.yaml", "prometheus-rbac.yaml", "dashboard.json")

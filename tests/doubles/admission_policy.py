@@ -1,16 +1,21 @@
 """A ValidatingAdmissionPolicy evaluator: what kube-apiserver's admission decides for one
-request under ``deploy/base/resourceslice-policy.yaml`` (or a rendered copy).
+request under ``deploy/base/resourceslice-policy.yaml``, ``deploy/base/configuration-policy.yaml``
+(or rendered copies).
 
 Stands for the API server's CEL admission: ``matchConditions`` first (a false one means not
 matched: allowed), then ``variables`` in order (each sees the ones before it), then each
 validation, with ``request``, ``object`` and ``oldObject`` bound as the server binds them (no
 ``object`` on DELETE, no ``oldObject`` on CREATE). Where it differs: cel-python instead of
 cel-go (no cost limits, no type checking of the expressions before they run), and only the
-request fields the policy reads (operation, username, the node-name extra).
+request fields the policies read (operation, username, the node-name extra). Kubernetes' CEL
+string library's ``<list>.join(<separator>)`` is added (cel-python lacks it). A request that
+fails several validations is refused with the first one's message, as the API server words it.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import celpy
@@ -20,20 +25,33 @@ from celpy.adapter import json_to_cel
 from tests.paths import REPO
 
 POLICY = REPO / "deploy" / "base" / "resourceslice-policy.yaml"
+CONFIGURATION_POLICY = REPO / "deploy" / "base" / "configuration-policy.yaml"
 AGENT = "system:serviceaccount:akri:akri-agent"
 ENV = celpy.Environment()
 
 
-def policy() -> dict[str, Any]:
-    documents = list(yaml.safe_load_all(POLICY.read_text()))
+def _join(items: Any, separator: Any = "") -> celpy.celtypes.StringType:
+    """Kubernetes' ``<list(string)>.join(<string>)`` (ext.Strings)."""
+    return celpy.celtypes.StringType(str(separator).join(str(item) for item in items))
+
+
+FUNCTIONS = {"join": _join}
+
+
+def policy(path: Path = POLICY) -> dict[str, Any]:
+    documents = list(yaml.safe_load_all(path.read_text()))
     found = next(d for d in documents if d["kind"] == "ValidatingAdmissionPolicy")
     assert isinstance(found, dict)
     return found
 
 
+@functools.cache
+def _program(expression: str) -> Any:
+    return ENV.program(ENV.compile(expression), functions=FUNCTIONS)
+
+
 def evaluate(expression: str, activation: dict[str, Any]) -> Any:
-    program = ENV.program(ENV.compile(expression))
-    return program.evaluate(activation)
+    return _program(expression).evaluate(activation)
 
 
 def admit(
@@ -56,11 +74,16 @@ def admit(
         "object": json_to_cel(None if operation == "DELETE" else slice_),
         "oldObject": json_to_cel(None if operation == "CREATE" else (old or slice_)),
     }
-    for condition in spec["matchConditions"]:
+    return decide(spec, activation)
+
+
+def decide(spec: dict[str, Any], activation: dict[str, Any]) -> tuple[bool, str]:
+    """matchConditions, then variables (each sees those before it), then validations."""
+    for condition in spec.get("matchConditions", []):
         if not evaluate(condition["expression"], activation):
             return True, "not matched"
     variables: dict[str, Any] = {}
-    for variable in spec["variables"]:
+    for variable in spec.get("variables", []):
         activation["variables"] = (
             json_to_cel(None)
             if not variables
@@ -78,3 +101,22 @@ def admit(
                 return False, str(evaluate(validation["messageExpression"], activation))
             return False, " ".join(validation["message"].split())
     return True, ""
+
+
+def admit_configuration(
+    operation: str,
+    configuration: dict[str, Any],
+    *,
+    old: dict[str, Any] | None = None,
+    found: dict[str, Any] | None = None,
+) -> tuple[bool, str]:
+    """(allowed, message) for a CREATE or UPDATE of a Configuration under
+    deploy/base/configuration-policy.yaml (``found``: another copy of it)."""
+    spec = (found or policy(CONFIGURATION_POLICY))["spec"]
+    request = {"operation": operation, "userInfo": {"username": "someone", "extra": {}}}
+    activation: dict[str, Any] = {
+        "request": json_to_cel(request),
+        "object": json_to_cel(configuration),
+        "oldObject": json_to_cel(old if operation == "UPDATE" else None),
+    }
+    return decide(spec, activation)
