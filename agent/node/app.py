@@ -650,11 +650,14 @@ class Agent:
             )
         if why.departure is not Departure.UNINSTALLED:
             return
-        if checkpoint.claims:
+        if checkpoint.claims or checkpoint.releases:
             self.dra.state.releases_may_fail = True
             stop_needs = STOP_DEADLINE + 0.5
             left = await linger_while_prepared(
-                lambda: len(checkpoint.claims), why, stop_needs=stop_needs
+                lambda: len(checkpoint.claims),
+                why,
+                stop_needs=stop_needs,
+                releasing=lambda: len(checkpoint.releases),
             )
             if left:
                 log.error(
@@ -663,7 +666,16 @@ class Agent:
                     left,
                 )
                 return
-            log.info("every DRA claim of this node is unprepared: leaving")
+            if checkpoint.releases:
+                log.error(
+                    "leaving with %d slot release(s) the API refused: they stay pending in "
+                    "the DRA checkpoint %s, which stays on this node; an agent that runs here "
+                    "again completes them at its start (docs/install.md)",
+                    len(checkpoint.releases),
+                    checkpoint.path,
+                )
+            else:
+                log.info("every DRA claim of this node is unprepared: leaving")
         self.leaving_for_good = True
 
     async def run(self, stop: asyncio.Event, *, stop_within: float = STOP_DEADLINE) -> None:

@@ -14,8 +14,8 @@ asks why:
   **stays**, serving kubelet's unprepare calls, until no claim is prepared here or its Pod's
   deletion deadline (minus the time a clean stop needs) — at most :data:`LINGER_LIMIT` when
   that is unknown. Meanwhile an unprepare whose slot release the API refuses completes on the
-  node (CDI spec and checkpoint entry removed): the Instance that would keep the value is
-  going with the install.
+  node (CDI spec removed, kubelet told it is done) and the release stays on record in the DRA
+  checkpoint (``pendingReleases``, ``checkpoint.py``) for a later agent here (issue 39.2).
 * **unknown** — anything it cannot tell: not in a Pod (no ``POD_NAME``/``POD_NAMESPACE``), no
   DaemonSet owner, or its Pod or DaemonSet not readable — 401/403 (the RBAC went with an
   out-of-order uninstall, or a token or webhook hiccup on a rollout), 5xx, a timeout, no
@@ -164,16 +164,20 @@ async def linger_while_prepared(
     stop_needs: float,
     wall: Callable[[], float] = time.time,
     limit: float = LINGER_LIMIT,
+    releasing: Callable[[], int] = lambda: 0,
 ) -> int:
-    """Stay while claims are prepared, until the Pod's deletion deadline less ``stop_needs``
-    seconds (``limit`` from now when there is none). Returns how many are left."""
+    """Stay while claims are prepared, or slot releases are pending (``releasing``: unprepared
+    claims whose slots the API has not freed yet; the DRA reclaimer retries them), until the
+    Pod's deletion deadline less ``stop_needs`` seconds (``limit`` from now when there is
+    none). Returns how many claims are left prepared."""
     until = wall() + limit
     if why.deadline is not None:
         until = min(until, why.deadline - stop_needs)
     left = prepared()
     reported = -1
-    while left and wall() < until:
-        if left != reported:
+    waiting_releases = False
+    while (left or releasing()) and wall() < until:
+        if left and left != reported:
             log.warning(
                 "the agent is being uninstalled (%s) while %d DRA claim(s) are prepared on "
                 "this node: it stays %.0fs more at most, so that kubelet can unprepare them "
@@ -184,6 +188,16 @@ async def linger_while_prepared(
                 max(0.0, until - wall()),
             )
             reported = left
+        elif not left and not waiting_releases:
+            log.warning(
+                "the agent is being uninstalled (%s): %d slot release(s) of unprepared DRA "
+                "claims are pending (the API refused them); it stays %.0fs more at most to "
+                "retry them",
+                why.reason,
+                releasing(),
+                max(0.0, until - wall()),
+            )
+            waiting_releases = True
         await asyncio.sleep(CHECK_EVERY)
         left = prepared()
     return left

@@ -12,6 +12,11 @@ DRA checkpoint and, when needed, the ResourceClaim in the API:
   it, same uid, allocated with this slot's device: in use (kubelet retries the prepare);
 * **stale** — the claim is prepared on other slots, or its ResourceClaim is gone, replaced,
   deallocated or no longer allocated this device;
+* **releasing** — the claim was unprepared on the node while the API refused to free its
+  slots (an agent being uninstalled, ``state.py``): a *pending release* in the checkpoint.
+  Nothing uses the slot; it is freed as soon as the API answers (:meth:`DraReclaimer.
+  complete_releases`, every pass, each Instance with its own backoff), by this agent or the
+  next one on this node at its start, and the record goes with it (issue 39.2);
 * **untraceable** — the checkpoint does not know the claim (lost or unreadable checkpoint,
   or a slot written by another agent): never freed here, reported once with the slot so an
   operator can free it. Whether such a claim is gone from the API cannot be established:
@@ -60,6 +65,7 @@ class ClaimSlotState(enum.Enum):
     PREPARED = "prepared"
     ALLOCATED = "allocated"
     STALE = "stale"
+    RELEASING = "releasing"
     UNTRACEABLE = "untraceable"
 
 
@@ -95,6 +101,8 @@ def classify(
             for d in prepared.devices
         )
         return ClaimSlotState.PREPARED if on_slot else ClaimSlotState.STALE
+    if uid in checkpoint.releases:
+        return ClaimSlotState.RELEASING
     if uid not in checkpoint.pending:
         return ClaimSlotState.UNTRACEABLE
     if claim is None or (claim.get("metadata") or {}).get("uid") != uid:
@@ -163,7 +171,7 @@ class DraReclaimer:
                     raise
                 except Exception:
                     log.exception("DRA slot reclaim pass failed")
-                if not self.index:
+                if not self.index and not self.state.checkpoint.releases:
                     await self._wait_for_held()
                     continue
                 await self._sleep(self.interval)
@@ -204,8 +212,10 @@ class DraReclaimer:
         return self.node
 
     async def reclaim_once(self) -> list[HeldSlot]:
-        """One pass; returns the slots freed."""
+        """One pass; returns the slots freed (pending releases apart)."""
         await self._refresh_index()
+        if self.state.checkpoint.releases:
+            await self.complete_releases()
         if not self.index:
             self._stale_since.clear()
             return []
@@ -284,6 +294,61 @@ class DraReclaimer:
                 await self._refresh_index()
                 self._forget_finished_pending(freed)
         return freed
+
+    async def complete_releases(self) -> int:
+        """Free the values of the checkpoint's pending releases where the API lets it now
+        (an Instance that failed waits for its backoff); each Instance done — freed, or the
+        value no longer there, or the Instance gone — leaves the record. Returns how many
+        were done."""
+        completed = 0
+        async with self.state.lock():
+            checkpoint = self.state.checkpoint
+            now = self._clock()
+            for release in list(checkpoint.releases.values()):
+                done: list[ObjectKey] = []
+                for key in release.instances:
+                    if not self.release_backoff.due(key, now):
+                        continue
+                    try:
+                        freed = await self.ledger.release_values(key, {release.value})
+                    except StoreError as error:
+                        failure = self.release_backoff.failed(key, self._clock())
+                        if failure.log:
+                            log.warning(
+                                "cannot free %s in Instance %s yet (claim %s/%s was unprepared "
+                                "on this node, its slot release is pending): %s; retrying in "
+                                "%.0fs",
+                                release.value,
+                                key,
+                                release.namespace,
+                                release.name,
+                                error,
+                                failure.delay,
+                            )
+                        continue
+                    self.release_backoff.succeeded(key)
+                    done.append(key)
+                    self.freed += len(freed)
+                    log.info(
+                        "pending release done: %s freed in Instance %s (%s) for claim %s/%s, "
+                        "unprepared on this node earlier",
+                        release.value,
+                        key,
+                        ", ".join(freed) or "no slot held it any more",
+                        release.namespace,
+                        release.name,
+                    )
+                if not done:
+                    continue
+                try:
+                    checkpoint.released(release.uid, done)
+                except StorageError as error:
+                    # kept: the next pass finds the value gone and drops the record then
+                    log.warning("could not update the DRA checkpoint's pending releases: %s",
+                                error)  # fmt: skip
+                    continue
+                completed += len(done)
+        return completed
 
     def _forget_finished_pending(self, freed: list[HeldSlot]) -> None:
         uids = {slot.device_id for slot in freed}

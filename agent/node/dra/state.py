@@ -12,7 +12,13 @@ Prepare, per claim (serialised):
 If a later device fails, slots claimed earlier in this call are released again.
 
 Unprepare: release the claim's slots, remove its CDI file, drop it from the checkpoint; an
-unknown claim is success.
+unknown claim is success. A release the API refuses fails the unprepare (kubelet retries it:
+kubelet's own record keeps it until it happens) — except while the agent is being uninstalled
+(``releases_may_fail``, agent/node/leaving.py): no agent would answer kubelet's retries, and
+the pod could never end. Then the unprepare completes on the node (the CDI spec goes: the
+container is gone) and the release stays on record as a *pending release* in the checkpoint,
+which the DRA reclaimer completes once the API answers — this agent while it stays, or the
+next one on this node at its start (issue 39.2; DESIGN invariant 10).
 
 At start, :meth:`DraState.restore` compares the checkpoint with the Instances: a prepared
 claim's slot found free again (its Instance was re-created meanwhile) is taken back, one held
@@ -35,7 +41,13 @@ from agent.core.model.keys import ObjectKey
 from agent.core.store.base import StorageError, StoreError
 from agent.node.deviceplugin.container_env import container_edits
 from agent.node.dra.cdi import CdiDevice, CdiWriter, cdi_device_name, qualified
-from agent.node.dra.checkpoint import Checkpoint, PendingClaim, PreparedClaim, PreparedDevice
+from agent.node.dra.checkpoint import (
+    Checkpoint,
+    PendingClaim,
+    PendingRelease,
+    PreparedClaim,
+    PreparedDevice,
+)
 from agent.node.dra.slices import DRIVER, consumable_instance, consumed_slots, slot_for_device
 from discovery_handlers.base import Device
 
@@ -80,7 +92,8 @@ class DraState:
         self.prepares = 0
         self.unprepares = 0
         # the agent is being uninstalled (agent/node/leaving.py): an unprepare whose slot
-        # release the API refuses still completes here, or its pod would never end
+        # release the API refuses still completes here, or its pod would never end; the
+        # release stays pending in the checkpoint
         self.releases_may_fail = False
 
     async def prepare(self, ref: ClaimRef) -> PreparedClaim:
@@ -286,23 +299,31 @@ class DraState:
                 else {i.key for i in self._instances() if value in i.device_usage.values()}
             )
             # each step can fail (API, disk) and raise: kubelet retries the unprepare, and the
-            # checkpoint entry, dropped last and only once written, makes the retry find
+            # checkpoint entry, changed last and only once written, makes the retry find
             # everything again
+            refused: list[ObjectKey] = []
             for key in sorted(instances):
                 try:
                     await self.ledger.release_values(key, {value})
                 except StoreError as error:
                     if not self.releases_may_fail:
                         raise
+                    refused.append(key)
                     log.warning(
-                        "claim %s: slot release in Instance %s refused (%s); unprepared "
-                        "anyway: the agent is being uninstalled",
+                        "claim %s: slot release in Instance %s refused (%s); unprepared on "
+                        "the node (the agent is being uninstalled), the release stays pending "
+                        "in the DRA checkpoint until the API answers",
                         ref.uid,
                         key,
                         error,
                     )
             self.cdi.remove(ref.uid)
-            self.checkpoint.forget([ref.uid])
+            if refused:
+                self.checkpoint.record_release_pending(
+                    PendingRelease(ref.uid, ref.namespace, ref.name, value, tuple(refused))
+                )
+            else:
+                self.checkpoint.forget([ref.uid])
             if known is not None:
                 self.unprepares += 1
                 log.info("unprepared claim %s/%s (%s)", ref.namespace, ref.name, ref.uid)

@@ -252,7 +252,11 @@ async def test_no_pass_and_no_timer_while_this_node_holds_no_claim_slot(tmp_path
     store = LocalInstanceStore(tmp_path / "state")
     await store.start()
     await store.create(Instance("cam-8120fe", "cam", 2, nodes=("node-a",)))
-    state = SimpleNamespace(ledger=SlotLedger(store, "node-a"), node="node-a")
+    state = SimpleNamespace(
+        ledger=SlotLedger(store, "node-a"),
+        node="node-a",
+        checkpoint=Checkpoint(tmp_path / "checkpoint.json"),  # no release pending
+    )
     timer = _Counted()
 
     async def no_claims(_namespace: str, _name: str) -> None:

@@ -265,3 +265,104 @@ async def test_a_rollout_is_never_taken_for_an_uninstall(
             await kubelet.stop()
             await node.stop(keep_files=True)
         shutil.rmtree(node.base, ignore_errors=True)
+
+
+INSTANCES = "instances.akri.sh"
+
+
+def _pending_releases(node: DpNode) -> dict[str, Any]:
+    """The pending releases the DRA checkpoint file holds (what a next agent would read)."""
+    if not _checkpoint(node).exists():
+        return {}
+    releases = json.loads(_checkpoint(node).read_text()).get("pendingReleases") or {}
+    assert isinstance(releases, dict)
+    return releases
+
+
+async def test_a_release_refused_for_a_moment_while_uninstalled_is_retried(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.2: the DaemonSet deleted alone, the API answering 503 for a moment just when
+    kubelet unprepares the last claim. The pod ends (the unprepare completes on the node), the
+    release stays on record in the DRA checkpoint and is done once the API answers; then the
+    agent leaves and its checkpoint goes. Before: the release was only logged, the Instance
+    kept ``D:<uid>:node-a`` for good."""
+    node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
+    stopped = False
+    try:
+        api.delete("daemonsets.apps", "akri-agent", NS)
+        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
+        await eventually(lambda: node.dra is not None and node.dra.state.releases_may_fail,
+                         what="the agent knows it is uninstalled")  # fmt: skip
+        outage = api.fail(503, resource=INSTANCES, times=None)
+        results = await kubelet.remove_pod("app-uid")  # the app pod ends: kubelet unprepares
+        assert list(results) == [uid] and not results[uid].error, results  # success: it ends
+        assert list(node.cdi_dir.glob("*.json")) == []  # its container is gone
+        assert outage.hits > 0
+        pending = _pending_releases(node)
+        assert pending[uid]["value"] == f"D:{uid}:node-a"
+        assert pending[uid]["instances"] == [{"namespace": "default", "name": "cam-8120fe"}]
+        assert not staying.done()  # it stays to retry the release
+        api.clear_faults()  # the API answers again
+        await eventually(
+            lambda: api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == "",
+            what="the pending release done",
+        )
+        await asyncio.wait_for(staying, 15)
+        assert _pending_releases(node) == {}
+        await _stop_keeping_files(node, kubelet)
+        stopped = True
+        assert not _checkpoint(node).parent.exists()  # nothing left on record: it goes
+    finally:
+        api.clear_faults()
+        if not stopped:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(node.base, ignore_errors=True)
+
+
+async def test_a_release_refused_after_the_rbac_went_is_done_by_the_next_agent(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.2, the docs' out-of-order uninstall: the agent sees its DaemonSet deleted and
+    stays; then the RBAC goes, every request answers 403, and kubelet unprepares the claim.
+    The pod ends; the release stays pending in the checkpoint, which outlives the agent (its
+    directory too). The agent installed again (with its RBAC) completes the release at its
+    start — the slot is no untraceable one — and deleting the Configuration then ends.
+    Before: the checkpoint was deleted with the agent, the next agent kept the slot as
+    untraceable for ever and the Instance stayed Terminating."""
+    node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path, pod_grace=6)
+    base = node.base
+    second: DpNode | None = None
+    try:
+        api.delete("daemonsets.apps", "akri-agent", NS)
+        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
+        await eventually(lambda: node.dra is not None and node.dra.state.releases_may_fail,
+                         what="the agent knows it is uninstalled")  # fmt: skip
+        api.fail(403, times=None)  # every request of every client: the RBAC is gone
+        results = await kubelet.remove_pod("app-uid")
+        assert list(results) == [uid] and not results[uid].error, results
+        assert uid in _pending_releases(node)
+        await asyncio.wait_for(staying, 30)  # until its Pod's deadline: the API never answers
+        await _stop_keeping_files(node, kubelet)
+        assert _checkpoint(node).exists()  # the release stays on record on the node
+        assert uid in _pending_releases(node)
+        api.clear_faults()
+        assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
+        # installed again: a new agent on the same node, its RBAC back
+        second = await start_dp_node(api, "node-a", tmp_path, dra=True, base=base)
+        await eventually(
+            lambda: api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == "",
+            what="the pending release done by the next agent",
+        )
+        await eventually(lambda: _pending_releases(second) == {}, what="its record dropped")
+        api.delete("configurations.akri.sh", "cam", "default")
+        await eventually(lambda: api.list(INSTANCES) == [], what="the Configuration's delete ends")
+    finally:
+        api.clear_faults()
+        if second is not None:
+            await second.stop(keep_files=True)
+        else:
+            await kubelet.stop()
+            await node.stop(keep_files=True)
+        shutil.rmtree(base, ignore_errors=True)
