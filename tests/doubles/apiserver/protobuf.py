@@ -1,9 +1,10 @@
 """Decoding of Kubernetes protobuf request bodies for a few core kinds.
 
 ``kubectl create namespace|configmap|secret`` (typed clients) send
-``application/vnd.kubernetes.protobuf``; everything else kubectl and the Python clients send
-is JSON. Responses are always JSON (clients accept it). Only the fields such commands set are
-mapped; unknown fields are skipped.
+``application/vnd.kubernetes.protobuf``, and so do Helm's release storage (a typed Secret
+client: its DELETE carries protobuf DeleteOptions); everything else kubectl, Helm and the
+Python clients send is JSON. Responses are always JSON (clients accept it). Only the fields
+such commands set are mapped; unknown fields are skipped.
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ SECRET: Schema = {
     3: ("type", "string"),
     4: ("stringData", "map"),
     5: ("immutable", "bool"),
+}
+DELETE_OPTIONS: Schema = {
+    1: ("gracePeriodSeconds", "int0"),
+    2: ("preconditions", {1: ("uid", "string"), 2: ("resourceVersion", "string")}),
+    3: ("orphanDependents", "bool"),
+    4: ("propagationPolicy", "string"),
+    5: ("dryRun", "strings"),
 }
 KINDS: dict[tuple[str, str], Schema] = {
     ("v1", "Namespace"): NAMESPACE,
@@ -136,6 +144,8 @@ def decode_message(buf: bytes, schema: Schema) -> JSON:
         elif kind == "int" and isinstance(value, int):
             if value:
                 out[name] = value
+        elif kind == "int0" and isinstance(value, int):  # an optional int where 0 is a value
+            out[name] = value
         elif kind == "bool" and isinstance(value, int):
             out[name] = bool(value)
         elif kind in ("map", "bytesmap") and isinstance(value, bytes):
@@ -157,3 +167,15 @@ def decode_object(body: bytes) -> JSON:
         raise ProtobufError(f"protobuf decoding of {key[0]} {key[1]} is not implemented")
     obj = decode_message(envelope.get("raw", b""), schema)
     return {"apiVersion": key[0], "kind": key[1], **obj}
+
+
+def decode_delete_options(body: bytes) -> JSON:
+    """The JSON form of protobuf-encoded DeleteOptions (any apiVersion: client-go sends them as
+    meta.k8s.io/v1 or as the resource's group version)."""
+    if not body.startswith(_MAGIC):
+        raise ProtobufError("missing the k8s protobuf magic prefix")
+    envelope = decode_message(body[len(_MAGIC) :], _UNKNOWN)
+    kind = (envelope.get("typeMeta") or {}).get("kind", "")
+    if kind != "DeleteOptions":
+        raise ProtobufError(f"expected DeleteOptions, got {kind or 'no kind'}")
+    return decode_message(envelope.get("raw", b""), DELETE_OPTIONS)

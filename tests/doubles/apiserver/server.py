@@ -945,8 +945,11 @@ class ApiServerDouble:
             options["orphanDependents"] = _truthy(request.query["orphanDependents"])
         if raw:
             try:
-                decoded = json.loads(raw)
-            except ValueError as exc:
+                if _media_type(request) == protobuf.MEDIA_TYPE:
+                    decoded = protobuf.decode_delete_options(raw)
+                else:
+                    decoded = json.loads(raw)
+            except ValueError as exc:  # ProtobufError is one
                 raise errors.bad_request(f"invalid DeleteOptions: {exc}") from exc
             if isinstance(decoded, dict):
                 options.update({k: v for k, v in decoded.items() if v is not None})

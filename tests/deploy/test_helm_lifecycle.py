@@ -1,0 +1,215 @@
+"""Issue 40, items 4 and 6: ``helm install``, ``helm upgrade`` and ``helm uninstall`` of the
+chart with a real Helm 4 against the API-server double, as an Akri user runs them (Akri's
+documented debugEcho values), in a release namespace of their choosing.
+
+No kubelet or controllers run here, so the test stands in for them where Helm waits on them:
+it starts the agent the DaemonSet describes (its container's arguments and environment), and
+for the uninstall hook it does what the Job controller and kubelet would — runs the Job's
+command, ``akri uninstall-cleanup``, with the hook's own ServiceAccount (the chart's RBAC and
+nothing more), then writes the Job's status as the Job controller does.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.deploy.helm_chart import CHART, HELM, needs_helm
+from tests.deploy.test_repo_commands import bash, kubectl_env, node_agent
+from tests.doubles.apiserver.threaded import ThreadedApiServer
+from tests.harness.agent_process import AgentProcess, clean_env, poll_until
+
+pytestmark = needs_helm
+
+NAMESPACE = "edge"
+WITHIN = 90.0  # seconds: every wait's bound (a loaded CI machine)
+# Akri's documented debugEcho install (docs.akri.sh, "Debug Echo")
+AKRI_DEBUG_ECHO = (
+    *("--set", "agent.allowDebugEcho=true"),
+    *("--set", "debugEcho.configuration.enabled=true"),
+)
+
+
+def helm_env(env: dict[str, str], home: Path) -> dict[str, str]:
+    """kubectl's environment, with Helm's own directories under ``home`` and none of the
+    caller's HELM_* settings (a namespace, a kube context)."""
+    return {
+        **{k: v for k, v in env.items() if not k.startswith("HELM_")},
+        "HELM_CACHE_HOME": str(home / "helm-cache"),
+        "HELM_CONFIG_HOME": str(home / "helm-config"),
+        "HELM_DATA_HOME": str(home / "helm-data"),
+    }
+
+
+def helm(env: dict[str, str], *args: str) -> str:
+    assert HELM is not None
+    done = subprocess.run(
+        [HELM, *args], env=env, capture_output=True, text=True, timeout=WITHIN, check=False
+    )
+    assert done.returncode == 0, f"helm {' '.join(args)}: {done.stdout}{done.stderr}"
+    return done.stdout
+
+
+def instances(api: Any) -> list[dict[str, Any]]:
+    return [i for i in api.list("instances.akri.sh") if i["metadata"]["namespace"] == NAMESPACE]
+
+
+def run_hook_job(api: Any, env: dict[str, str], home: Path) -> subprocess.CompletedProcess[str]:
+    """What the Job controller and kubelet do with the pre-delete hook Job: run its container's
+    command with its ServiceAccount's permissions, then record that it completed."""
+    job = poll_until(
+        lambda: api.get("jobs.batch", "akri-cleanup-hook", NAMESPACE),
+        timeout=WITHIN,
+        message="helm uninstall created no hook Job",
+    )
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "akri-cleanup-hook"
+    (container,) = pod["containers"]
+    role = api.get("clusterroles.rbac.authorization.k8s.io", "akri-cleanup-hook")
+    binding = api.get("clusterrolebindings.rbac.authorization.k8s.io", "akri-cleanup-hook")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "akri-cleanup-hook", "namespace": NAMESPACE}
+    ]
+    api.add_user("hook", f"system:serviceaccount:{NAMESPACE}:akri-cleanup-hook", role["rules"])
+    kubeconfig = api.write_kubeconfig(home / "hook-kubeconfig", token="hook")
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.cli", *container["args"], "--kubeconfig", str(kubeconfig)],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=WITHIN + 180,
+        check=False,
+    )
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    outcome = "Complete" if done.returncode == 0 else "Failed"
+    status = {
+        "startTime": now,
+        "completionTime": now,
+        "succeeded" if done.returncode == 0 else "failed": 1,
+        "conditions": [
+            {"type": "SuccessCriteriaMet" if done.returncode == 0 else "FailureTarget",
+             "status": "True", "lastTransitionTime": now},
+            {"type": outcome, "status": "True", "lastTransitionTime": now},
+        ],
+    }  # fmt: skip
+    bash(
+        f"kubectl patch job -n {NAMESPACE} akri-cleanup-hook --subresource=status "
+        f"--type=merge -p '{json.dumps({'status': status})}'",
+        env,
+    )
+    return done
+
+
+def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    with ThreadedApiServer() as api:  # no CRDs: the chart installs them
+        env = helm_env(kubectl_env(api, home), home)
+        kubeconfig = ("--kubeconfig", env["KUBECONFIG"])
+        # helm install, Akri's debugEcho values, a namespace of the user's choosing
+        out = helm(env, "install", "akri", str(CHART), "-n", NAMESPACE, "--create-namespace",
+                   *AKRI_DEBUG_ECHO, *kubeconfig)  # fmt: skip
+        assert "STATUS: deployed" in out
+        config = api.get("configurations.akri.sh", "akri-debug-echo", NAMESPACE)
+        assert config["spec"]["capacity"] == 2
+        daemonset = api.get("daemonsets.apps", "akri-agent", NAMESPACE)
+        assert daemonset["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        agent = node_agent(api, "node-a", tmp_path, home)
+        agents: list[AgentProcess] = [agent]
+        try:
+            poll_until(
+                lambda: (
+                    len(instances(api)) == 2
+                    and all(i["spec"]["capacity"] == 2 for i in instances(api))
+                ),
+                timeout=WITHIN,
+                message=lambda: agent.describe(),
+            )
+            uids = {i["metadata"]["uid"] for i in instances(api)}
+
+            # helm upgrade: a capacity and a new image tag, applied in place
+            out = helm(env, "upgrade", "akri", str(CHART), "-n", NAMESPACE, "--reuse-values",
+                       "--set", "debugEcho.configuration.capacity=3",
+                       "--set", "agent.image.tag=0.1.1", *kubeconfig)  # fmt: skip
+            assert "STATUS: deployed" in out and "REVISION: 2" in out
+            upgraded = api.get("configurations.akri.sh", "akri-debug-echo", NAMESPACE)
+            assert upgraded["metadata"]["uid"] == config["metadata"]["uid"]
+            assert upgraded["spec"]["capacity"] == 3
+            rolled = api.get("daemonsets.apps", "akri-agent", NAMESPACE)
+            assert rolled["metadata"]["uid"] == daemonset["metadata"]["uid"]
+            (container,) = rolled["spec"]["template"]["spec"]["containers"]
+            assert container["image"] == "ghcr.io/akri-py/akri-agent:0.1.1"
+            # the rollout: the agent is replaced; its Instances stay the same objects
+            agent.stop()
+            agent = node_agent(api, "node-a", tmp_path, home)
+            agents.append(agent)
+            poll_until(
+                lambda: (
+                    {i["metadata"]["uid"] for i in instances(api)} == uids
+                    and all(i["spec"]["capacity"] == 3 for i in instances(api))
+                ),
+                timeout=WITHIN,
+                message=lambda: agent.describe() + json.dumps(instances(api), indent=1),
+            )
+
+            # helm uninstall --wait: the hook deletes the Configurations and waits for the
+            # Instances (their agent still runs: it is removed after the hook), then Helm
+            # removes the rest
+            uninstall = subprocess.Popen(
+                [HELM or "helm", "uninstall", "akri", "-n", NAMESPACE, "--wait",
+                 "--timeout", "300s", *kubeconfig],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+            try:
+                hook = run_hook_job(api, env, home)
+                out, _ = uninstall.communicate(timeout=WITHIN)
+            finally:
+                if uninstall.poll() is None:
+                    uninstall.kill()
+            assert hook.returncode == 0, hook.stderr
+            assert "deleted 1 Configuration(s): edge/akri-debug-echo" in hook.stderr
+            assert "the uninstall can go on" in hook.stderr
+            assert uninstall.returncode == 0, out
+            assert 'release "akri" uninstalled' in out
+        finally:
+            for each in agents:
+                each.cleanup()
+        # nothing of the release is left, nothing is terminating; Helm keeps the CRDs of crds/
+        left = {
+            kind: [o["metadata"]["name"] for o in api.list(kind)
+                   if o["metadata"].get("namespace") in (NAMESPACE, None)]
+            for kind in ("configurations.akri.sh", "instances.akri.sh", "daemonsets.apps",
+                         "deployments.apps", "serviceaccounts", "roles.rbac.authorization.k8s.io",
+                         "rolebindings.rbac.authorization.k8s.io", "jobs.batch", "secrets",
+                         "clusterroles.rbac.authorization.k8s.io",
+                         "clusterrolebindings.rbac.authorization.k8s.io",
+                         "validatingadmissionpolicies.admissionregistration.k8s.io",
+                         "validatingadmissionpolicybindings.admissionregistration.k8s.io",
+                         "deviceclasses.resource.k8s.io")
+        }  # fmt: skip
+        assert all(not names for names in left.values()), left
+        crds = [c["metadata"]["name"] for c in api.list("customresourcedefinitions")]
+        assert sorted(crds) == ["configurations.akri.sh", "instances.akri.sh"]
+        assert all(
+            "deletionTimestamp" not in c["metadata"] for c in api.list("customresourcedefinitions")
+        )
+
+
+def test_a_schema_refusal_stops_helm_install(tmp_path: Path) -> None:
+    """A misspelled value: helm install fails naming it, and installs nothing."""
+    home = tmp_path / "home"
+    with ThreadedApiServer() as api:
+        env = helm_env(kubectl_env(api, home), home)
+        assert HELM is not None
+        done = subprocess.run(
+            [HELM, "install", "akri", str(CHART), "-n", NAMESPACE, "--create-namespace",
+             "--set", "debugEcho.configuraton.enabled=true", "--kubeconfig", env["KUBECONFIG"]],
+            env=env, capture_output=True, text=True, timeout=WITHIN, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert "additional properties 'configuraton' not allowed" in done.stderr
+        assert api.list("daemonsets.apps") == []
+        assert api.list("secrets") == []
