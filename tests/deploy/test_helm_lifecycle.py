@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from tests.deploy.helm_chart import CHART, HELM, needs_helm
-from tests.deploy.test_repo_commands import bash, kubectl_env, node_agent
+from tests.deploy.test_repo_commands import bash, block, commands, kubectl_env, node_agent
 from tests.doubles.apiserver.threaded import ThreadedApiServer
 from tests.harness.agent_process import AgentProcess, clean_env, poll_until
+from tests.paths import REPO
 
 pytestmark = needs_helm
 
@@ -58,11 +59,13 @@ def instances(api: Any) -> list[dict[str, Any]]:
     return [i for i in api.list("instances.akri.sh") if i["metadata"]["namespace"] == NAMESPACE]
 
 
-def run_hook_job(api: Any, env: dict[str, str], home: Path) -> subprocess.CompletedProcess[str]:
+def run_hook_job(
+    api: Any, env: dict[str, str], home: Path, namespace: str = NAMESPACE
+) -> subprocess.CompletedProcess[str]:
     """What the Job controller and kubelet do with the pre-delete hook Job: run its container's
     command with its ServiceAccount's permissions, then record that it completed."""
     job = poll_until(
-        lambda: api.get("jobs.batch", "akri-cleanup-hook", NAMESPACE),
+        lambda: api.get("jobs.batch", "akri-cleanup-hook", namespace),
         timeout=WITHIN,
         message="helm uninstall created no hook Job",
     )
@@ -72,9 +75,9 @@ def run_hook_job(api: Any, env: dict[str, str], home: Path) -> subprocess.Comple
     role = api.get("clusterroles.rbac.authorization.k8s.io", "akri-cleanup-hook")
     binding = api.get("clusterrolebindings.rbac.authorization.k8s.io", "akri-cleanup-hook")
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "akri-cleanup-hook", "namespace": NAMESPACE}
+        {"kind": "ServiceAccount", "name": "akri-cleanup-hook", "namespace": namespace}
     ]
-    api.add_user("hook", f"system:serviceaccount:{NAMESPACE}:akri-cleanup-hook", role["rules"])
+    api.add_user("hook", f"system:serviceaccount:{namespace}:akri-cleanup-hook", role["rules"])
     kubeconfig = api.write_kubeconfig(home / "hook-kubeconfig", token="hook")
     done = subprocess.run(
         [sys.executable, "-m", "agent.cli", *container["args"], "--kubeconfig", str(kubeconfig)],
@@ -97,7 +100,7 @@ def run_hook_job(api: Any, env: dict[str, str], home: Path) -> subprocess.Comple
         ],
     }  # fmt: skip
     bash(
-        f"kubectl patch job -n {NAMESPACE} akri-cleanup-hook --subresource=status "
+        f"kubectl patch job -n {namespace} akri-cleanup-hook --subresource=status "
         f"--type=merge -p '{json.dumps({'status': status})}'",
         env,
     )
@@ -213,3 +216,45 @@ def test_a_schema_refusal_stops_helm_install(tmp_path: Path) -> None:
         assert "additional properties 'configuraton' not allowed" in done.stderr
         assert api.list("daemonsets.apps") == []
         assert api.list("secrets") == []
+
+
+def test_the_readme_helm_blocks_run_as_written(tmp_path: Path) -> None:
+    """The README's Helm install (Akri's debugEcho values) and its uninstall, as written, with
+    two agents started as the installed DaemonSet would start them, and the hook Job run."""
+    install, look = commands(block("README.md", "helm install akri deploy/helm/akri"))
+    uninstall = block("README.md", "helm uninstall akri -n akri --wait").strip()
+    home = tmp_path / "home"
+    with ThreadedApiServer() as api:
+        env = helm_env(kubectl_env(api, home), home)
+        assert "STATUS: deployed" in bash(install, env)
+        agents = [node_agent(api, n, tmp_path, home) for n in ("node-a", "node-b")]
+        try:
+
+            def each_node_has_two() -> list[list[str]] | None:
+                rows = [line.split() for line in bash(look, env).splitlines()[1:]]
+                nodes = [row[3] for row in rows if row and row[0].startswith("akri-debug-echo")]
+                has_both = all("node-a" in n and "node-b" in n for n in nodes)
+                return rows if len(nodes) == 2 and has_both else None
+
+            poll_until(
+                each_node_has_two,
+                timeout=WITHIN,
+                interval=0.5,
+                message=lambda: bash(look, env) + "\n".join(a.describe() for a in agents),
+            )
+            running = subprocess.Popen(
+                ["bash", "-c", uninstall], cwd=REPO, env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            try:
+                hook = run_hook_job(api, env, home, "akri")
+                out, _ = running.communicate(timeout=WITHIN)
+            finally:
+                if running.poll() is None:
+                    running.kill()
+        finally:
+            for agent in agents:
+                agent.cleanup()
+        assert hook.returncode == 0, hook.stderr
+        assert running.returncode == 0 and 'release "akri" uninstalled' in out, out
+        assert api.list("instances.akri.sh") == [] and api.list("daemonsets.apps") == []
