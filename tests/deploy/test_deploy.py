@@ -271,7 +271,9 @@ def test_the_external_handler_daemonset_shares_the_registration_directory() -> N
     )
     spec = container(handler)
     assert spec["args"][:2] == ["handler", "udev"]
-    directory = env_of(handler)["AKRI_DISCOVERY_HANDLERS_DIR"]
+    # Akri's variable, which `akri handler` reads as its --discovery-handlers-dir
+    directory = env_of(handler)["DISCOVERY_HANDLERS_DIRECTORY"]
+    assert cluster_defaults(env_of(handler)).discovery_handlers_dir == Path(directory)
     assert directory == str(cluster_defaults().discovery_handlers_dir)
     assert directory in {m["mountPath"] for m in spec["volumeMounts"]}
     images = {container(d)["image"] for d in of_kind(objects, "DaemonSet")}

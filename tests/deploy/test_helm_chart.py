@@ -102,6 +102,7 @@ def compare(rendered: Objects, expected: Objects) -> list[str]:
         ((), "deploy"),
         (("dra.enabled=false",), "deploy/overlays/no-dra"),
         (("prometheus.enabled=true",), "deploy/overlays/monitoring"),
+        (("udev.discovery.enabled=true",), "deploy/overlays/external-handlers"),
     ],
 )
 def test_chart_renders_what_kustomize_renders(values: tuple[str, ...], tree: str) -> None:
