@@ -50,6 +50,7 @@ class Controller:
             self.store,
             ReconcileSettings(
                 node_grace=settings.node_grace,
+                free_slots_of_unready_nodes_after=settings.free_slots_of_unready_nodes_after,
                 pending_broker_grace=settings.pending_broker_grace,
                 failed_broker_grace=settings.failed_broker_grace,
                 resync_interval=settings.resync_interval,
@@ -69,6 +70,15 @@ class Controller:
                 retry_period=settings.retry_period,
             ),
         )
+        if settings.free_slots_of_unready_nodes_after is not None:
+            log.warning(
+                "--free-slots-of-unready-nodes-after %gs: the slots of a node not Ready for "
+                "that long are freed even while its pods remain. If its containers still run "
+                "(a kubelet down, a network partition), a device may be given to more "
+                "consumers than its capacity; without the flag they are kept until "
+                "Kubernetes says those pods are gone (docs/controller.md)",
+                settings.free_slots_of_unready_nodes_after,
+            )
         self._stage = "starting"
         self.health: HealthServer | None = None
 

@@ -80,7 +80,11 @@ class ControllerCollector(Collector):
         yield jobs_created
         for name, counter, what in (
             ("akri_controller_dead_nodes_cleaned_total", stats.nodes_cleaned,
-             "Dead nodes (NotReady past the grace, or deleted) removed from the Instances"),
+             "Dead nodes (not serving, none of their pods that may use devices left) removed "
+             "from the Instances"),
+            ("akri_controller_nodes_freed_by_timer_total", stats.nodes_freed_by_timer,
+             "Nodes whose slots --free-slots-of-unready-nodes-after freed while their pods "
+             "remained"),
             ("akri_controller_slots_freed_total", stats.slots_freed,
              "Slots freed because the node holding them was dead"),
             ("akri_controller_instances_deleted_total", stats.instances_deleted,
@@ -104,6 +108,13 @@ class ControllerCollector(Collector):
         )
         leader.add_metric([], 1 if self.elector.leading.is_set() else 0)
         yield leader
+        holding = GaugeMetricFamily(
+            "akri_controller_nodes_holding_slots",
+            "Nodes not Ready (or deleted, or out-of-service) whose slots are kept because "
+            "their pods that may use devices still exist",
+        )
+        holding.add_metric([], stats.nodes_holding)
+        yield holding
         last = GaugeMetricFamily(
             "akri_controller_last_reconcile_seconds", "Duration of the last reconcile pass"
         )

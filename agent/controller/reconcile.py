@@ -2,9 +2,12 @@
 
 One pass (:meth:`Reconciler.reconcile_once`) looks at everything in the caches:
 
-1. **dead nodes** (:mod:`agent.controller.nodes`; a deleted Node's pods are listed until
-   none that may hold a slot is left): each Instance that lists a dead node, or
-   holds a slot of it, is rewritten by :func:`~agent.core.ledger.decisions.decide_evict_node`
+1. **nodes that do not serve** (NotReady, deleted, tainted out-of-service) keep their slots
+   while their pods that may hold one exist (one rule for the controller and the agents,
+   :mod:`agent.core.ledger.node_standing`; the pods of each such node are watched with a
+   ``spec.nodeName`` field selector, so their deletion is seen at once). A node the rule
+   frees (a *dead* node) is taken out of each Instance that lists it, or that
+   holds a slot of it: each is rewritten by :func:`~agent.core.ledger.decisions.decide_evict_node`
    through resourceVersion-checked writes (the decision is re-made on every re-read, and
    dropped if the node turned Ready meanwhile); an Instance left without a node is deleted
    with a resourceVersion precondition; terminating Instances get the node's share of their
@@ -32,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent.controller import brokers, services, slices
-from agent.controller.nodes import NodeWatch, may_hold_slots
-from agent.controller.watched import Watched, broker_summary
+from agent.controller.nodes import NodeWatch
+from agent.controller.watched import HOLDS_SLOTS, Watched, broker_summary, pod_summary
 from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
 from agent.core.ledger.finalizer import release_finalizer_share
@@ -50,7 +53,7 @@ log = logging.getLogger("agent.controller")
 COALESCE = 0.02  # seconds: a burst of watch events makes one pass
 YIELD_EVERY = 100  # Instances planned between two turns of the event loop
 EVICT = "evict"  # the akri_slot_writes_total operation of the dead-node writes
-GONE_NODE_RECHECK = 2.0  # seconds between two looks at a gone node's remaining pods
+POD_WATCH_RETRY = 2.0  # seconds before listing a non-serving node's pods again after a failure
 OBSERVED_MEMO = 50_000  # broker Pods/Jobs versions remembered (about 2.5 per cached Pod)
 
 
@@ -59,6 +62,7 @@ class ReconcileSettings:
     """Timing of the reconciler (seconds)."""
 
     node_grace: float = 300.0
+    free_slots_of_unready_nodes_after: float | None = None  # opt-in timer (None: off)
     pending_broker_grace: float = brokers.PENDING_GRACE
     failed_broker_grace: float = brokers.FAILED_GRACE
     resync_interval: float = 60.0
@@ -77,6 +81,8 @@ class ControllerStats:
     services_deleted: collections.Counter[str] = field(default_factory=collections.Counter)
     brokers_waiting: dict[str, int] = field(default_factory=dict)  # configuration -> nodes
     nodes_cleaned: int = 0
+    nodes_freed_by_timer: int = 0  # of them, freed by the opt-in timer while pods remained
+    nodes_holding: int = 0  # nodes not serving whose slots are kept for their pods
     slots_freed: int = 0
     instances_deleted: int = 0
     slices_handed_over: int = 0
@@ -124,6 +130,14 @@ def observed(obj: Mapping[str, Any]) -> brokers.ObservedPod:
     )
 
 
+def _holding(watched: Watched) -> int | None:
+    """How many of the watched pods may hold slots; None once the watch has been lost (a
+    pod bound meanwhile would not be seen: the rule keeps the slots until it is back)."""
+    if watched.lost():
+        return None
+    return sum(1 for pod in watched.cache.values() if pod.get(HOLDS_SLOTS))
+
+
 class Reconciler:
     """Watches and reconciles; :meth:`run` only while this replica leads."""
 
@@ -142,8 +156,13 @@ class Reconciler:
         self._monotonic = monotonic
         self._wall = wall
         self.stats = ControllerStats()
-        self.nodes = NodeWatch(grace=settings.node_grace)
-        self._waiting_for_pods: set[str] = set()  # gone nodes whose pods were reported
+        self.nodes = NodeWatch(
+            grace=settings.node_grace, free_after=settings.free_slots_of_unready_nodes_after
+        )
+        # the pods bound to each node that does not serve and that an Instance names
+        self.node_pods: dict[str, Watched] = {}
+        self._pod_watch_failed: dict[str, float] = {}  # node -> when its pods' list failed
+        self._holding_reported: dict[str, int] = {}  # node -> pods count last logged
         self.wake = asyncio.Event()
         ns = settings.namespace
         self.node_cache = Watched(client, "nodes", resource_path("", "v1", "nodes"), self._on_node)
@@ -241,8 +260,10 @@ class Reconciler:
             self.job_cache,
             self.service_cache,
             self.slice_cache,
+            *self.node_pods.values(),
         ):
             await cache.stop()
+        self.node_pods.clear()
 
     # -- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -301,55 +322,103 @@ class Reconciler:
                 holder = holder_node(parse_usage(value)) if value else None
                 if holder is not None:
                     listed.add(holder)
-        await self._count_gone_nodes_pods(listed, deadlines)
+        await self._follow_unserving_pods(listed, deadlines)
         now = self._monotonic()
         dead = sorted(self.nodes.dead_among(listed, now))
         upcoming = self.nodes.next_deadline(listed, now)
         if upcoming is not None:
             deadlines.append(upcoming)
+        self._report_holding(listed, now)
         for node in dead:
             await self.clean_node(node)
 
-    async def _count_gone_nodes_pods(self, listed: set[str], deadlines: list[float]) -> None:
-        """For each gone node an Instance names: how many of its pods may still hold slots
-        (issue 34.7: after ``kubectl delete node`` the pod garbage collector deletes them
-        only ~40 s later, and their containers may still use a shared device). Listed again
-        every ``GONE_NODE_RECHECK`` until none is left; its slots wait (nodes.py)."""
-        self.nodes.forget_gone(listed)
-        self._waiting_for_pods &= listed
+    async def _follow_unserving_pods(self, listed: set[str], deadlines: list[float]) -> None:
+        """Watch the pods bound to each node an Instance names that does not serve
+        (``fieldSelector spec.nodeName=<node>``): their count is the rule's evidence, and
+        every deletion (the kubelet's, a force-delete, the pod garbage collector's after the
+        Node is deleted or tainted out-of-service) wakes a pass at once. Watches of nodes
+        that serve again, or that no Instance names, are stopped."""
+        self.nodes.forget(listed)
         now = self._monotonic()
-        for node in sorted(name for name in listed if self.nodes.is_gone(name)):
-            self.nodes.note_gone(node, now)
-            if self.nodes.pods_left.get(node) == 0:
-                continue  # none left when last listed (a gone node gets no new pod)
-            holding = await self._pods_holding_slots(node)
-            self.nodes.set_pods(node, holding)
-            if holding == 0:
-                continue
-            deadlines.append(self._monotonic() + GONE_NODE_RECHECK)
-            if holding is not None and node not in self._waiting_for_pods:
-                self._waiting_for_pods.add(node)
-                log.warning(
-                    "node %s is gone but %d of its pods that may use akri.sh devices still "
-                    "exist: its slots are kept until they are deleted (the pod garbage "
-                    "collector does ~40 s after the Node), at most %gs (--node-grace)",
-                    node,
-                    holding,
-                    self.settings.node_grace,
+        wanted = set()
+        for node in listed:
+            self.nodes.note_unserving(node, now)
+            if not self.nodes.serves(node):
+                wanted.add(node)
+        for node in [n for n in self.node_pods if n not in wanted]:
+            await self.node_pods.pop(node).stop()
+            self.nodes.set_pods(node, None)
+        for node in [n for n in self._holding_reported if n not in wanted]:
+            del self._holding_reported[node]
+        for node in sorted(wanted):
+            watched = self.node_pods.get(node)
+            if watched is None:
+                failed = self._pod_watch_failed.get(node)
+                if failed is not None and now - failed < POD_WATCH_RETRY:
+                    deadlines.append(failed + POD_WATCH_RETRY)
+                    continue
+                watched = Watched(
+                    self.client,
+                    f"pods-on-{node}",
+                    resource_path("", "v1", "pods"),
+                    self._on_change,
+                    field_selector=f"spec.nodeName={node}",
+                    request_timeout=self.settings.request_timeout,
+                    keep=pod_summary,
                 )
+                self.node_pods[node] = watched  # stopped with the others if cancelled now
+                try:
+                    await watched.start()
+                except (ApiError, TransportError) as error:
+                    del self.node_pods[node]
+                    self._pod_watch_failed[node] = self._monotonic()
+                    deadlines.append(self._monotonic() + POD_WATCH_RETRY)
+                    self.nodes.set_pods(node, None)
+                    log.warning(
+                        "cannot list the pods of node %s, which is not Ready (%s): its slots "
+                        "are kept until they can be listed",
+                        node,
+                        error,
+                    )
+                    continue
+                self._pod_watch_failed.pop(node, None)
+            self.nodes.set_pods(node, _holding(watched))
 
-    async def _pods_holding_slots(self, node: str) -> int | None:
-        """How many pods bound to ``node`` may hold slots (None: the API could not say)."""
-        path = resource_path("", "v1", "pods")
-        params = {"fieldSelector": f"spec.nodeName={node}"}
-        try:
-            pods, _version = await self.client.list_all(
-                path, params=params, request_timeout=self.settings.request_timeout
+    def _report_holding(self, listed: set[str], now: float) -> None:
+        """Say once per episode (and when the count changes) that a node that does not serve
+        keeps its slots for its pods, and what the operator can do."""
+        holding = 0
+        for node in sorted(listed):
+            facts = self.nodes.facts(node, now)
+            if facts.serves or facts.pods_holding == 0 or self.nodes.verdict(node, now).free:
+                continue
+            holding += 1
+            if facts.pods_holding is None or self._holding_reported.get(node) == facts.pods_holding:
+                continue
+            self._holding_reported[node] = facts.pods_holding
+            state = (
+                "deleted"
+                if facts.gone
+                else "tainted out-of-service"
+                if facts.out_of_service
+                else "not Ready"
             )
-        except (ApiError, TransportError) as error:
-            log.warning("cannot list the pods of gone node %s (%s): its slots wait", node, error)
-            return None
-        return sum(1 for pod in pods if may_hold_slots(pod))
+            log.warning(
+                "node %s is %s but %d of its pods that may use akri.sh devices still exist: "
+                "its slots are kept until Kubernetes says those pods are gone (if the node is "
+                "down for good: delete the Node, taint it node.kubernetes.io/out-of-service, "
+                "or force-delete the pods; docs/controller.md)%s",
+                node,
+                state,
+                facts.pods_holding,
+                (
+                    ""
+                    if self.nodes.free_after is None
+                    else f"; freed anyway after {self.nodes.free_after:g}s not Ready "
+                    "(--free-slots-of-unready-nodes-after)"
+                ),
+            )  # fmt: skip
+        self.stats.nodes_holding = holding
 
     async def clean_node(self, node: str) -> None:
         """Free everything ``node`` holds and take it out of every Instance.
@@ -382,18 +451,21 @@ class Reconciler:
             return
         self.stats.nodes_cleaned += 1
         self.stats.slots_freed += sum(freed.values())
+        verdict = self.nodes.verdict(node, self._monotonic())
+        if verdict.forced:
+            self.stats.nodes_freed_by_timer += 1
         log.warning(
-            "node %s is %s: removed from %d Instance(s), %d slot(s) freed",
+            "node %s: %s: removed from %d Instance(s), %d slot(s) freed%s",
             node,
-            (
-                f"not Ready for over {self.settings.node_grace:g}s"
-                if not self.nodes.is_gone(node)
-                else "gone, none of its pods left"
-                if self.nodes.pods_left.get(node) == 0
-                else f"gone for over {self.settings.node_grace:g}s"
-            ),
+            verdict.why,
             len(freed),
             sum(freed.values()),
+            (
+                " (its containers may still be running: another node may now be given "
+                "a device they use)"
+                if verdict.forced
+                else ""
+            ),
         )  # fmt: skip
         await self._hand_over_slices(node)
 
@@ -441,7 +513,7 @@ class Reconciler:
         await self.store.record_instance_event(
             instance,
             "DeadNodeRemoved",
-            f"node {node} is dead (NotReady past the grace, or deleted): removed; "
+            f"node {node}: {self.nodes.verdict(node, self._monotonic()).why}: removed; "
             f"slots freed: {', '.join(eviction.freed) or 'none'}; Instance {what}",
         )
 

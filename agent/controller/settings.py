@@ -51,8 +51,14 @@ CONTROLLER_FLAGS = (
     Option("--retry-period", "AKRI_RETRY_PERIOD", parse_interval, RETRY_PERIOD,
          "seconds between Lease renewals / attempts"),
     Option("--node-grace", "AKRI_NODE_GRACE", parse_seconds, NODE_GRACE,
-         "seconds a NotReady node keeps its slots and its place in Instances (a deleted "
-         "node: while its pods that use devices remain, at most this long)"),
+         "seconds a NotReady node none of whose pods uses akri.sh devices keeps its place in "
+         "Instances; a node (NotReady, deleted or out-of-service) whose pods that may use "
+         "them still exist keeps its slots until they are gone, however long"),
+    Option("--free-slots-of-unready-nodes-after", "AKRI_FREE_SLOTS_OF_UNREADY_NODES_AFTER",
+         parse_seconds, None,
+         "opt-in, unsafe: free the slots of a node not Ready for this many seconds even while "
+         "its pods remain (their containers may still run: a device may be given to more "
+         "consumers than its capacity); default: never on a timer", metavar="SECONDS"),
     Option("--pending-broker-grace", "AKRI_PENDING_BROKER_GRACE", parse_seconds, PENDING_GRACE,
          "seconds a broker Pod may stay Pending before it is replaced (Akri: 300)"),
     Option("--failed-broker-grace", "AKRI_FAILED_BROKER_GRACE", parse_seconds, FAILED_GRACE,
@@ -88,6 +94,7 @@ class ControllerSettings:
     renew_deadline: float
     retry_period: float
     node_grace: float
+    free_slots_of_unready_nodes_after: float | None
     pending_broker_grace: float
     failed_broker_grace: float
     resync_interval: float

@@ -20,6 +20,7 @@ from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.offline_marks import OfflineMarks
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
+from agent.node.followed_nodes import FollowedNodes
 from agent.node.kubelet.evidence import NodeEvidence
 from agent.node.kubelet.state import CHECKPOINT_FILE, KubeletState
 from agent.node.local_notes import record_notes
@@ -48,6 +49,7 @@ from discovery_handlers.debug_echo import DebugEchoHandler
 from discovery_handlers.registry import HandlerRegistry, LazyHandler
 
 log = logging.getLogger("agent")
+NODE_FIRST_READ = 5.0  # seconds the start waits to know whether this node's Node serves
 FIRST_FREEZE_DELAY = 0.5  # seconds after start (the second freeze follows when settled)
 STOP_DEADLINE = 1.5  # seconds for a clean stop after SIGTERM (the process exits within 2 s)
 
@@ -160,6 +162,13 @@ class Agent:
             # hot paths (Allocate, NodePrepareResources) bounded well under kubelet's waits
             claim_timeout=settings.slot_write_timeout or None,
         )
+        # this node's Node (and, for the shared pools' publisher, those of the nodes its
+        # shared Instances list): whether each serves (agent/core/ledger/node_standing.py)
+        self.followed_nodes: FollowedNodes | None = None
+        api_client = getattr(store, "api_client", None)
+        if not settings.local and api_client is not None:
+            self.followed_nodes = FollowedNodes(api_client, node)
+            self.ledger.may_join = self.followed_nodes.may_join
         self.ownership = Ownership(store)
         self.served = ServedInstances(store, self.ownership)
         self.discovery = DiscoveryManager(
@@ -189,6 +198,8 @@ class Agent:
         )
         self.discovery.add_offline_listener(self.offline_marks.changed)
         self.discovery.add_seen_listener(self.offline_marks.changed)
+        if self.followed_nodes is not None:
+            self.followed_nodes.listeners.append(self.discovery.wake_all)
         if settings.local:
             # local mode has no Events: `akri status --state-dir` reads this file instead
             self.discovery.notes_listeners.append(self._record_notes)
@@ -339,6 +350,12 @@ class Agent:
         self._finalizers = asyncio.create_task(
             settle_finalizers(self.store.subscribe_instances(), self.ledger), name="finalizers"
         )
+        if self.followed_nodes is not None:
+            # whether this node serves, before discovery writes itself into any Instance
+            self.followed_nodes.start()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(NODE_FIRST_READ):
+                    await self.followed_nodes.ready.wait()
         await self.discovery.start()
         self.offline_marks.start()
         if self.plugins is not None and self.reclaimer is not None:
@@ -594,6 +611,8 @@ class Agent:
         if self.plugins is not None:
             await self.plugins.close()
         await self.discovery.close()
+        if self.followed_nodes is not None:
+            await self.followed_nodes.close()
         await self.ledger.close()
         for task in (self._activity, self._finalizers):
             if task is not None:

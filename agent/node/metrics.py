@@ -182,6 +182,13 @@ class NodeCollector(Collector):
             ["dra"], agent.dra_reclaimer.freed if agent.dra_reclaimer is not None else 0
         )
         yield reclaimed
+        paused = GaugeMetricFamily(
+            "akri_slot_reclaim_paused",
+            "1 while kubelet's pod-resources cannot be read: the slots this node holds through "
+            "device plugins are kept, none is reclaimed",
+        )
+        paused.add_metric([], 1 if agent.reclaimer is not None and agent.reclaimer.paused else 0)
+        yield paused
         restarts = CounterMetricFamily(
             "akri_kubelet_reregistrations_total",
             "Times the agent registered again with a restarted kubelet",

@@ -201,6 +201,7 @@ def controller_settings(**changes: Any) -> ControllerSettings:
         "renew_deadline": 2.0,
         "retry_period": 0.2,
         "node_grace": 300.0,
+        "free_slots_of_unready_nodes_after": None,
         "pending_broker_grace": 300.0,
         "failed_broker_grace": 0.0,
         "resync_interval": 60.0,

@@ -7,6 +7,13 @@ from typing import Any
 from agent.controller import brokers, services, slices
 from agent.controller.nodes import NodeWatch, may_hold_slots
 from agent.core.ledger.decisions import decide_evict_node
+from agent.core.ledger.node_standing import (
+    OUT_OF_SERVICE_TAINT,
+    NodeFacts,
+    decide_free,
+    may_join,
+    node_serves,
+)
 from agent.core.model.configuration import parse_configuration
 from agent.core.model.instance import Instance
 from agent.core.model.naming import DRAINING_ANNOTATION, OFFLINE_ANNOTATION
@@ -120,50 +127,81 @@ def _node(ready: bool) -> dict[str, Any]:
     return {"status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
 
 
-def test_a_node_is_dead_after_the_whole_grace_not_ready_and_flapping_resets_it() -> None:
+def test_a_not_ready_node_with_none_of_its_pods_left_is_dead_after_the_grace() -> None:
     watch = NodeWatch(grace=300)
     watch.observe("node-a", _node(True), 0)
     assert not watch.is_dead("node-a", 1000)
     watch.observe("node-a", _node(False), 100)
+    assert not watch.is_dead("node-a", 1000)  # its pods not counted yet: kept
+    watch.set_pods("node-a", 0)
     assert not watch.is_dead("node-a", 399)
     assert watch.next_deadline(["node-a"], 200) == 400
     watch.observe("node-a", _node(True), 390)  # back just before the grace ends
     watch.observe("node-a", _node(False), 395)
+    watch.set_pods("node-a", 0)
     assert not watch.is_dead("node-a", 600)
     assert watch.is_dead("node-a", 695)
     assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a"}  # b: no Node, pods?
+    watch.note_unserving("node-b", 600)
     watch.set_pods("node-b", 0)  # none of node-b's pods holds a slot
     assert watch.dead_among(["node-a", "node-b"], 695) == {"node-a", "node-b"}
 
 
-def test_a_deleted_node_is_dead_once_its_pods_are_gone_and_a_conditionless_one_not_ready() -> None:
+def test_a_node_whose_pods_remain_keeps_its_slots_for_ever_unless_the_timer_is_opted_in() -> None:
+    for free_after in (None, 600.0):
+        watch = NodeWatch(grace=300, free_after=free_after)
+        watch.observe("node-a", _node(False), 0)
+        watch.set_pods("node-a", 1)
+        assert not watch.is_dead("node-a", 599)
+        verdict = watch.verdict("node-a", 10**6)
+        assert verdict.free is (free_after is not None)
+        assert verdict.forced is (free_after is not None)
+        assert watch.next_deadline(["node-a"], 10) == (None if free_after is None else 600)
+        watch.set_pods("node-a", None)  # cannot be listed: the same
+        assert watch.verdict("node-a", 10**6).free is (free_after is not None)
+
+
+def test_a_deleted_or_out_of_service_node_is_dead_as_soon_as_its_pods_are_gone() -> None:
     watch = NodeWatch(grace=300)
     watch.observe("node-a", _node(True), 0)
     watch.observe("node-a", None, 5)
     assert not watch.is_dead("node-a", 5)  # its pods not counted yet (issue 34.7)
     watch.set_pods("node-a", 2)
-    assert not watch.is_dead("node-a", 304)
-    assert watch.next_deadline(["node-a"], 10) == 305
-    watch.set_pods("node-a", None)  # the list failed: unknown again
-    assert not watch.is_dead("node-a", 6)
+    assert not watch.is_dead("node-a", 10**6)  # never on a timer alone
+    assert watch.next_deadline(["node-a"], 10) is None  # only a pod event changes it
     watch.set_pods("node-a", 0)
     assert watch.is_dead("node-a", 6)
-    watch.observe("node-b", {"status": {}}, 10)
-    assert not watch.is_ready("node-b") and not watch.is_dead("node-b", 309)
+    tainted = _node(True)
+    tainted["spec"] = {"taints": [{"key": OUT_OF_SERVICE_TAINT, "effect": "NoExecute"}]}
+    watch.observe("node-b", tainted, 10)
+    assert not watch.serves("node-b") and watch.is_ready("node-b")
+    watch.set_pods("node-b", 1)
+    assert not watch.is_dead("node-b", 11)
+    watch.set_pods("node-b", 0)
+    assert watch.is_dead("node-b", 11)
+    watch.observe("node-b", _node(True), 12)  # the taint removed: it serves, all forgotten
+    assert not watch.is_dead("node-b", 10**6) and "node-b" not in watch.pods
+    watch.set_pods("node-b", 0)  # a count for a node that serves is not kept
+    assert "node-b" not in watch.pods
+    watch.observe("node-c", {"status": {}}, 10)
+    assert not watch.is_ready("node-c") and not watch.is_dead("node-c", 10**6)
+    watch.forget([])  # no Instance names them any more: the gone one is forgotten
+    assert "node-a" not in watch.unserving_since and watch.pods == {}
 
 
-def test_a_gone_node_whose_pods_stay_is_dead_after_the_grace_and_a_new_node_starts_over() -> None:
-    watch = NodeWatch(grace=300)
-    watch.note_gone("node-c", 50)  # never seen: named by an Instance, no Node
-    watch.set_pods("node-c", 1)
-    assert not watch.is_dead("node-c", 349) and watch.is_dead("node-c", 350)
-    watch.observe("node-c", _node(True), 360)  # it registers (again): alive, all forgotten
-    assert not watch.is_dead("node-c", 1000) and "node-c" not in watch.pods_left
-    watch.set_pods("node-c", 0)  # a count for a node that is not gone is not kept
-    watch.observe("node-c", None, 400)
-    assert not watch.is_dead("node-c", 401)
-    watch.forget_gone([])  # no Instance names it any more
-    assert watch.gone_since == {} and watch.pods_left == {}
+def test_the_agent_joins_only_while_the_controller_would_free_nothing() -> None:
+    """The shared rule: whatever a Node says, the controller frees a node's slots only
+    when the agent may not join (so neither undoes the other)."""
+    tainted = {**_node(True), "spec": {"taints": [{"key": OUT_OF_SERVICE_TAINT}]}}
+    for obj in (_node(True), _node(False), tainted, {"status": {}}, None):
+        serves = node_serves(obj)
+        for pods in (None, 0, 3):
+            facts = NodeFacts(serves=serves, gone=obj is None, unserving_for=10**6,
+                              pods_holding=pods)  # fmt: skip
+            for free_after in (None, 0.0):
+                verdict = decide_free(facts, grace=0, free_after=free_after)
+                assert not (verdict.free and may_join(obj))
+    assert may_join(None, known=False)  # a Node that cannot be read: as before
 
 
 def test_pods_that_may_hold_slots() -> None:

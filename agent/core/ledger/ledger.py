@@ -89,6 +89,20 @@ class EvidenceReadError(Exception):
     source: kubelet's lives in ``agent/node/kubelet``)."""
 
 
+class NodeNotServingError(Exception):
+    """This node's Node does not serve (NotReady, deleted, tainted out-of-service): by the
+    rule it shares with the controller (:mod:`agent.core.ledger.node_standing`) it writes
+    itself into no Instance — no create, no join, no adoption — until it serves again.
+    Nothing was written."""
+
+    def __init__(self, instance: ObjectKey, node: str) -> None:
+        self.instance = instance
+        super().__init__(
+            f"node {node} does not serve (its Node is not Ready, deleted or out-of-service): "
+            f"not creating or joining instance {instance} until it does"
+        )
+
+
 class EvidenceUnavailableError(Exception):
     """This node's evidence could not be had (kubelet's ``List`` failed, its checkpoint is
     unreadable, ...): nothing was written; the creation or join is to be retried later."""
@@ -209,9 +223,13 @@ class SlotLedger:
         clock: Callable[[], float] | None = None,
         evidence: SlotEvidence | None = None,
         claim_timeout: float | None = None,
+        may_join: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
         self.node = node
+        # whether this node's Node serves (agent/node/followed_nodes.py): only then does it
+        # write itself into an Instance (the rule it shares with the controller)
+        self.may_join = may_join
         # hot paths (Allocate, NodePrepareResources) wait at most this long for a claim
         self.claim_timeout = claim_timeout
         # slots the device plugins must not take (allocated DRA claims, unsettled writes)
@@ -254,7 +272,10 @@ class SlotLedger:
     async def create_instance(self, instance: Instance) -> Instance:
         """Create ``instance`` (its ``deviceUsage`` is decided here): every slot free except
         those the evidence shows this node using. Raises :class:`AlreadyExistsError`, or
-        :class:`EvidenceUnavailableError` (nothing written)."""
+        :class:`EvidenceUnavailableError` or :class:`NodeNotServingError` (nothing
+        written)."""
+        if not self.may_join():
+            raise NodeNotServingError(instance.key, self.node)
         async with self.lock_for(instance.key):
             in_use = await self._evidence_for(instance)
             usage = initial_usage(instance, in_use)
@@ -296,6 +317,8 @@ class SlotLedger:
             current = self.store.get_cached(key)
             if current is None:
                 current = await self.store.get(key)
+            if self.node not in current.nodes and not self.may_join():
+                raise NodeNotServingError(key, self.node)
             in_use: SlotsInUse | None = None
             if check_evidence or self.node not in current.nodes:
                 in_use = await self._evidence_for(current)
@@ -492,6 +515,8 @@ class SlotLedger:
                 current = await self.store.get(key)
             if self.node in current.nodes:
                 return None
+            if not self.may_join():
+                raise NodeNotServingError(key, self.node)
             in_use = await self._evidence_for(current)
             if not in_use:
                 return None

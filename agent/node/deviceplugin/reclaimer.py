@@ -222,6 +222,8 @@ class SlotReclaimer:
         self.nudges = 0
         self.restarts_seen = 0
         self.idle = asyncio.Event()  # set while waiting for this node to hold a slot
+        # kubelet's pod-resources could not be read at the last pass: what is held is kept
+        self.paused = False
 
     @property
     def next_deadline(self) -> float | None:
@@ -304,6 +306,7 @@ class SlotReclaimer:
             self._subscription = None
 
     def _warn_off(self) -> None:
+        self.paused = True
         if not self._warned:
             log.warning(
                 "kubelet pod-resources socket not found: slot reclaim is off until it appears"
@@ -363,11 +366,19 @@ class SlotReclaimer:
             view = await self.kubelet.view()
         except (grpc.aio.AioRpcError, KubeletStateError) as error:
             what = error.code().name if isinstance(error, grpc.aio.AioRpcError) else str(error)
+            self.paused = True
             if not self._warned:
-                log.warning("asking kubelet what is in use failed (%s): slot reclaim paused", what)
+                log.warning(
+                    "asking kubelet what is in use failed (%s): slot reclaim paused; the %d "
+                    "slot(s) this node holds through device plugins are kept (their containers "
+                    "may still run) until kubelet answers again",
+                    what,
+                    len(self.index),
+                )
                 self._warned = True
             return []
         self.passes += 1
+        self.paused = False
         if self._warned:
             log.info("kubelet pod-resources available: slot reclaim is on")
             self._warned = False

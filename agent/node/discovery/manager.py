@@ -302,6 +302,12 @@ class DiscoveryManager:
             if retirement is not None:
                 retirement.wake()
 
+    def wake_all(self) -> None:
+        """Every runner decides again (this node's Node serves again: the Instances it could
+        not join meanwhile are joined now)."""
+        for runner in self.runners.values():
+            runner.wake()
+
     def _catalog_changed(self) -> None:
         if self._sweep_pending and self._tasks:
             self._sweep_orphans()  # e.g. an unreadable Configuration file became readable

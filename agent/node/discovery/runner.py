@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 
-from agent.core.ledger.ledger import EvidenceUnavailableError, SlotLedger
+from agent.core.ledger.ledger import EvidenceUnavailableError, NodeNotServingError, SlotLedger
 from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
@@ -374,6 +374,11 @@ class ConfigurationRunner:
         except EvidenceUnavailableError as error:
             self._evidence_unavailable(desired.name, error)
             return None
+        except NodeNotServingError as error:
+            # said once per episode (agent/node/followed_nodes.py); tried again when the
+            # Node serves again (the manager wakes every runner)
+            log.debug("%s", error)
+            return None
 
     async def _create_or_join(self, desired: DesiredInstance) -> Instance | None:
         shared = self.handler.shared
@@ -445,6 +450,9 @@ class ConfigurationRunner:
                 continue
             except EvidenceUnavailableError as error:
                 self._evidence_unavailable(name, error)
+                continue
+            except NodeNotServingError as error:
+                log.debug("%s", error)
                 continue
             self._unseen_checked[name] = instance.uid
             if result is not None and result.adopted:

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import grpc
 import pytest
 
 from agent.core.ledger.decisions import Owner
@@ -631,3 +632,48 @@ async def test_an_outage_backs_off_and_rate_limits_the_warnings(
         assert [h.instance.name for h in await reclaimer.reclaim_once()] == ["cam-aaaaaa"]
     assert any("works again (5 failure(s))" in r.getMessage() for r in caplog.records)
     assert len(reclaimer.release_backoff) == 0
+
+
+class _UnreachableKubelet(Kubelet):
+    """kubelet's pod-resources answering UNAVAILABLE (kubelet down: a node partitioned)."""
+
+    def __init__(self, fake: FakeTime) -> None:
+        super().__init__(fake)
+        self.down = True
+
+    async def view(self) -> KubeletView:
+        if self.down:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata()
+            )
+        return await super().view()
+
+
+async def test_an_unreachable_kubelet_keeps_what_is_held_and_says_so_once(
+    store: CountingStore,
+    fake: FakeTime,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 39.1: an agent whose kubelet cannot be asked keeps every slot it holds (their
+    containers may still run), says so once per episode (not per pass), and shows it in
+    ``akri_slot_reclaim_paused``."""
+    await store.create(make("cam-aaaaaa", s0=NODE, s1=NODE))
+    kubelet = _UnreachableKubelet(fake)
+    reclaimer = reclaimer_for(store, fake, tmp_path, grace=1.0, kubelet=kubelet)
+    caplog.set_level(logging.INFO, "agent.node.deviceplugin.reclaimer")
+    for _ in range(5):
+        assert await reclaimer.reclaim_once() == []
+        fake.now += 10
+    assert reclaimer.paused
+    assert usage(store, "cam-aaaaaa")["cam-aaaaaa-0"] == NODE
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "the 2 slot(s) this node holds through device plugins are kept" in warnings[0]
+    kubelet.down = False  # back: the episode ends (the slots are unused: freed after grace)
+    await reclaimer.reclaim_once()
+    assert not reclaimer.paused
+    kubelet.down = True  # a new episode: said again
+    await reclaimer.reclaim_once()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
