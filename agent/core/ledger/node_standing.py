@@ -7,8 +7,8 @@ control plane) and keep using the devices whose slots it holds; freeing those sl
 timer lets a pod on another node take a device that is already in use. So:
 
 * a node **serves** while its Node object exists, its ``Ready`` condition is not ``False`` or
-  ``Unknown`` and it has no ``node.kubernetes.io/out-of-service`` taint (:func:`node_serves`). Nothing of a
-  serving node is freed by anyone but its own agent;
+  ``Unknown`` and it has no ``node.kubernetes.io/out-of-service`` taint (:func:`node_serves`).
+  Nothing of a serving node is freed by anyone but its own agent;
 * a node that does not serve keeps its slots while Kubernetes still has pods bound to it that
   may hold slots (:func:`may_hold_slots`: not Succeeded/Failed — Running or Terminating —
   and using ``akri.sh/*`` resources or ResourceClaims). They are freed once those pods are
