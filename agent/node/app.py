@@ -20,7 +20,6 @@ from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from agent.node.discovery.offline_marks import OfflineMarks
 from agent.node.discovery.ownership import Ownership, ServedInstances
 from agent.node.finalizers import settle_finalizers
-from agent.node.followed_nodes import FollowedNodes
 from agent.node.kubelet.evidence import NodeEvidence
 from agent.node.kubelet.state import CHECKPOINT_FILE, KubeletState
 from agent.node.local_notes import record_notes
@@ -41,6 +40,7 @@ if TYPE_CHECKING:
     from agent.node.dra.reclaim import DraReclaimer
     from agent.node.dra.state import DraState
     from agent.node.external.registration import RegistrationServer
+    from agent.node.followed_nodes import FollowedNodes
     from agent.ops.health import HealthServer
 from agent.core.store.base import InstanceStore
 from agent.node.settings import AgentSettings
@@ -167,6 +167,9 @@ class Agent:
         self.followed_nodes: FollowedNodes | None = None
         api_client = getattr(store, "api_client", None)
         if not settings.local and api_client is not None:
+            # imported only in cluster mode: a local agent loads no Kubernetes client
+            from agent.node.followed_nodes import FollowedNodes
+
             self.followed_nodes = FollowedNodes(api_client, node)
             self.ledger.may_join = self.followed_nodes.may_join
         self.ownership = Ownership(store)
