@@ -43,7 +43,9 @@ class Controller:
         self.client = client
         self.store = KubernetesInstanceStore(
             client,
-            KubernetesSettings(node_name=settings.identity, namespace=settings.namespace),
+            KubernetesSettings(
+                node_name=settings.identity, namespace=settings.namespace, all_instances=True
+            ),
         )
         self.reconciler = Reconciler(
             client,

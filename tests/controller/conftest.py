@@ -265,7 +265,9 @@ async def reconciler_for(
     (``await reconciler.reconcile_once()``), grace periods on ``clock``."""
     kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig-reconciler")
     client = make_kube_client(str(kubeconfig))
-    store = KubernetesInstanceStore(client, KubernetesSettings("akri-controller"))
+    store = KubernetesInstanceStore(
+        client, KubernetesSettings("akri-controller", all_instances=True)
+    )
     await store.start()
     reconciler = Reconciler(client, store, ReconcileSettings(**settings), monotonic=clock)
     await reconciler.start()

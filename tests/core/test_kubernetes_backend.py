@@ -271,7 +271,7 @@ async def test_instance_deleted_during_a_watch_outage_is_seen_after_the_relist(
 ) -> None:
     """The Instance informer caches only identities (the store keeps the typed Instances):
     a deletion found by a relist still reaches subscribers with the last known Instance."""
-    other = Instance("other-abc123", "other", 2, nodes=("node-x",))
+    other = Instance("other-abc123", "other", 2, nodes=("node-a",))
     body = other.to_dict()
     body["apiVersion"], body["kind"] = "akri.sh/v0", "Instance"
     api.create(body)
@@ -292,7 +292,7 @@ async def test_instance_deleted_during_a_watch_outage_is_seen_after_the_relist(
             seen.append(await events.__anext__())
         deleted = [e for e in seen if e.type.name == "DELETED"]
         assert [e.instance.name for e in deleted] == ["other-abc123"]
-        assert deleted[0].instance.nodes == ("node-x",)  # the last known state, not a stub
+        assert deleted[0].instance.nodes == ("node-a",)  # the last known state, not a stub
     finally:
         events.close()
         await node.stop()

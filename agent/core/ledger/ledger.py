@@ -301,6 +301,7 @@ class SlotLedger:
         change: Callable[[Instance], Instance | None],
         *,
         check_evidence: bool = False,
+        expected: Instance | None = None,
     ) -> JoinResult:
         """Apply discovery's ``change`` (as :meth:`update_instance`) and, when this node is not
         yet in the Instance's ``nodes`` or ``check_evidence`` is set (the first join of this
@@ -315,6 +316,10 @@ class SlotLedger:
         (:class:`SlotsInUse`), and what is already held is decided on the version replaced."""
         async with self.lock_for(key):
             current = self.store.get_cached(key)
+            if current is None and expected is not None:
+                unseen = await self._join_unseen(key, change, expected)
+                if unseen is not None:
+                    return unseen
             if current is None:
                 current = await self.store.get(key)
             if self.node not in current.nodes and not self.may_join():
@@ -358,6 +363,40 @@ class SlotLedger:
             stored = await self.store.apply_membership(key, self.node, True, uid=current.uid)
         except ConflictError:
             return None  # re-created meanwhile: decided again on the new one, checked
+        if stored is None:
+            return None
+        STATS.record("join", writes=1)
+        return JoinResult(stored, (), (), True)
+
+    async def _join_unseen(
+        self, key: ObjectKey, change: Callable[[Instance], Instance | None], expected: Instance
+    ) -> JoinResult | None:
+        """Join an Instance this node's view does not show (another node created it: this
+        node's create was refused, AlreadyExists) without reading it first, when ``expected``
+        — what this node would have created — says joining is all there is to write: this
+        node's evidence shows none of its slots in use, and discovery's ``change`` adds this
+        node and nothing else. The membership write carries the device's fingerprint, so an
+        Instance of another device (a digest collision) refuses it. None: read it and decide
+        on it (the caller does). Raises :class:`NotFoundError` (gone meanwhile)."""
+        # what its creator wrote, had it seen the device as this node does (all slots free)
+        base = settle_finalizer(
+            expected.evolve(
+                nodes=tuple(n for n in expected.nodes if n != self.node),
+                device_usage=dict.fromkeys(expected.slot_ids(), ""),
+            )
+        )
+        if await self._evidence_for(base):
+            return None
+        changed = change(base)
+        target = base if changed is None else decide_update(base, changed) or base
+        if not only_joins(base, target, self.node) or settle_finalizer(target) != target:
+            return None
+        try:
+            stored = await self.store.apply_membership(
+                key, self.node, True, uid=None, fingerprint=expected.device_fingerprint
+            )
+        except ConflictError:
+            return None  # another device's, or refused: decided on what a read shows
         if stored is None:
             return None
         STATS.record("join", writes=1)

@@ -205,6 +205,7 @@ class InstanceStore(abc.ABC):
         *,
         uid: str | None,
         offline: str | None = None,
+        fingerprint: str | None = None,
     ) -> Instance | None:
         """Add ``node`` to (``member``) or take it out of ``spec.nodes`` of ``key`` without a
         resourceVersion precondition, so that nodes joining and leaving one shared Instance
@@ -218,6 +219,11 @@ class InstanceStore(abc.ABC):
         ``offline`` (the time it stopped seeing the device; members only) the annotation
         :func:`~agent.core.model.naming.offline_annotation` is set to it, without it the
         node's annotation is removed (so a leave takes both away).
+
+        ``fingerprint``: the device's (annotation ``akri.sh/device-digest``), for a join decided
+        without reading the Instance (one this node's view does not show): an Instance that
+        holds another device's raises :class:`ConflictError` and is not joined (a digest
+        collision); one without any gets it.
 
         Returns the stored Instance — which may still list ``node`` after a leave when another
         writer owns the entry too (on a Kubernetes API server: an entry written by a plain

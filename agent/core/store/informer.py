@@ -140,8 +140,13 @@ class Informer:
         keep: Callable[[Obj], Obj] = whole,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
         probe: Callable[[], Awaitable[object]] | None = None,
+        admits: Callable[[Obj], bool] | None = None,
     ) -> None:
         self.name = name
+        # the selector the list and watch ask the server for, as a predicate: an object our own
+        # write or read brings that fails it has left the watched collection (the server's
+        # watch says so with a DELETED event), so the cache drops it at once
+        self._admits = admits
         self._list = list_fn
         self._watch = watch_fn
         self._on_event = on_event
@@ -203,6 +208,10 @@ class Informer:
         a read that refreshes an object (e.g. after a conflict). A version the cache already
         holds, or an older one (the watch was faster), changes nothing."""
         key = key_of(event.obj)
+        if event.type != "DELETED" and self._admits is not None and not self._admits(event.obj):
+            if key not in self.cache:
+                return  # outside the watched collection, and never in it: nothing to keep
+            event = RawEvent("DELETED", event.obj)
         seen = resource_version(event.obj)
         known = self.cache.get(key)
         order = None if known is None else compare_versions(resource_version(known), seen)

@@ -7,6 +7,13 @@
   precondition. There is no blind merge patch of ``deviceUsage`` or ``nodes``.
 * Successful writes are applied to the cache at once (write-through), so the next decision
   never works on an older version than our own last write.
+* An agent watches only the Instances that concern its node (label selector
+  ``node.akri.sh/<hash>``, :mod:`agent.core.model.node_labels`): every Instance write carries
+  the labels of the nodes its content concerns, so the API server filters; an Instance it
+  must join that does not list it yet is read by its (deterministic) name. Instances without
+  the labels (Akri's agent, earlier versions) are labelled when touched, and at start those
+  that concern this node are found with ``!akri.sh/node-labels`` and labelled. The
+  controller (``all_instances``) watches them all.
 * Secrets/ConfigMaps named by ``discoveryProperties`` are read and watched by
   :mod:`agent.core.store.kube_properties`.
 * Invalid Configurations and discovery problems become Kubernetes Events on the Configuration
@@ -34,7 +41,17 @@ from agent.core.model.configuration import (
 )
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import ObjectKey
-from agent.core.model.naming import offline_annotation
+from agent.core.model.naming import DEVICE_DIGEST_ANNOTATION, offline_annotation
+from agent.core.model.node_labels import (
+    UNLABELLED_SELECTOR,
+    concerned_nodes,
+    concerned_nodes_of,
+    labelled_for,
+    labels_current,
+    node_label,
+    node_selector,
+    with_node_labels,
+)
 from agent.core.model.properties import ObjectRef
 from agent.core.store.base import (
     AlreadyExistsError,
@@ -84,6 +101,8 @@ class KubernetesSettings:
     kubeconfig: str | None = None
     request_timeout: float = 30.0
     crd_deadline: float = CRD_DEADLINE
+    # every Instance of the cluster (the controller), not only those concerning node_name
+    all_instances: bool = False
 
 
 def _status_of(error: BaseException) -> int | None:
@@ -120,14 +139,20 @@ class KubernetesInstanceStore(InstanceStore):
         self._configurations: dict[ObjectKey, Configuration] = {}
         self._invalid: dict[ObjectKey, InvalidConfiguration] = {}  # never valid (yet)
         self._config_errors: dict[ObjectKey, str] = {}  # latest error, reported once
+        # the label selector of this node's Instances (None: the controller's full view)
+        self.instance_selector = (
+            None if settings.all_instances else node_selector(settings.node_name)
+        )
         self._instance_informer = Informer(
             "instances",
-            self._lister(INSTANCES),
-            self._watcher(INSTANCES),
+            self._lister(INSTANCES, self.instance_selector),
+            self._watcher(INSTANCES, self.instance_selector),
             self._on_instance,
             keep=identity_only,  # the typed Instances in self._instances are the cache
             probe=self._probe,
+            admits=None if self.instance_selector is None else self._in_view,
         )
+        self.relabelled = 0  # Instances this store labelled (written by Akri or older agents)
         self._config_informer = Informer(
             "configurations",
             self._lister(CONFIGURATIONS),
@@ -179,6 +204,8 @@ class KubernetesInstanceStore(InstanceStore):
             (self._instance_informer, INSTANCES),
         ):
             await first_list(informer, plural, self.settings.crd_deadline)
+        if self.instance_selector is not None:
+            await self._label_unlabelled()
         self._tasks = [
             asyncio.create_task(self._config_informer.run(), name="watch-configurations"),
             asyncio.create_task(self._instance_informer.run(), name="watch-instances"),
@@ -208,23 +235,111 @@ class KubernetesInstanceStore(InstanceStore):
             raise
         self._probe_error = None
 
-    def _lister(self, plural: str) -> ListFn:
+    def _lister(self, plural: str, label_selector: str | None = None) -> ListFn:
         path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
+        params = {"labelSelector": label_selector} if label_selector else None
 
         async def list_fn() -> tuple[list[Obj], str]:
             self.request_count += 1
-            return await self._client.list_all(path, request_timeout=self.settings.request_timeout)
+            return await self._client.list_all(
+                path, params=params, request_timeout=self.settings.request_timeout
+            )
 
         return list_fn
 
-    def _watcher(self, plural: str) -> WatchFn:
+    def _watcher(self, plural: str, label_selector: str | None = None) -> WatchFn:
         path = resource_path(GROUP, VERSION, plural, self.settings.namespace or None)
 
         def watch_fn(version: str) -> AsyncGenerator[tuple[str, Obj], None]:
-            stream = self._client.watch(path, version, timeout_seconds=WATCH_TIMEOUT_SECONDS)
+            stream = self._client.watch(
+                path,
+                version,
+                timeout_seconds=WATCH_TIMEOUT_SECONDS,
+                label_selector=label_selector,
+            )
             return watch_events(stream, plural)
 
         return watch_fn
+
+    # -- this node's view: node labels -----------------------------------------------------
+    def _in_view(self, obj: Obj) -> bool:
+        """Whether ``obj`` is in this node's watch (carries its label)."""
+        return labelled_for(obj, self.settings.node_name)
+
+    def _needs_labels(self, obj: Obj) -> bool:
+        """``obj`` concerns this node (or carries its label) but its node labels are not
+        those its content asks for: a writer without them (Akri's agent, an earlier version of
+        ours) changed it, or a membership apply left a label another manager owns too."""
+        if self.instance_selector is None or labels_current(obj):
+            return False
+        node = self.settings.node_name
+        return node in concerned_nodes_of(obj) or labelled_for(obj, node)
+
+    async def _relabel(self, obj: Obj) -> Obj:
+        """Write ``obj``'s node labels as its content asks (a resourceVersion-checked PUT
+        that changes nothing else; on a conflict decided again on a fresh read, a few
+        times). Returns the stored object; one that cannot be written (refused, gone,
+        unavailable) is returned as it was, and labelled at its next touch."""
+        meta = obj.get("metadata") or {}
+        path = self._instances_path(str(meta.get("namespace") or "default"), str(meta["name"]))
+        for _ in range(3):
+            self.request_count += 1
+            try:
+                stored = await self._client.replace(
+                    path, with_node_labels(obj), request_timeout=self.settings.request_timeout
+                )
+            except ApiError as error:
+                if error.status != 409:
+                    log.warning("could not label instance %s: %s", meta.get("name"), error)
+                    return obj
+                self.request_count += 1
+                try:
+                    obj = await self._client.get(
+                        path, request_timeout=self.settings.request_timeout
+                    )
+                except ApiError:
+                    return obj
+                if not self._needs_labels(obj):
+                    return obj
+                continue
+            self.relabelled += 1
+            return stored
+        return obj
+
+    async def _label_unlabelled(self) -> None:
+        """Label the Instances that concern this node and carry no node labels (written by
+        Akri's agent or an earlier version of ours, which this node's watch cannot see): the
+        list ``!akri.sh/node-labels`` keeps only those (empty once a cluster has moved on),
+        and the labelled ones enter the watch. A failure is logged; they are labelled when
+        touched (a device reported again is read by name)."""
+        node = self.settings.node_name
+        path = resource_path(GROUP, VERSION, INSTANCES, self.settings.namespace or None)
+
+        def concerning(obj: Obj) -> Obj | None:
+            return obj if node in concerned_nodes_of(obj) else None
+
+        self.request_count += 1
+        try:
+            found, _version = await self._client.list_all(
+                path,
+                params={"labelSelector": UNLABELLED_SELECTOR},
+                request_timeout=self.settings.request_timeout,
+                keep=concerning,
+            )
+        except Exception as error:
+            log.warning("listing unlabelled instances at start failed: %s", error)
+            return
+        for obj in found:
+            stored = await self._relabel(obj)
+            if stored is not obj:
+                self._instance_informer.apply_local(RawEvent("MODIFIED", stored))
+        if found:
+            log.info(
+                "labelled %d instance(s) concerning %s written without node labels (by Akri's "
+                "agent or an earlier version)",
+                len(found),
+                node,
+            )
 
     # -- events from the informers ---------------------------------------------------------
     def _on_instance(self, event: RawEvent) -> None:
@@ -337,6 +452,8 @@ class KubernetesInstanceStore(InstanceStore):
             if isinstance(translated, NotFoundError):
                 self._forget(key)
             raise translated from error
+        if self._needs_labels(obj):
+            obj = await self._relabel(obj)
         self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
         return Instance.from_dict(obj)
 
@@ -348,7 +465,7 @@ class KubernetesInstanceStore(InstanceStore):
 
     # -- writes ----------------------------------------------------------------------------
     async def create(self, instance: Instance) -> Instance:
-        body = instance.evolve(resource_version=None, uid=None).to_dict()
+        body = with_node_labels(instance.evolve(resource_version=None, uid=None).to_dict())
         self.request_count += 1
         try:
             obj = await self._client.create(
@@ -368,7 +485,7 @@ class KubernetesInstanceStore(InstanceStore):
         try:
             obj = await self._client.replace(
                 self._instances_path(instance.namespace, instance.name),
-                instance.to_dict(),
+                with_node_labels(instance.to_dict()),
                 request_timeout=self.settings.request_timeout,
             )
         except Exception as error:
@@ -419,6 +536,7 @@ class KubernetesInstanceStore(InstanceStore):
         *,
         uid: str | None,
         offline: str | None = None,
+        fingerprint: str | None = None,
     ) -> Instance | None:
         """Server-side apply of ``node``'s entry of ``spec.nodes`` as field manager
         :func:`membership_manager` (``nodes`` is ``x-kubernetes-list-type: set`` in the CRD:
@@ -441,8 +559,20 @@ class KubernetesInstanceStore(InstanceStore):
         metadata: dict[str, Any] = {"name": key.name, "namespace": key.namespace}
         if uid:
             metadata["uid"] = uid  # a precondition: 409 if the Instance was re-created
+        annotations: dict[str, str] = {}
         if member and offline is not None:
-            metadata["annotations"] = {offline_annotation(node): offline}
+            annotations[offline_annotation(node)] = offline
+        if fingerprint:
+            # applied with the entry: an Instance whose writer set another device's value
+            # refuses the apply (409, a field manager conflict), so a digest collision is
+            # never joined, not even for a moment
+            annotations[DEVICE_DIGEST_ANNOTATION] = fingerprint
+        if annotations:
+            metadata["annotations"] = annotations
+        cached = self._instances.get(key)
+        if member or (cached is not None and node in concerned_nodes((), cached.device_usage)):
+            # this node's label is its own too: listed (or holding slots), it stays in its view
+            metadata["labels"] = {node_label(node): ""}
         body = {
             "apiVersion": f"{GROUP}/{VERSION}",
             "kind": "Instance",
@@ -485,6 +615,8 @@ class KubernetesInstanceStore(InstanceStore):
                 with contextlib.suppress(StoreError):
                     await self.get(key)
             raise translated from error
+        if self._needs_labels(obj):
+            obj = await self._relabel(obj)
         self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
         return Instance.from_dict(obj)
 

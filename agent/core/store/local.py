@@ -40,6 +40,7 @@ from agent.core.model.configuration import Configuration
 from agent.core.model.instance import Instance, InstanceFormatError
 from agent.core.model.keys import DEFAULT_NAMESPACE, ObjectKey
 from agent.core.model.naming import (
+    DEVICE_DIGEST_ANNOTATION,
     MAX_CAPACITY,
     is_dns_label,
     is_dns_subdomain,
@@ -545,6 +546,7 @@ class LocalInstanceStore(InstanceStore):
         *,
         uid: str | None,
         offline: str | None = None,
+        fingerprint: str | None = None,
     ) -> Instance | None:
         """``spec.nodes`` as a set, and the node's own offline annotation, under the state
         directory's lock: the entry is added or removed, the annotation set (``offline``, a
@@ -553,14 +555,20 @@ class LocalInstanceStore(InstanceStore):
         self._validate_key(key)
         async with self._write_lock, self._storage_errors():
             stored, written = await asyncio.to_thread(
-                self._membership_file, key, node, member, uid, offline
+                self._membership_file, key, node, member, uid, offline, fingerprint
             )
         if written or self.get_cached(key) is None:
             self._apply_to_cache(key, stored)
         return stored
 
     def _membership_file(
-        self, key: ObjectKey, node: str, member: bool, uid: str | None, offline: str | None
+        self,
+        key: ObjectKey,
+        node: str,
+        member: bool,
+        uid: str | None,
+        offline: str | None,
+        fingerprint: str | None = None,
     ) -> tuple[Instance, bool]:
         """(the stored Instance, whether it was written)."""
         with self._flock():
@@ -570,10 +578,14 @@ class LocalInstanceStore(InstanceStore):
             current = load_instance_file(path, key.namespace)
             if uid and current.uid != uid:
                 raise ConflictError(f"{key}: re-created (uid {current.uid}, expected {uid})")
+            if fingerprint and current.device_fingerprint not in (None, fingerprint):
+                raise ConflictError(f"{key}: another device's (fingerprint)")
             mark = offline_annotation(node)
             annotations = {k: v for k, v in current.annotations.items() if k != mark}
             if member and offline is not None:
                 annotations[mark] = offline
+            if fingerprint:
+                annotations[DEVICE_DIGEST_ANNOTATION] = fingerprint
             if (node in current.nodes) == member and annotations == dict(current.annotations):
                 return current, False
             nodes = current.nodes

@@ -46,17 +46,37 @@ log = logging.getLogger("agent.discovery")
 MAX_RECONCILE_BACKOFF = 30.0
 EVIDENCE_RETRY = (0.5, 30.0)  # first and longest wait before retrying unreadable evidence
 EVIDENCE_LOG_INTERVAL = 60.0  # one log line per Instance at most this often
+# an Instance this node drains that left its view (deleted; re-created, maybe, by a node that
+# could not see this node's slots, so it carries no label of this node): read by name, with
+# this backoff, for this long after it left
+UNSEEN_RETRY = (0.5, 30.0)
+UNSEEN_FOLLOW_LIMIT = 300.0
+
+
+class NameTakenError(Exception):
+    """The Instance of a planned name is another device's or another Configuration's."""
+
+    def __init__(self, instance: Instance) -> None:
+        super().__init__(f"instance {instance.key} belongs to another device")
+        self.instance = instance
 
 
 class NamespaceInstances(Mapping[str, Instance]):
-    """The cached Instances of one namespace, by name (lookups without copying the cache)."""
+    """The cached Instances of one namespace, by name (lookups without copying the cache),
+    and ``taken``: Instances this node's watch does not show that it found holding a name
+    another device's digest gave (read by name when it tried to join them)."""
 
-    def __init__(self, store: InstanceStore, namespace: str) -> None:
+    def __init__(
+        self, store: InstanceStore, namespace: str, taken: Mapping[str, Instance] | None = None
+    ) -> None:
         self._store = store
         self._namespace = namespace
+        self._taken = taken or {}
 
     def __getitem__(self, name: str) -> Instance:
         found = self._store.get_cached(ObjectKey(self._namespace, name))
+        if found is None:
+            found = self._taken.get(name)
         if found is None:
             raise KeyError(name)
         return found
@@ -120,9 +140,15 @@ class ConfigurationRunner:
         self._evidence_logged: dict[str, float] = {}
         self._evidence_waiting: set[str] = set()
         self._evidence_retry = EVIDENCE_RETRY[0]
+        # name -> an Instance of another device or Configuration holding a name this node's
+        # digests gave, read by name (its watch shows only this node's Instances)
+        self._taken_elsewhere: dict[str, Instance] = {}
         # name -> uid of an Instance this node is not in whose slots its evidence was checked
         # for (:meth:`_adopt_unseen`): once per Instance version
         self._unseen_checked: dict[str, str | None] = {}
+        # name -> (when to read it next, the backoff after that, when it left the view) of
+        # an Instance this node drains that its view does not show (:meth:`_follow_drained`)
+        self._unseen_drained: dict[str, tuple[float, float, float]] = {}
 
     @property
     def key(self) -> ObjectKey:
@@ -261,7 +287,7 @@ class ConfigurationRunner:
             self.node,
             shared,
             self._admitted_devices(),
-            NamespaceInstances(self.store, self.configuration.namespace),
+            NamespaceInstances(self.store, self.configuration.namespace, self._taken_elsewhere),
             self._missing_since,
             self._clock(),
             self._grace_for(self.configuration, shared),
@@ -334,6 +360,9 @@ class ConfigurationRunner:
             await self._leave(name, unselected=name in unselected)
             await asyncio.sleep(0)
         await self._adopt_unseen({d.name for d in plan.upserts})
+        deadline = plan.next_deadline
+        for due, _, _ in self._unseen_drained.values():
+            deadline = due if deadline is None else min(deadline, due)
         offline = frozenset(plan.offline) | frozenset(self.draining)
         if offline != self.offline:
             self.offline = offline
@@ -342,10 +371,10 @@ class ConfigurationRunner:
             del self._evidence_logged[name]
         if not self._evidence_waiting:
             self._evidence_retry = EVIDENCE_RETRY[0]
-            return plan.next_deadline
+            return deadline
         retry = self._clock() + self._evidence_retry
         self._evidence_retry = min(self._evidence_retry * 2, EVIDENCE_RETRY[1])
-        return retry if plan.next_deadline is None else min(retry, plan.next_deadline)
+        return retry if deadline is None else min(retry, deadline)
 
     def _is_settled(self, desired: DesiredInstance) -> bool:
         """True when the cached Instance, the device and the Configuration are the very ones
@@ -384,19 +413,19 @@ class ConfigurationRunner:
         shared = self.handler.shared
         key = ObjectKey(self.configuration.namespace, desired.name)
         for _ in range(5):
-            if self.store.get_cached(key) is None:
+            before = self.store.get_cached(key)
+            expected: Instance | None = None
+            if before is None:
+                expected = new_instance(self.configuration, desired, self.node, shared)
                 try:
-                    await self.ledger.create_instance(
-                        new_instance(self.configuration, desired, self.node, shared)
-                    )
+                    await self.ledger.create_instance(expected)
                     return None
                 except AlreadyExistsError:
-                    # another node created it first (all nodes see a shared device at once):
-                    # its watch event is often here already, a GET only when it is not
-                    if self.store.get_cached(key) is None:
-                        await self._refresh(key)
-                    continue
-            before = self.store.get_cached(key)
+                    # another node created it first (all nodes see a shared device at once),
+                    # or it does not list this node (yet): its watch event is often here
+                    # already; if not — this node's view shows only its own Instances — it is
+                    # joined by name, without reading it first when that is all there is
+                    before = self.store.get_cached(key)
             try:
                 # the first join of each Instance (by uid) since this runner started also
                 # takes the slots kubelet shows this node's containers using: whoever wrote
@@ -410,14 +439,21 @@ class ConfigurationRunner:
                         or desired.name not in self._evidence_checked
                         or self._evidence_checked[desired.name] != before.uid
                     ),
+                    expected=expected if before is None else None,
                 )
-                if result.checked:
-                    self._evidence_checked[desired.name] = result.instance.uid
-                stored = result.instance
-                # the identical cached object: nothing was written (a write caches a new one)
-                return stored if stored is before else None
             except NotFoundError:
                 continue  # deleted meanwhile (another node left last): create it again
+            except NameTakenError as taken:
+                # the name is another device's (a digest collision with an Instance this
+                # node's view does not show): planned again with it known
+                self._taken_elsewhere[desired.name] = taken.instance
+                self.wake()
+                return None
+            if result.checked:
+                self._evidence_checked[desired.name] = result.instance.uid
+            stored = result.instance
+            # the identical cached object: nothing was written (a write caches a new one)
+            return stored if stored is before else None
         raise StoreError(f"could not upsert instance {key}")
 
     async def _adopt_unseen(self, discovered: set[str]) -> None:
@@ -470,6 +506,56 @@ class ConfigurationRunner:
             await asyncio.sleep(0)
         for name in [n for n in self._unseen_checked if n not in seen]:
             del self._unseen_checked[name]
+        await self._follow_drained(seen | discovered)
+
+    async def _follow_drained(self, visible: set[str]) -> None:
+        """Instances this node drains (its containers use their slots) that its view no longer
+        shows: deleted — and maybe re-created by a node that could not see those slots, so
+        without this node's label. Each is read by name (with backoff, for
+        :data:`UNSEEN_FOLLOW_LIMIT` seconds after it left the view) and joined draining with
+        the slots still in use (:meth:`SlotLedger.adopt_draining`), as one in view would be;
+        found holding nothing of this node's, it is no longer followed."""
+        now = self._clock()
+        for name in [n for n in self._unseen_drained if n not in self.draining or n in visible]:
+            del self._unseen_drained[name]
+        for name in sorted(self.draining):
+            if name in visible:
+                continue
+            due, backoff, since = self._unseen_drained.get(name, (now, UNSEEN_RETRY[0], now))
+            if due > now:
+                continue
+            key = ObjectKey(self.configuration.namespace, name)
+            try:
+                result = await self.ledger.adopt_draining(key, lambda: None)
+            except NotFoundError:
+                if now - since >= UNSEEN_FOLLOW_LIMIT:
+                    del self.draining[name]
+                    self._unseen_drained.pop(name, None)
+                    continue
+                self._unseen_drained[name] = (
+                    now + backoff,
+                    min(backoff * 2, UNSEEN_RETRY[1]),
+                    since,
+                )
+                continue
+            except EvidenceUnavailableError as error:
+                self._evidence_unavailable(name, error)
+                continue
+            self._unseen_drained.pop(name, None)
+            if result is None or not result.adopted:
+                del self.draining[name]  # nothing of this node's is in use there any more
+                continue
+            slots = tuple(slot for slot, _ in result.adopted)
+            self.draining[name] = slots
+            await report_draining(
+                self.store,
+                key,
+                self.node,
+                slots,
+                "its containers use slots of an instance re-created without them while "
+                "this node does not see the device",
+            )
+            self._missing_since[name] = float("-inf")
 
     def _evidence_unavailable(self, name: str, error: EvidenceUnavailableError) -> None:
         self._evidence_waiting.add(name)
@@ -495,6 +581,10 @@ class ConfigurationRunner:
         node's agent is down, the change waits until it is back or the controller's dead-node
         cleanup takes it out of ``nodes``.) This node's own part (joining, its marks) it
         always writes itself."""
+        if instance.configuration_name != self.configuration.name or (
+            instance.device_fingerprint not in (None, desired.fingerprint)
+        ):
+            raise NameTakenError(instance)
         target = join_instance(instance, self.configuration, desired, self.node, shared)
         if (
             target is None
@@ -506,10 +596,6 @@ class ConfigurationRunner:
         if target.nodes == instance.nodes and target.annotations == instance.annotations:
             return None  # the node that sorts first writes it
         return target
-
-    async def _refresh(self, key: ObjectKey) -> None:
-        with contextlib.suppress(NotFoundError):
-            await self.store.get(key)
 
     async def _leave(self, name: str, unselected: bool = False) -> None:
         key = ObjectKey(self.configuration.namespace, name)
