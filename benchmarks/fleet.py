@@ -41,7 +41,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from benchmarks.harness import (
 CONFIGURATION = "fleet-cams"
 NODE = "fleet-me"
 OWN_DEVICE = "me-cam"
+CAMERAS_PER_NODE = 10
 BENCH_LABEL = "akri.sh/bench"
 INSTANCES = resource_path("akri.sh", "v0", "instances", "default")
 CONFIGURATIONS = resource_path("akri.sh", "v0", "configurations", "default")
@@ -81,14 +82,21 @@ class FleetPlan:
     seconds: float = 60.0  # of churn (and of the idle window before it)
     within: float = 300.0  # bound of every wait
     restart: bool = True
+    controller: bool = True  # the controller's cost at the largest size (double only)
 
 
-QUICK = FleetPlan(sizes=(1000,), seconds=15.0, within=180.0)
+QUICK = FleetPlan(sizes=(1000,), seconds=15.0, within=180.0, controller=False)
+
+
+def foreign_node(index: int) -> str:
+    """The node of foreign Instance ``index``: ten cameras per node, as in the issue's
+    cluster (10,000 Instances on 1,000 nodes)."""
+    return f"fleet-{index // CAMERAS_PER_NODE:05d}"
 
 
 def foreign_instance(index: int) -> dict[str, Any]:
     """Another node's local camera, as our agent on that node writes it."""
-    node = f"fleet-{index:05d}"
+    node = foreign_node(index)
     name = f"{CONFIGURATION}-{index:07x}"  # 7 hex: never one of this node's 6-hex names
     body: dict[str, Any] = {
         "apiVersion": "akri.sh/v0",
@@ -186,6 +194,12 @@ class Cluster:
             await self.client.close()
         if self.double is not None:
             self.double.stop()
+
+
+def fleet_options(options: AgentOptions) -> AgentOptions:
+    """``options`` with this node's camera a local device too (debugEcho's are shared by
+    default)."""
+    return replace(options, extra_args=(*options.extra_args, "--no-debug-echo-shared"))
 
 
 def agent_command(root: Path | None) -> list[str]:
@@ -363,11 +377,54 @@ async def run_fleet(
             and healthy_listed(node.kubelet, {instance_resource(own)})
         )
         result["problems"] = agent.problems()[:5]
+        if plan.controller and cluster.double is not None:
+            await agent.stop(10.0, quiet=True)
+            result["controller"] = await controller_cost(cluster.double, objects, plan, node.base)
         return result
     finally:
         if node is not None:
             await node.close()
         await cluster.close()
+
+
+async def controller_cost(
+    api: ApiServer, objects: list[dict[str, Any]], plan: FleetPlan, base: Path
+) -> dict[str, Any]:
+    """``akri controller`` (one per cluster, a full view) with the same foreign Instances and
+    their nodes (Ready Node objects): its RSS once idle, and its CPU in the same churn."""
+    from benchmarks.controller import _leading, _node, _ready, _start
+
+    for name in sorted({foreign_node(i) for i in range(len(objects))} | {NODE}):
+        api.api.create(_node(name))
+        _ready(api, name, True)
+    process, _port = _start(api, base)
+    try:
+        await _leading(api, process, plan.within)
+        rss = await idle_rss(process.pid, plan.within)
+        log(f"fleet: controller with {len(objects)} Instances: {rss} MiB")
+        before = cpu_ns(process.pid)
+        started = time.monotonic()
+        writes = await churn(api_cluster(api), objects, plan.rate, plan.seconds)
+        elapsed = time.monotonic() - started
+        await asyncio.sleep(1.0)
+        used = (cpu_ns(process.pid) - before) / 1e9
+        return {
+            "instances": len(objects),
+            "nodes": len({foreign_node(i) for i in range(len(objects))}) + 1,
+            "rss_mb": rss,
+            "rss_peak_mb": round(rss_mb(process.pid, "VmHWM"), 1),
+            "churn_writes": writes,
+            "churn_cpu_percent": round(used / (elapsed + 1.0) * 100, 2),
+        }
+    finally:
+        await process.stop(10.0, quiet=True)
+
+
+def api_cluster(api: ApiServer) -> Cluster:
+    """A :class:`Cluster` over an already running double (for :func:`churn`)."""
+    cluster = Cluster.__new__(Cluster)
+    cluster.kubeconfig, cluster.double, cluster.client = None, api, None
+    return cluster
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -377,6 +434,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=60.0, help="of churn (and idle)")
     parser.add_argument("--within", type=float, default=300.0, help="bound of every wait")
     parser.add_argument("--no-restart", action="store_true", help="skip the restart phase")
+    parser.add_argument(
+        "--no-controller", action="store_true", help="skip the controller's cost (double only)"
+    )
     parser.add_argument("--kubeconfig", type=Path, help="a real API server instead of the double")
     parser.add_argument("--before-root", type=Path, help="also measure this checkout's agent")
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
@@ -390,14 +450,17 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         seconds=args.seconds,
         within=args.within,
         restart=not args.no_restart,
+        controller=not args.no_controller and args.kubeconfig is None,
     )
-    # this node's camera is a local device too (debugEcho's are shared by default)
-    options = AgentOptions(extra_args=("--no-debug-echo-shared",))
+    options = fleet_options(AgentOptions())
     settings = {"plan": plan.__dict__, "node": NODE, "configuration": CONFIGURATION}
     if args.before_root is None:
         return {"settings": settings, **await run_fleet(plan, options, kubeconfig=args.kubeconfig)}
     before = await run_fleet(
-        plan, options, kubeconfig=args.kubeconfig, agent_root=args.before_root.resolve()
+        replace(plan, controller=False),  # the same controller either way: measured once
+        options,
+        kubeconfig=args.kubeconfig,
+        agent_root=args.before_root.resolve(),
     )
     after = await run_fleet(plan, options, kubeconfig=args.kubeconfig)
     return {"settings": settings, "before": before, "after": after}

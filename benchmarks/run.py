@@ -37,6 +37,8 @@ from benchmarks.controller import (
     dead_node_slots_freed,
 )
 from benchmarks.external_handler import measure_external_handler
+from benchmarks.fleet import QUICK as FLEET_QUICK
+from benchmarks.fleet import FleetPlan, fleet_options, run_fleet
 from benchmarks.harness import (
     LOOP_LAGS,
     PROCESSES,
@@ -76,6 +78,7 @@ PLANS: dict[str, dict[str, Any]] = {
         ),
         "contention": ContentionPlan(),
         "many_agents": ManyAgentsPlan(agents=(5, 10)),
+        "fleet": FLEET_QUICK,
         "controller": ControllerPlan(samples=30, dead_node_samples=2, instances=100, nodes=10),
         "local": LocalPlan(
             startups=5,
@@ -98,6 +101,7 @@ PLANS: dict[str, dict[str, Any]] = {
         "scale": ScalePlan(instances=1000, idle_seconds=30, settle_seconds=5, shutdown_grace=30),
         "contention": ContentionPlan(),
         "many_agents": ManyAgentsPlan(),
+        "fleet": FleetPlan(),
         "controller": ControllerPlan(),
         "local": LocalPlan(startups=10, idle_seconds=60),
     },
@@ -110,6 +114,7 @@ SECTIONS = (
     "scale",
     "contention",
     "many_agents",
+    "fleet",
     "controller",
     "udev",
     "local",
@@ -503,6 +508,10 @@ async def run(args: argparse.Namespace, results: dict[str, Any]) -> None:
         plan = plans["many_agents"]
         within = len(plan.agents) * (3 * plan.within + 120)
         await measure(results, "many_agents", lambda: run_many_agents(plan, options), within)
+    if "fleet" in args.only:
+        fleet = plans["fleet"]
+        within = 4 * fleet.within + 3 * fleet.seconds + 60 * len(fleet.sizes)
+        await measure(results, "fleet", lambda: run_fleet(fleet, fleet_options(options)), within)
     if "controller" in args.only:
         await controller_section(results, plans["controller"])
     if "udev" in args.only:

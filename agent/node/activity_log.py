@@ -29,6 +29,10 @@ def describe(event: InstanceEvent) -> list[str]:
             f"shared={str(inst.shared).lower()} capacity={inst.capacity} "
             f"nodes={list(inst.nodes)} properties={dict(inst.broker_properties)}"
         ]
+    if event.type is EventType.DELETED and event.left_view:
+        return [f"instance {_name(inst)}: no longer concerns this node; out of its view"]
+    if event.type is EventType.DELETED and event.left_view is None:
+        return [f"instance {_name(inst)}: deleted, or no longer concerns this node"]
     if event.type is EventType.DELETED:
         return [f"instance {_name(inst)} deleted"]
     previous = event.previous

@@ -171,7 +171,7 @@ async def test_a_node_caches_none_of_a_thousand_foreign_instances_and_ignores_th
 
 
 async def test_a_node_joins_a_shared_instance_other_nodes_created_by_its_name(
-    api: ApiServerDouble, tmp_path: Path
+    api: ApiServerDouble, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Its view does not show the Instance (it does not list the node yet): the create is
     refused (AlreadyExists) and the node joins with its membership apply at once — two
@@ -202,7 +202,9 @@ async def test_a_node_joins_a_shared_instance_other_nodes_created_by_its_name(
             await eventually(
                 lambda: "node-a" in node_b.store.get_cached(ObjectKey("default", SHARED)).nodes
             )
-            # leaving takes node-a's label with its entry: its view drops the Instance
+            # leaving takes node-a's label with its entry: its view drops the Instance (said
+            # as such, not as a deletion)
+            caplog.set_level(logging.INFO, logger="agent.instances")
             node_a.offline()
             await eventually(
                 lambda: node_a.store.get_cached(ObjectKey("default", SHARED)) is None,
@@ -211,6 +213,12 @@ async def test_a_node_joins_a_shared_instance_other_nodes_created_by_its_name(
             left = api.get(INSTANCES, SHARED, "default")
             assert left is not None and left["spec"]["nodes"] == ["node-b"]
             assert node_label("node-a") not in left["metadata"]["labels"]
+            lines = [r.getMessage() for r in caplog.records if r.name == "agent.instances"]
+            assert any(
+                line.startswith(f"instance {SHARED}: ") and "no longer concerns this node" in line
+                for line in lines
+            )
+            assert f"instance {SHARED} deleted" not in lines
         finally:
             await node_a.stop()
     finally:

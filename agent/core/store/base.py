@@ -87,11 +87,15 @@ class EventType(enum.Enum):
 
 @dataclass(frozen=True)
 class InstanceEvent:
-    """An Instance changed. ``previous`` is the cached object before the change, if any."""
+    """An Instance changed. ``previous`` is the cached object before the change, if any.
+    ``left_view`` of a DELETED: True when it only means the Instance no longer concerns this
+    node (it left it and holds none of its slots: its view drops it; it still exists), None
+    when that cannot be told from a deletion (a watch filtered by label says both alike)."""
 
     type: EventType
     instance: Instance
     previous: Instance | None = None
+    left_view: bool | None = False
 
 
 @dataclass(frozen=True)

@@ -367,8 +367,16 @@ class KubernetesInstanceStore(InstanceStore):
             instance = Instance.from_dict(obj) if obj.get("spec") is not None else previous
         except InstanceFormatError:
             instance = previous
+        left: bool | None = False
+        if self.instance_selector is not None and "spec" in obj:
+            if not self._in_view(obj):
+                left = True  # our own write took this node out
+            elif not meta.get("deletionTimestamp"):
+                # the watch says "deleted" for both (kube-apiserver sends the last state this
+                # node's selector matched); one of ours that was deleted was terminating
+                left = None
         if instance is not None:
-            self._publish_instance(InstanceEvent(EventType.DELETED, instance, previous))
+            self._publish_instance(InstanceEvent(EventType.DELETED, instance, previous, left))
         if catalog:
             self._catalog_changed()
 
