@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agent.controller.deviceclasses import DeviceClassReconciler
 from agent.controller.leader import LeaderElector, LeaseSettings
 from agent.controller.metrics import ControllerCollector
+from agent.controller.node_labels import NodeLabelKeeper
 from agent.controller.reconcile import Reconciler, ReconcileSettings
 from agent.controller.settings import ControllerSettings
 from agent.core.kube import KubeClient
@@ -61,6 +62,8 @@ class Controller:
         )
         # KEP-5004: the DeviceClasses that serve akri.sh/<name> limits through DRA
         self.device_classes = DeviceClassReconciler(client, self.store)
+        # issue 41: each agent watches only the Instances labelled with its node
+        self.node_labels = NodeLabelKeeper(self.store)
         self.elector = LeaderElector(
             client,
             LeaseSettings(
@@ -136,6 +139,7 @@ class Controller:
             work = [
                 asyncio.create_task(self.reconciler.run(), name="reconcile"),
                 asyncio.create_task(self.device_classes.run(), name="device-classes"),
+                asyncio.create_task(self.node_labels.run(), name="node-labels"),
             ]
             try:
                 while self.elector.leading.is_set():

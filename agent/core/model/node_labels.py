@@ -94,11 +94,15 @@ def with_node_labels(obj: Mapping[str, Any]) -> dict[str, Any]:
 
 def labels_current(obj: Mapping[str, Any]) -> bool:
     """True when ``obj``'s node labels (and the mark) are those its content asks for."""
-    labels = labels_of(obj)
+    return labels_match(labels_of(obj), concerned_nodes_of(obj))
+
+
+def labels_match(labels: Mapping[str, str], concerned: Iterable[str]) -> bool:
+    """True when ``labels`` hold the mark and exactly the node labels of ``concerned``."""
     if labels.get(LABELLED) != LABELLED_VALUE:
         return False
     have = {k for k in labels if k.startswith(NODE_LABEL_PREFIX)}
-    return have == {node_label(n) for n in concerned_nodes_of(obj)}
+    return have == {node_label(n) for n in concerned}
 
 
 def labelled_for(obj: Mapping[str, Any], node: str) -> bool:
