@@ -326,6 +326,7 @@ class Agent:
             # pools also go by the other nodes' offline marks in the Instances
             self.offline_marks.offline,
             options_of=options.of,
+            instance_exists=self.store.instance_exists,
         )
         self.offline_marks.add_listener(self.publisher.trigger)
 

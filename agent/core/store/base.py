@@ -178,6 +178,11 @@ class InstanceStore(abc.ABC):
     def instances_named(self, name: str) -> list[Instance]:
         """Every cached Instance called ``name``, in any namespace (sorted by namespace)."""
 
+    async def instance_exists(self, name: str) -> bool:
+        """Whether an Instance called ``name`` exists in any namespace — also one this node's
+        view does not show (a Kubernetes agent's cache holds only its node's Instances)."""
+        return bool(self.instances_named(name))
+
     @abc.abstractmethod
     def instance_configurations(self) -> set[ObjectKey]:
         """Keys of the Configurations that have at least one cached Instance."""

@@ -442,6 +442,19 @@ class KubernetesInstanceStore(InstanceStore):
     def instance_configurations(self) -> set[ObjectKey]:
         return self._instances.configuration_keys()
 
+    async def instance_exists(self, name: str) -> bool:
+        if self.instance_selector is None or self._instances.named(name):
+            return bool(self._instances.named(name))
+        self.request_count += 1
+        path = resource_path(GROUP, VERSION, INSTANCES, self.settings.namespace or None)
+        found, _version = await self._client.list_all(
+            path,
+            params={"fieldSelector": f"metadata.name={name}"},
+            request_timeout=self.settings.request_timeout,
+            keep=identity_only,
+        )
+        return bool(found)
+
     def configurations(self) -> list[Configuration]:
         return [self._configurations[key] for key in sorted(self._configurations)]
 

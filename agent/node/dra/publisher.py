@@ -15,7 +15,10 @@
   records the Instance version it was decided on; a node whose view of the Instance is older
   than the slice's leaves it alone (it is behind, not the publisher);
 * slices of shared pools whose Instance is gone are deleted by the first node their
-  nodeSelector lists, or by any listed node once :data:`ORPHAN_GRACE` has passed;
+  nodeSelector lists, or by any listed node once :data:`ORPHAN_GRACE` has passed — gone on
+  the API server's word (``instance_exists``): this node's view holds only the Instances
+  that list it, and one it has just left (the next publisher rewrites the pool in place) is
+  not gone;
 * every write is a create, or a PUT/DELETE with the resourceVersion it was decided on. A
   conflict (409: someone else wrote the slice first) re-reads that slice and leaves the pool
   alone for a jittered, doubling pause (:data:`CONFLICT_BACKOFF`) before deciding again;
@@ -180,8 +183,13 @@ class SlicePublisher:
         *,
         debounce: float = 0.02,
         options_of: OptionsOf | None = None,
+        instance_exists: Callable[[str], Awaitable[bool]] | None = None,
     ) -> None:
         self._client = api_client
+        # asks the API server whether an Instance this node's view no longer shows still
+        # exists (None: the view is complete); and until when each was last found to
+        self._instance_exists = instance_exists
+        self._alive_until: dict[str, float] = {}
         self._options_of = options_of
         # cleared when the API server drops the fields (its feature gate is off): consumable
         # capacity falls back to one device per slot, taints to withdrawing offline slots
@@ -388,10 +396,32 @@ class SlicePublisher:
             if min(listed) != self.node and now - since < ORPHAN_GRACE:
                 self._wake_at(since + ORPHAN_GRACE - now)
                 continue
-            if not self._backing_off(name, now):
-                await self._guarded(name, self._delete_all(objs))
+            if self._backing_off(name, now) or not await self._gone(name, now):
+                continue
+            await self._guarded(name, self._delete_all(objs))
         for name in self._orphaned_since.keys() - orphans:
             del self._orphaned_since[name]
+        for name in self._alive_until.keys() - orphans:
+            del self._alive_until[name]
+
+    async def _gone(self, instance: str, now: float) -> bool:
+        """Whether the Instance of a shared pool this node's view does not show is gone: not
+        when it still exists (this node left it; its next publisher rewrites the pool),
+        asked again after :data:`ORPHAN_GRACE`; not when the API server cannot say now."""
+        if self._instance_exists is None:
+            return True
+        if now < self._alive_until.get(instance, now):
+            return False
+        try:
+            exists = await self._instance_exists(instance)
+        except Exception as error:  # unavailable: decided at a later sync
+            log.info("cannot tell whether instance %s still exists: %s", instance, error)
+            self._wake_at(ORPHAN_GRACE)
+            return False
+        if exists:
+            self._alive_until[instance] = now + ORPHAN_GRACE
+            self._wake_at(ORPHAN_GRACE)
+        return not exists
 
     def _backing_off(self, pool: str, now: float) -> bool:
         """Whether ``pool`` waits after a conflict (a sync is scheduled for its end)."""

@@ -14,6 +14,7 @@ import pytest
 
 from agent.core.model.instance import Instance
 from agent.core.model.keys import ObjectKey
+from agent.core.model.node_labels import with_node_labels
 from tests.doubles.apiserver import ApiServerDouble
 from tests.harness.dp_nodes import start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
@@ -69,7 +70,7 @@ async def test_slices_publish_only_the_owner_namespace_s_instance(
             shared=True,
             nodes=("node-a",),
         )
-        api.create(stray.to_dict())
+        api.create(with_node_labels(stray.to_dict()))  # as our agents write it
         api.create(in_namespace(debug_echo_configuration("cam", ("foo0",), 3), "other"))
         await eventually(lambda: conflicts(api) != [], what="NameConflict Event")
         (event,) = conflicts(api)
