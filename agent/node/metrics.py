@@ -222,6 +222,13 @@ class NodeCollector(Collector):
         publisher = agent.publisher
         refused.add_metric([], publisher.refused_writes if publisher is not None else 0)
         yield refused
+        pending = GaugeMetricFamily(
+            "akri_dra_pending_releases",
+            "DRA claims unprepared on this node (an uninstalled agent) whose slot release the "
+            "API refused: kept in the DRA checkpoint and retried until done",
+        )
+        pending.add_metric([], len(agent.dra.state.checkpoint.releases) if agent.dra else 0)
+        yield pending
         dropped = CounterMetricFamily(
             "akri_events_dropped_total",
             "Kubernetes Events not sent because too many sends were already pending",

@@ -343,6 +343,7 @@ async def test_a_release_refused_after_the_rbac_went_is_done_by_the_next_agent(
         results = await kubelet.remove_pod("app-uid")
         assert list(results) == [uid] and not results[uid].error, results
         assert uid in _pending_releases(node)
+        assert b"akri_dra_pending_releases 1.0" in node.agent.metrics_text()
         await asyncio.wait_for(staying, 30)  # until its Pod's deadline: the API never answers
         await _stop_keeping_files(node, kubelet)
         assert _checkpoint(node).exists()  # the release stays on record on the node
