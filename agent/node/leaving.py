@@ -27,7 +27,9 @@ asks why:
 It asks also when no claim is prepared: an agent uninstalled with none left (at once, or
 after staying) removes its empty DRA checkpoint and plugin directory once stopped
 (``Checkpoint.remove_if_empty``), which nothing else would ever remove from the node; a
-replaced or unknown one keeps them for the next agent.
+replaced or unknown one keeps them for the next agent. A slot release still pending (the API
+kept refusing until the Pod's deadline) keeps them too: the next agent installed on this node
+completes it.
 
 Why not a ``preStop`` hook: it would be another process, without the DRA state, asking the
 same questions; the agent itself knows what is prepared and keeps serving kubelet meanwhile.

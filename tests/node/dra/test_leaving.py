@@ -124,18 +124,39 @@ def _checkpoint(node: DpNode) -> Path:
     return node.agent.settings.dra_plugin_dir / "checkpoint.json"
 
 
-async def _stop_keeping_files(node: DpNode, kubelet: DraKubeletDouble) -> None:
-    """Stop the agent as its Pod's end would, leaving the node's files to look at."""
-    await kubelet.stop()
-    await node.stop(keep_files=True)
+class _Running:
+    """A node's agent and DRA kubelet, stopped once: by the test (:meth:`stop`, as its Pod's
+    end would, leaving the node's files to look at) or at the end; then any API fault is
+    cleared first and the node's files go."""
+
+    def __init__(self, api: ApiServerDouble, node: DpNode, kubelet: DraKubeletDouble) -> None:
+        self.api = api
+        self.node = node
+        self.kubelet = kubelet
+        self.stopped = False
+
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            await self.kubelet.stop()
+            await self.node.stop(keep_files=True)
+
+    async def __aenter__(self) -> _Running:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        self.api.clear_faults()
+        try:
+            await self.stop()
+        finally:
+            shutil.rmtree(self.node.base, ignore_errors=True)
 
 
 async def test_a_replaced_agent_leaves_at_once_and_its_claims_stay_prepared(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
     node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
-    stopped = False
-    try:
+    async with _Running(api, node, kubelet) as running:
         api.clear_requests()
         await asyncio.wait_for(node.agent.stay_while_uninstalled(), 10)
         assert node.dra is not None and uid in node.dra.state.checkpoint.claims
@@ -145,22 +166,15 @@ async def test_a_replaced_agent_leaves_at_once_and_its_claims_stay_prepared(
                  for r in api.requests if r.info.namespace == NS}  # fmt: skip
         assert asked == {("", "pods", "get", NS), ("apps", "daemonsets", "get", NS)}
         assert all(allowed(grants(), *request) for request in asked)
-        await _stop_keeping_files(node, kubelet)
-        stopped = True
+        await running.stop()
         assert uid in _checkpoint(node).read_text()  # for the next agent
-    finally:
-        if not stopped:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(node.base, ignore_errors=True)
 
 
 async def test_an_uninstalled_agent_stays_until_kubelet_has_unprepared_its_claims(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
     node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
-    stopped = False
-    try:
+    async with _Running(api, node, kubelet) as running:
         api.delete("daemonsets.apps", "akri-agent", NS)
         staying = asyncio.create_task(node.agent.stay_while_uninstalled())
         await asyncio.sleep(1.0)
@@ -169,16 +183,10 @@ async def test_an_uninstalled_agent_stays_until_kubelet_has_unprepared_its_claim
         await asyncio.wait_for(staying, 10)
         assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == ""
         assert _checkpoint(node).exists()  # empty, until the agent has stopped
-        await _stop_keeping_files(node, kubelet)
-        stopped = True
+        await running.stop()
         # leaving for good with nothing prepared: its checkpoint and plugin directory go
         # (acceptance F7: an empty checkpoint.json stayed on every node)
         assert not _checkpoint(node).parent.exists()
-    finally:
-        if not stopped:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(node.base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("daemonset_stays", [True, False])
@@ -189,8 +197,7 @@ async def test_the_empty_checkpoint_goes_only_with_the_install(
     Uninstalled, it removes its empty DRA checkpoint and its plugin directory (a file of
     someone else's there keeps the directory); replaced (a rollout), it keeps them."""
     node, kubelet, _ = await _node_with_a_prepared_claim(api, tmp_path)
-    stopped = False
-    try:
+    async with _Running(api, node, kubelet) as running:
         await kubelet.remove_pod("app-uid")  # unprepared while the agent runs
         assert node.dra is not None
         await eventually(lambda: node.dra is not None and not node.dra.state.checkpoint.claims)
@@ -201,17 +208,11 @@ async def test_the_empty_checkpoint_goes_only_with_the_install(
         else:
             api.delete("daemonsets.apps", "akri-agent", NS)
         await asyncio.wait_for(node.agent.stay_while_uninstalled(), 10)
-        await _stop_keeping_files(node, kubelet)
-        stopped = True
+        await running.stop()
         if daemonset_stays:
             assert _checkpoint(node).exists() and stranger.exists()
         else:
             assert not _checkpoint(node).parent.exists()
-    finally:
-        if not stopped:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(node.base, ignore_errors=True)
 
 
 # (status or "timeout" / "no answer", the resource whose GET fails)
@@ -248,23 +249,15 @@ async def test_a_rollout_is_never_taken_for_an_uninstall(
     else:
         assert isinstance(failure, int)
         api.fail(failure, verb="get", resource=resource, name=name, namespace=NS, times=None)
-    stopped = False
-    try:
+    async with _Running(api, node, kubelet) as running:
         # at once: staying would last up to the Pod's deletion deadline (30 s on)
         await asyncio.wait_for(node.agent.stay_while_uninstalled(), 15)
         assert node.dra is not None and uid in node.dra.state.checkpoint.claims
         assert not node.agent.leaving_for_good and not node.dra.state.releases_may_fail
         assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
-        await _stop_keeping_files(node, kubelet)
-        stopped = True
+        await running.stop()
         assert uid in _checkpoint(node).read_text()  # for the next agent
         assert list(node.cdi_dir.glob("*.json"))  # its container keeps its device
-    finally:
-        api.clear_faults()
-        if not stopped:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(node.base, ignore_errors=True)
 
 
 INSTANCES = "instances.akri.sh"
@@ -288,8 +281,7 @@ async def test_a_release_refused_for_a_moment_while_uninstalled_is_retried(
     agent leaves and its checkpoint goes. Before: the release was only logged, the Instance
     kept ``D:<uid>:node-a`` for good."""
     node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path)
-    stopped = False
-    try:
+    async with _Running(api, node, kubelet) as running:
         api.delete("daemonsets.apps", "akri-agent", NS)
         staying = asyncio.create_task(node.agent.stay_while_uninstalled())
         await eventually(lambda: node.dra is not None and node.dra.state.releases_may_fail,
@@ -310,15 +302,8 @@ async def test_a_release_refused_for_a_moment_while_uninstalled_is_retried(
         )
         await asyncio.wait_for(staying, 15)
         assert _pending_releases(node) == {}
-        await _stop_keeping_files(node, kubelet)
-        stopped = True
+        await running.stop()
         assert not _checkpoint(node).parent.exists()  # nothing left on record: it goes
-    finally:
-        api.clear_faults()
-        if not stopped:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(node.base, ignore_errors=True)
 
 
 async def test_a_release_refused_after_the_rbac_went_is_done_by_the_next_agent(
@@ -332,38 +317,35 @@ async def test_a_release_refused_after_the_rbac_went_is_done_by_the_next_agent(
     Before: the checkpoint was deleted with the agent, the next agent kept the slot as
     untraceable for ever and the Instance stayed Terminating."""
     node, kubelet, uid = await _node_with_a_prepared_claim(api, tmp_path, pod_grace=6)
-    base = node.base
     second: DpNode | None = None
-    try:
-        api.delete("daemonsets.apps", "akri-agent", NS)
-        staying = asyncio.create_task(node.agent.stay_while_uninstalled())
-        await eventually(lambda: node.dra is not None and node.dra.state.releases_may_fail,
-                         what="the agent knows it is uninstalled")  # fmt: skip
-        api.fail(403, times=None)  # every request of every client: the RBAC is gone
-        results = await kubelet.remove_pod("app-uid")
-        assert list(results) == [uid] and not results[uid].error, results
-        assert uid in _pending_releases(node)
-        assert b"akri_dra_pending_releases 1.0" in node.agent.metrics_text()
-        await asyncio.wait_for(staying, 30)  # until its Pod's deadline: the API never answers
-        await _stop_keeping_files(node, kubelet)
-        assert _checkpoint(node).exists()  # the release stays on record on the node
-        assert uid in _pending_releases(node)
-        api.clear_faults()
-        assert api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == f"D:{uid}:node-a"
-        # installed again: a new agent on the same node, its RBAC back
-        second = await start_dp_node(api, "node-a", tmp_path, dra=True, base=base)
-        await eventually(
-            lambda: api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == "",
-            what="the pending release done by the next agent",
-        )
-        await eventually(lambda: _pending_releases(second) == {}, what="its record dropped")
-        api.delete("configurations.akri.sh", "cam", "default")
-        await eventually(lambda: api.list(INSTANCES) == [], what="the Configuration's delete ends")
-    finally:
-        api.clear_faults()
-        if second is not None:
-            await second.stop(keep_files=True)
-        else:
-            await kubelet.stop()
-            await node.stop(keep_files=True)
-        shutil.rmtree(base, ignore_errors=True)
+    async with _Running(api, node, kubelet) as running:
+        try:
+            api.delete("daemonsets.apps", "akri-agent", NS)
+            staying = asyncio.create_task(node.agent.stay_while_uninstalled())
+            await eventually(lambda: node.dra is not None and node.dra.state.releases_may_fail,
+                             what="the agent knows it is uninstalled")  # fmt: skip
+            api.fail(403, times=None)  # every request of every client: the RBAC is gone
+            results = await kubelet.remove_pod("app-uid")
+            assert list(results) == [uid] and not results[uid].error, results
+            assert uid in _pending_releases(node)
+            assert b"akri_dra_pending_releases 1.0" in node.agent.metrics_text()
+            await asyncio.wait_for(staying, 30)  # until its Pod's deadline: no API answers
+            await running.stop()
+            assert _checkpoint(node).exists()  # the release stays on record on the node
+            assert uid in _pending_releases(node)
+            api.clear_faults()
+            slot = api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"]
+            assert slot == f"D:{uid}:node-a"
+            # installed again: a new agent on the same node, its RBAC back
+            second = await start_dp_node(api, "node-a", tmp_path, dra=True, base=node.base)
+            await eventually(
+                lambda: api_instances(api)["cam-8120fe"].device_usage["cam-8120fe-0"] == "",
+                what="the pending release done by the next agent",
+            )
+            await eventually(lambda: _pending_releases(second) == {}, what="its record dropped")
+            api.delete("configurations.akri.sh", "cam", "default")
+            await eventually(lambda: api.list(INSTANCES) == [], what="the delete ends")
+        finally:
+            if second is not None:
+                api.clear_faults()
+                await second.stop(keep_files=True)
