@@ -22,9 +22,25 @@ port, started and killed ``--cycles`` times; the agent (this checkout, ``--share
 - ``opcua_server_to_instance_ms``: the server prints ``ready`` (listening) → its Instance file;
 - ``opcua_server_gone_to_instance_gone_ms``: the server killed (SIGKILL) → the file is gone.
 
+**plant** (issue 42, root: a mount namespace) — a discovery server on loopback listing
+:data:`PLANT_SERVERS` servers: :data:`PLANT_UNREACHABLE` on ports nobody listens on,
+:data:`PLANT_HUNG` under names a DNS server that never answers should resolve (the agent runs
+in a mount namespace whose ``/etc/resolv.conf`` names a UDP port the benchmark binds and never
+reads, ``timeout:30 attempts:5``), and the rest, light servers (``answering`` in
+``tests/doubles/opcua_servers.py``), under names in its ``/etc/hosts``. Each checkout given
+with ``--plant`` runs ``akri agent --local`` with one Configuration naming the discovery
+server (default intervals) for ``--plant-seconds``, in turn:
+
+- ``first_list_s`` / ``first_list_devices``: start → the handler's first device list (the
+  agent's "opcua reports N device(s)" line), and N;
+- ``all_reachable_s``: start → an Instance for every reachable server under its own URL
+  (None: not within the run; ``own_url_instances`` says how many were);
+- ``rss_mb`` at the end, ``cpu_percent_last_30s`` (what the dead servers cost once settled),
+  ``loop_lag_max_ms`` (the agent's own figure, printed when it stops).
+
 ``python -m benchmarks.opcua_discovery --before /tmp/opcua-before [--after /tmp/opcua-after]
-[--startups 8] [--cycles 5] [--out benchmarks/results-opcua.json]`` prints the JSON (and
-writes it with ``--out``).
+[--startups 8] [--cycles 5] [--plant /tmp/before --plant .] [--plant-seconds 90]
+[--out benchmarks/results-opcua.json]`` prints the JSON (and writes it with ``--out``).
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import PROCESSES, ROOT, TimedKubelet, agent_env, cpu_seconds, rss_mb
-from benchmarks.local_agent import LocalAgent
+from benchmarks.local_agent import InstanceFiles, LocalAgent
+from benchmarks.local_mode import LAG_LINE
 from benchmarks.local_mode import configuration as debug_echo_configuration
 from benchmarks.stats import summarize
 
@@ -65,6 +83,18 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (the probes are held open together)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def _compile(root: Path, env: dict[str, str]) -> None:
@@ -238,12 +268,175 @@ async def measure_latency(cycles: int) -> dict[str, Any]:
     }
 
 
-async def run(before: Path | None, after: Path, startups: int, cycles: int) -> dict[str, Any]:
+PLANT_SERVERS = 200
+PLANT_UNREACHABLE = 50
+PLANT_HUNG = 10
+PLANT_DOMAIN = "plant.example"
+
+
+def _plant_url(index: int, port: int) -> str:
+    return f"opc.tcp://plc-{index}.{PLANT_DOMAIN}:{port}/"
+
+
+def _plant_listing(lds: str, ports: list[int], closed: list[int]) -> list[dict[str, Any]]:
+    return [
+        {"name": "LDS", "url": lds, "type": 3},
+        *({"name": f"PLC {i}", "url": _plant_url(i, port)} for i, port in enumerate(ports)),
+        *(
+            {"name": f"Dead {i}", "url": f"opc.tcp://127.0.0.1:{port}/"}
+            for i, port in enumerate(closed)
+        ),
+        *(
+            {"name": f"Hung {i}", "url": f"opc.tcp://hung-{i}.dns.example:4840/"}
+            for i in range(PLANT_HUNG)
+        ),
+    ]
+
+
+async def _plant_servers(lds_port: int, ports: list[int], closed: list[int]) -> Any:
+    lds = f"opc.tcp://127.0.0.1:{lds_port}/"
+    specs: list[dict[str, Any]] = [
+        {"kind": "answering", "name": "LDS", "endpoint": lds,
+         "applications": _plant_listing(lds, ports, closed)},
+        *(
+            {"kind": "answering", "name": f"PLC {i}", "endpoint": f"opc.tcp://127.0.0.1:{port}/",
+             "applications": [{"name": f"PLC {i}", "url": _plant_url(i, port)}]}
+            for i, port in enumerate(ports)
+        ),
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tests.doubles.opcua_servers", json.dumps(specs),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    assert process.stdout is not None
+    for _ in specs:
+        line = await asyncio.wait_for(process.stdout.readline(), 120)
+        if not line.startswith(b"ready "):
+            raise RuntimeError(f"the plant's servers did not start: {line!r}")
+    return process, lds
+
+
+_REPORTS = re.compile(rb"opcua reports (\d+) device")
+
+
+async def _plant_run(
+    root: Path, lds: str, ports: list[int], dns: str, seconds: float
+) -> dict[str, Any]:
+    reachable = len(ports)
+    base = Path(tempfile.mkdtemp(prefix="akri-opcua-plant-", dir="/tmp"))
+    (base / "resolv.conf").write_text(f"nameserver {dns}\noptions timeout:30 attempts:5\n")
+    names = " ".join(f"plc-{i}.{PLANT_DOMAIN}" for i in range(reachable))
+    (base / "hosts").write_text(f"127.0.0.1 localhost {names}\n")
+    config = base / "c.yaml"
+    config.write_text(_opcua_configuration(lds))
+    (base / "dh").mkdir()
+    env = agent_env()
+    _compile(root, env)
+    agent = (
+        f"exec {sys.executable} -m agent.cli agent --local --no-debug-echo "
+        f"--state-dir {base / 'state'} --config {config} --discovery-handlers-dir {base / 'dh'} "
+        "--node-name bench-plant"
+    )
+    script = (
+        f"mount --bind {base / 'resolv.conf'} /etc/resolv.conf && "
+        f"mount --bind {base / 'hosts'} /etc/hosts && {agent}"
+    )
+    log_path = base / "agent.log"
+    log = log_path.open("wb")
+    started = time.monotonic()
+    proc = subprocess.Popen(  # noqa: ASYNC220 - timed from here
+        ["unshare", "-m", "sh", "-c", script],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    PROCESSES.add(proc)
+    own = {_plant_url(i, port) for i, port in enumerate(ports)}
+    files = InstanceFiles(base / "state", "OPCUA_DISCOVERY_URL")
+    first: float | None = None
+    first_devices: int | None = None
+    everything: float | None = None
+    cpu_mark: tuple[float, float] | None = None
+    try:
+        while (now := time.monotonic()) - started < seconds:
+            if proc.poll() is not None:
+                raise RuntimeError(log_path.read_text(errors="replace")[-3000:])
+            if first is None:
+                found = _REPORTS.search(log_path.read_bytes())
+                if found:
+                    first, first_devices = now - started, int(found.group(1))
+            if everything is None and own <= files.seen():
+                everything = now - started
+            if cpu_mark is None and now - started >= seconds - 30:
+                cpu_mark = (now, cpu_seconds(proc.pid))
+            await asyncio.sleep(0.05)
+        rss = rss_mb(proc.pid)
+        cpu = None
+        if cpu_mark is not None:
+            cpu = 100 * (cpu_seconds(proc.pid) - cpu_mark[1]) / (time.monotonic() - cpu_mark[0])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        PROCESSES.discard(proc)
+        log.close()
+    lag = LAG_LINE.findall(log_path.read_text(errors="replace"))
+    seen = files.seen()
+    shutil.rmtree(base, ignore_errors=True)
+    return {
+        "root": str(root),
+        "commit": _commit(root),
+        "first_list_s": None if first is None else round(first, 2),
+        "first_list_devices": first_devices,
+        "all_reachable_s": None if everything is None else round(everything, 2),
+        "own_url_instances": len(own & seen),
+        "instances": len(seen),
+        "rss_mb": round(rss, 1),
+        "cpu_percent_last_30s": None if cpu is None else round(cpu, 2),
+        "loop_lag_max_ms": float(lag[-1]) if lag else None,
+    }
+
+
+async def measure_plant(roots: list[Path], seconds: float) -> dict[str, Any]:
+    reachable = PLANT_SERVERS - PLANT_UNREACHABLE - PLANT_HUNG
+    *ports, lds_port = _free_ports(reachable + PLANT_UNREACHABLE + 1)
+    ports, closed = ports[:reachable], ports[reachable:]
+    dns = f"127.0.{os.getpid() % 200 + 20}.53"
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never read
+    silent.bind((dns, 53))
+    servers, lds = await _plant_servers(lds_port, ports, closed)
+    try:
+        runs = [await _plant_run(root, lds, ports, dns, seconds) for root in roots]
+    finally:
+        servers.kill()
+        await servers.wait()
+        silent.close()
+    return {
+        "runs": runs,
+        "method": f"{PLANT_SERVERS} servers listed by one discovery server on loopback: "
+        f"{PLANT_UNREACHABLE} on ports nobody listens on, {PLANT_HUNG} under names a silent "
+        "DNS server should resolve (mount namespace: resolv.conf -> a UDP port never read, "
+        "timeout:30 attempts:5), the rest light servers under /etc/hosts names; akri agent "
+        f"--local, default intervals, {seconds:g} s per checkout, one after the other",
+    }
+
+
+async def run(
+    before: Path | None,
+    after: Path,
+    startups: int,
+    cycles: int,
+    plant: list[Path] | None = None,
+    plant_seconds: float = 90.0,
+) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
     if before is not None:
         results["footprint"] = await measure_footprint(before, after, startups)
     if cycles:
         results["latency"] = await measure_latency(cycles)
+    if plant:
+        results["plant"] = await measure_plant(plant, plant_seconds)
     results["load_average_end"] = os.getloadavg()[0]
     return results
 
@@ -254,10 +447,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after", type=Path, default=ROOT, help="checkout with the handler")
     parser.add_argument("--startups", type=int, default=8)
     parser.add_argument("--cycles", type=int, default=5)
+    parser.add_argument("--plant", type=Path, action="append", help="a checkout to run the "
+                        "plant floor with (root; give several to compare)")  # fmt: skip
+    parser.add_argument("--plant-seconds", type=float, default=90.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     try:
-        results = asyncio.run(run(args.before, args.after, args.startups, args.cycles))
+        results = asyncio.run(
+            run(
+                args.before, args.after, args.startups, args.cycles, args.plant,
+                args.plant_seconds,
+            )
+        )  # fmt: skip
     finally:
         PROCESSES.kill_all()
     text = json.dumps(results, indent=2)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from discovery_handlers.base import InvalidDiscoveryDetailsError
 from discovery_handlers.details import brief, load_details, unknown_fields
+from discovery_handlers.resolver import host_name_problem
 
 NAME = "mqtt"
 FIELDS = ("broker", "topics", "format", "maxDevices")
@@ -79,6 +80,9 @@ def parse_details(text: str) -> MqttDetails:
     host = broker.get("host")
     if not isinstance(host, str) or not host.strip() or len(host) > 253:
         raise _fail(f"broker.host must be a host name or address, got {brief(host)}")
+    problem = host_name_problem(host.strip())
+    if problem is not None:  # getaddrinfo would raise UnicodeError at every connect
+        raise _fail(f"broker.host {brief(host)} {problem}")
     tls = _parse_tls(broker.get("tls"))
     port = broker.get("port", 8883 if tls else 1883)
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:

@@ -34,6 +34,7 @@ from discovery_handlers.base import (
 )
 from discovery_handlers.mqtt.announcements import DeviceCapReached, DeviceTable, RefusedMessage
 from discovery_handlers.mqtt.details import MqttDetails, parse_details, warnings
+from discovery_handlers.resolver import LookupFailed, shared_resolver
 
 log = logging.getLogger("discovery_handlers.mqtt")
 
@@ -41,6 +42,17 @@ SETTLE_QUIET = 0.3
 SETTLE_MAX = 3.0
 COALESCE = 0.02  # seconds: messages this close together make one list
 LOG_EVERY = 10.0  # seconds between two log lines about refused messages
+
+
+MAX_BACKOFF_QUIET = 30.0  # a broker name that gave no answer is not asked again sooner
+BROKER_LOOKUP_SECONDS = 10.0  # aiomqtt's connect timeout, which the lookup is part of
+
+
+async def _broker_resolves(host: str, port: int) -> None:
+    try:
+        await shared_resolver().lookup(host, seconds=BROKER_LOOKUP_SECONDS, quiet=MAX_BACKOFF_QUIET)
+    except LookupFailed as error:
+        raise BrokerUnavailableError(f"mqtt broker {host}:{port}: {error}") from None
 
 
 class BrokerUnavailableError(ConnectionError):
@@ -99,6 +111,10 @@ class MqttHandler(DiscoveryHandler):
         refused = _RateLimitedLog()
         problems = ProblemReporter(log)
         try:
+            # the broker's name is resolved on the resolver's own threads first: paho resolves
+            # it in the loop's default executor, which a DNS server that never answers would
+            # fill with stuck lookups, one per reconnect (the agent shares that executor)
+            await _broker_resolves(details.host, details.port)
             async with aiomqtt.Client(
                 details.host,
                 details.port,

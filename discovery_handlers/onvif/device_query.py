@@ -74,7 +74,7 @@ class DeviceQuerier:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self.timeout),
             trust_env=False,
-            connector=aiohttp.TCPConnector(force_close=True),
+            connector=aiohttp.TCPConnector(force_close=True, resolver=_resolver(self.timeout)),
         )
         return self
 
@@ -180,3 +180,37 @@ async def _read_capped(content: Any, limit: int) -> bytes:
         if size > limit:
             raise ValueError(f"answer larger than {limit} bytes")
         chunks.append(chunk)
+
+
+def _resolver(seconds: float) -> Any:
+    """aiohttp's resolver interface over :mod:`discovery_handlers.resolver` (its own threads:
+    aiohttp's default resolver uses the loop's default executor, which a DNS server that
+    never answers would fill, and the agent shares it). A camera whose XAddr names a host
+    that is not a host name, or does not resolve, fails that camera's call only."""
+    import socket
+
+    from aiohttp.abc import AbstractResolver, ResolveResult
+
+    from discovery_handlers.resolver import LookupFailed, shared_resolver
+
+    class OwnThreadsResolver(AbstractResolver):
+        async def resolve(
+            self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+        ) -> list[ResolveResult]:
+            try:
+                addresses = await shared_resolver().lookup(host, seconds=seconds, quiet=seconds)
+            except LookupFailed as error:
+                raise OSError(str(error)) from None
+            return [
+                ResolveResult(
+                    hostname=host, host=address, port=port, family=kind, proto=0,
+                    flags=socket.AI_NUMERICHOST,
+                )
+                for kind, address in addresses
+                if family in (socket.AF_UNSPEC, kind)
+            ]  # fmt: skip
+
+        async def close(self) -> None:
+            return None
+
+    return OwnThreadsResolver()

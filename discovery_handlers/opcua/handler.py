@@ -32,6 +32,7 @@ from discovery_handlers.base import (
     ProblemReporter,
 )
 from discovery_handlers.opcua.details import (
+    MULTICAST,
     NAME,
     OpcuaDetails,
     host_problem,
@@ -205,8 +206,13 @@ class _Session:
                     )
                     self._skipped(target.url, skipped)
                     return _Answer(own=(), listing=listing)
+                # a listed server of ``standard`` is asked whether it answers, not what it
+                # is (its discovery server said that): its answer is not decoded
                 applications: list[Application] = await self.transport.find_servers(
-                    target.url, details.timeout, details.recheck_interval
+                    target.url,
+                    details.timeout,
+                    details.recheck_interval,
+                    describe=target.configured or details.method == MULTICAST,
                 )
             except self.transport.CallError as error:
                 return _Failed(str(error), error.unreachable)

@@ -27,6 +27,7 @@ import contextlib
 import os
 import socket
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -64,12 +65,18 @@ class CallError(Exception):
         self.unreachable = unreachable
 
 
-async def find_servers(url: str, seconds: float, quiet: float = 0.0) -> list[Application]:
+async def find_servers(
+    url: str, seconds: float, quiet: float = 0.0, *, describe: bool = True
+) -> list[Application]:
     """FindServers on ``url``, all within ``seconds``: the applications it knows (itself; a
     discovery server also the servers registered with it). A host name that gives no answer
-    in time is not looked up again for ``quiet`` seconds."""
+    in time is not looked up again for ``quiet`` seconds. ``describe=False``: only whether it
+    answers (its answer's header is checked, its applications are not decoded: [])."""
     request = ua.FindServersRequest()
     request.Parameters.EndpointUrl = url
+    if not describe:
+        await _call(url, seconds, request, ua.FindServersResponse, "FindServers", quiet, True)
+        return []
     response = await _call(url, seconds, request, ua.FindServersResponse, "FindServers", quiet)
     return [_application(item) for item in response.Servers or ()]
 
@@ -127,7 +134,13 @@ def _record(item: Any) -> Record:
 
 
 async def _call(
-    url: str, seconds: float, request: Any, response_type: type[T], name: str, quiet: float
+    url: str,
+    seconds: float,
+    request: Any,
+    response_type: type[T],
+    name: str,
+    quiet: float,
+    header_only: bool = False,
 ) -> T:
     session = _Exchange(url, seconds, quiet)
     try:
@@ -147,6 +160,9 @@ async def _call(
         raise CallError(message, unreachable=session.reader is None) from None
     finally:
         session.close()
+    if header_only:
+        _decode_header(body, response_type, name)
+        return None  # type: ignore[return-value]
     return await _decode(body, response_type, name)
 
 
@@ -359,13 +375,50 @@ class _Exchange:
                 raise CallError(f"sent an unknown chunk type {chunk!r}", unreachable=False)
 
 
+_large_decodes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 async def _decode(body: bytes, response_type: type[T], name: str) -> T:
     """``body`` as ``response_type`` (a ServiceFault or a failed ServiceResult is a
-    :class:`CallError`); large bodies are decoded in a worker thread."""
+    :class:`CallError`); large bodies are decoded in a worker thread, one at a time (a
+    decoded answer takes ~8 times its size: many large answers at once would take that many
+    times the memory, which the process keeps once it has grown)."""
     decode: Callable[[], T] = lambda: _decode_now(body, response_type, name)  # noqa: E731
     if len(body) > DECODE_ON_LOOP:
-        return await asyncio.to_thread(decode)
+        loop = asyncio.get_running_loop()
+        slot = _large_decodes.get(loop)
+        if slot is None:
+            slot = _large_decodes[loop] = asyncio.Semaphore(1)
+        async with slot:
+            return await asyncio.to_thread(decode)
     return decode()
+
+
+def _decode_header(body: bytes, response_type: type[T], name: str) -> None:
+    """Check that ``body`` is a good ``response_type`` by its type and header only."""
+    try:
+        buffer = Buffer(body)
+        type_id = nodeid_from_binary(buffer)
+        if type_id == ua.ServiceFault().TypeId:
+            header = struct_from_binary(ua.ResponseHeader, buffer)
+            raise CallError(
+                f"answered {name} with a fault: {header.ServiceResult.name}", unreachable=False
+            )
+        expected = response_type().TypeId  # type: ignore[attr-defined]
+        if type_id != expected:
+            raise CallError(f"answered {name} with another message ({type_id})", unreachable=False)
+        header = struct_from_binary(ua.ResponseHeader, buffer)
+    except CallError:
+        raise
+    except Exception as error:
+        raise CallError(
+            f"sent a malformed {name} response ({type(error).__name__}: {str(error)[:200]})",
+            unreachable=False,
+        ) from None
+    if not header.ServiceResult.is_good():
+        raise CallError(f"answered {name} with {header.ServiceResult.name}", unreachable=False)
 
 
 def _decode_now(body: bytes, response_type: type[T], name: str) -> T:

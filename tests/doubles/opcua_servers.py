@@ -14,6 +14,8 @@ discovery services), and hand-made servers that misbehave.
   what it hears, its own announcements included); like node-opcua's LDS it filters
   capabilities without case, pages by record id and gives one record per DiscoveryUrl.
   Registrations need no secure channel (node-opcua's needs ``allowUnsecuredRegistration``).
+- ``answering``: a light server answering FindServers with the ``applications`` of its spec
+  (:func:`answer_find_servers`; hundreds fit in one process: the benchmark's plant floor).
 - hostile ``garbage`` (answers any connection with bytes that are not OPC UA), ``silent``
   (accepts, never answers), ``huge`` (a correct Hello/OpenSecureChannel, then a FindServers
   answer of ~1.8 MB in 65,535-byte chunks), ``giant-chunk`` (Acknowledges with a chunk header
@@ -251,11 +253,23 @@ def _request_id(body: bytes, kind: bytes) -> int:
     return int(request_id)
 
 
-def find_servers_answer(request_id: int, applications: list[dict[str, Any]]) -> bytes:
-    """A one-chunk FindServers response listing ``applications`` (``name``, ``url``,
-    optional ``type``: 0 Server, 2 ClientAndServer, 3 DiscoveryServer)."""
+def find_servers_answer(request_id: int, applications: list[dict[str, Any]]) -> list[bytes]:
+    """A FindServers response listing ``applications`` (``name``, ``url``, optional
+    ``type``: 0 Server, 2 ClientAndServer, 3 DiscoveryServer; or ``flood``: that many
+    generated Server descriptions, ~100 bytes each), in chunks of at most 65,535 bytes."""
     response = ua.FindServersResponse()
     for item in applications:
+        if "flood" in item:
+            response.Servers += [
+                ua.ApplicationDescription(
+                    ApplicationUri=ua.String(f"urn:flood:{index}"),
+                    ApplicationName=ua.LocalizedText(f"Flood {index}"),
+                    ApplicationType=ua.ApplicationType.Server,
+                    DiscoveryUrls=[f"opc.tcp://10.1.{index // 250 % 250}.{index % 250}:4840/"],
+                )
+                for index in range(item["flood"])
+            ]
+            continue
         response.Servers.append(
             ua.ApplicationDescription(
                 ApplicationUri=ua.String(item.get("uri", f"urn:akri-py:tests:{item['name']}")),
@@ -264,8 +278,17 @@ def find_servers_answer(request_id: int, applications: list[dict[str, Any]]) -> 
                 DiscoveryUrls=[item["url"]],
             )
         )
-    payload = struct.pack("<IIII", 7, 1, 2, request_id) + struct_to_binary(response)
-    return _chunk(b"MSG", b"F", payload)
+    body = struct_to_binary(response)
+    size = CHUNK - 8 - 16
+    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
+    return [
+        _chunk(
+            b"MSG",
+            b"F" if index == len(parts) - 1 else b"C",
+            struct.pack("<IIII", 7, 1, index + 2, request_id) + part,
+        )
+        for index, part in enumerate(parts)
+    ]
 
 
 async def answer_find_servers(
@@ -283,8 +306,9 @@ async def answer_find_servers(
         kind, body = await _read_message(reader)
         writer.write(_open_response(_request_id(body, kind)))
         kind, body = await _read_message(reader)
-        writer.write(find_servers_answer(_request_id(body, kind), applications))
-        await writer.drain()
+        for chunk in find_servers_answer(_request_id(body, kind), applications):
+            writer.write(chunk)
+            await writer.drain()
         await reader.read()
     except (OSError, asyncio.IncompleteReadError):
         pass
@@ -326,6 +350,9 @@ async def _serve_hostile(spec: dict[str, Any]) -> asyncio.Server:
     kind = spec["kind"]
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if kind == "answering":
+            await answer_find_servers(spec["applications"], reader, writer)
+            return
         print(f"connection {spec['name']}", flush=True)  # tests count the handler's calls
         await _hostile(kind, reader, writer)
 

@@ -41,6 +41,9 @@ def test_details_defaults_and_tls_port() -> None:
         ("broker: {host: h}\ntopics: ['a']\nformat: xml", "format"),
         ("broker: {host: h}\ntopics: ['a']\nmaxDevices: 0", "maxDevices"),
         ("broker: {host: h, tls: {caFile: rel.pem}}\ntopics: ['a']", "broker.tls.caFile"),
+        # issue 42.1: not IDNA-encodable (getaddrinfo raised UnicodeError at every connect)
+        ("broker: {host: mqtt..local}\ntopics: ['a']", "broker.host 'mqtt..local' is not a"),
+        (f"broker: {{host: {'b' * 64}.local}}\ntopics: ['a']", "is not a valid host name"),
     ],
 )
 def test_bad_details_name_the_field(text: str, field: str) -> None:

@@ -1,4 +1,4 @@
-"""The opcua handler with a DNS server that never answers (issue 42.2).
+"""The opcua handler (and mqtt's and onvif's) with a DNS server that never answers (issue 42.2).
 
 The handler runs in a subprocess in a mount namespace of its own (``unshare -m``) whose
 ``/etc/resolv.conf`` names a UDP port on loopback that this test binds and never reads (with
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import json
 import os
 import shutil
@@ -54,7 +55,8 @@ def _why_not() -> str | None:
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
 
-def test_a_dns_server_that_never_answers_costs_nothing_else(tmp_path: Path) -> None:
+def _run_probe(tmp_path: Path, handler: str) -> dict[str, Any]:
+    """Run ``handler``'s probe in a mount namespace with a DNS server that never answers."""
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never read
     address = f"127.0.{os.getpid() % 200 + 20}.53"
     silent.bind((address, 53))
@@ -66,7 +68,7 @@ def test_a_dns_server_that_never_answers_costs_nothing_else(tmp_path: Path) -> N
         script = (
             f"mount --bind {tmp_path / 'resolv.conf'} /etc/resolv.conf && "
             f"mount --bind {tmp_path / 'hosts'} /etc/hosts && "
-            f"exec {sys.executable} -m tests.handlers.test_opcua_dns"
+            f"exec {sys.executable} -m tests.handlers.test_opcua_dns {handler}"
         )
         done = subprocess.run(
             ["unshare", "-m", "sh", "-c", script],
@@ -75,11 +77,26 @@ def test_a_dns_server_that_never_answers_costs_nothing_else(tmp_path: Path) -> N
     finally:
         silent.close()
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
+
+
+def test_a_dns_server_that_never_answers_costs_nothing_else(tmp_path: Path) -> None:
+    report = _run_probe(tmp_path, "opcua")
     assert report["default_executor_free"], report
     assert sorted(report["first_list"]) == sorted([report["by_address"], report["by_name"]])
     assert report["lds_answers"] >= 4
     assert report["lookups_per_hung_name"] == [1] * len(HUNG), report
+
+
+@pytest.mark.parametrize("handler", ["mqtt", "onvif"])
+def test_the_other_handlers_resolve_on_their_own_threads_too(tmp_path: Path, handler: str) -> None:
+    """mqtt (paho resolves the broker in the default executor) and onvif (aiohttp's default
+    resolver uses it) with names the silent DNS server should answer: the default executor
+    stays free (before: one stuck worker per broker connect and per camera call)."""
+    report = _run_probe(tmp_path, handler)
+    assert report["looked_up"] >= 1, report  # the names were really asked
+    assert report["default_executor_free"], report
 
 
 # -- the probe (run in the mount namespace) ------------------------------------------------------
@@ -89,14 +106,7 @@ async def _probe() -> dict[str, Any]:
     from discovery_handlers.opcua import OpcuaHandler
     from tests.doubles.opcua_servers import answer_find_servers
 
-    lookups: collections.Counter[str] = collections.Counter()
-    real = socket.getaddrinfo
-
-    def counting(host: Any, *args: Any, **kwargs: Any) -> Any:
-        lookups[str(host)] += 1
-        return real(host, *args, **kwargs)
-
-    socket.getaddrinfo = counting  # type: ignore[assignment]
+    lookups, _ = _counting_lookups()
     answers = [0]
     rechecked = asyncio.Event()
     listing: list[dict[str, Any]] = []
@@ -137,15 +147,7 @@ async def _probe() -> dict[str, Any]:
     async with asyncio.timeout(DEADLINE):
         await got_first.wait()
         await rechecked.wait()
-    # every worker of the loop's default executor must be able to run a job at once
-    loop = asyncio.get_running_loop()
-    executor = concurrent.futures.ThreadPoolExecutor()  # the default executor's size
-    workers = executor._max_workers
-    executor.shutdown()
-    barrier = threading.Barrier(workers)
-    jobs = [loop.run_in_executor(None, barrier.wait, DEADLINE / 4) for _ in range(workers)]
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    free = not any(isinstance(result, BaseException) for result in results)
+    free = await _default_executor_free()
     consumer.cancel()
     return {
         "first_list": lists[0],
@@ -157,12 +159,80 @@ async def _probe() -> dict[str, Any]:
     }
 
 
+async def _default_executor_free() -> bool:
+    """Can every worker of the loop's default executor run a job now (none is stuck)?"""
+    loop = asyncio.get_running_loop()
+    executor = concurrent.futures.ThreadPoolExecutor()  # the default executor's size
+    workers = executor._max_workers
+    executor.shutdown()
+    barrier = threading.Barrier(workers)
+    jobs = [loop.run_in_executor(None, barrier.wait, DEADLINE / 4) for _ in range(workers)]
+    results = await asyncio.gather(*jobs, return_exceptions=True)
+    return not any(isinstance(result, BaseException) for result in results)
+
+
+def _counting_lookups() -> tuple[collections.Counter[str], asyncio.Event]:
+    """Count ``getaddrinfo`` calls per host (whatever thread makes them); the event is set at
+    the first one."""
+    lookups: collections.Counter[str] = collections.Counter()
+    asked = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real = socket.getaddrinfo
+
+    def counting(host: Any, *args: Any, **kwargs: Any) -> Any:
+        lookups[str(host)] += 1
+        loop.call_soon_threadsafe(asked.set)
+        return real(host, *args, **kwargs)
+
+    socket.getaddrinfo = counting  # type: ignore[assignment]
+    return lookups, asked
+
+
+async def _probe_mqtt() -> dict[str, Any]:
+    from discovery_handlers.mqtt.handler import MqttHandler
+
+    lookups, asked = _counting_lookups()
+    text = "broker: {host: broker.hung.example}\ntopics: ['a/#']\n"
+
+    async def connect_again_and_again() -> None:
+        while True:
+            try:
+                async for _ in MqttHandler().discover(text, {}):
+                    pass
+            except Exception:  # the broker does not resolve: the agent retries likewise
+                await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(connect_again_and_again())
+    async with asyncio.timeout(DEADLINE):
+        await asyncio.sleep(1.0)  # several connects
+        await asyncio.wait_for(asked.wait(), DEADLINE)
+    free = await _default_executor_free()
+    task.cancel()
+    return {"looked_up": lookups["broker.hung.example"], "default_executor_free": free}
+
+
+async def _probe_onvif() -> dict[str, Any]:
+    from discovery_handlers.onvif.credentials import CredentialStore
+    from discovery_handlers.onvif.device_query import CallFailed, DeviceQuerier, Refused
+
+    lookups, _ = _counting_lookups()
+    async with DeviceQuerier(CredentialStore(), timeout=0.5) as querier:
+        for index in range(4):  # cameras whose XAddrs name hosts the DNS server should know
+            url = f"http://cam-{index}.hung.example/onvif/device_service"
+            with contextlib.suppress(CallFailed, Refused):
+                await querier.call(url, "GetDeviceInformation", None)
+    free = await _default_executor_free()
+    looked_up = sum(lookups[f"cam-{index}.hung.example"] for index in range(4))
+    return {"looked_up": looked_up, "default_executor_free": free}
+
+
 def main() -> None:
-    asyncio.run(_probe_and_stop())
+    asyncio.run(_probe_and_stop(sys.argv[1]))
 
 
-async def _probe_and_stop() -> None:
-    print(json.dumps(await _probe()), flush=True)
+async def _probe_and_stop(handler: str) -> None:
+    probes = {"opcua": _probe, "mqtt": _probe_mqtt, "onvif": _probe_onvif}
+    print(json.dumps(await probes[handler]()), flush=True)
     # threads stuck in getaddrinfo (before the fix: the default executor's) must not hold
     # the exit for minutes
     os._exit(0)

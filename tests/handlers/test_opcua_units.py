@@ -726,3 +726,43 @@ async def first_list(text: str, deadline: float = 60.0) -> list[Any]:
             return await anext(stream)
     finally:
         await stream.aclose()
+
+
+async def test_a_listed_servers_answer_is_checked_not_decoded() -> None:
+    """Issue 42.3: a listed server of ``standard`` is asked whether it answers; what it lists
+    is not decoded (a hostile server's ~0.9 MB answer decodes to ~8 MB, once per server that
+    points at it)."""
+    import json
+    import socket
+    import sys
+    import tracemalloc
+
+    from discovery_handlers.opcua import transport
+    from tests.paths import REPO
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"opc.tcp://127.0.0.1:{probe.getsockname()[1]}/"
+    spec = [{"kind": "answering", "name": "Flood", "endpoint": url,
+             "applications": [{"flood": 9000}]}]  # fmt: skip
+    server = await asyncio.create_subprocess_exec(  # its encoding is not traced here
+        sys.executable, "-m", "tests.doubles.opcua_servers", json.dumps(spec),
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        async with asyncio.timeout(120):
+            assert (await server.stdout.readline()).startswith(b"ready ")
+        tracemalloc.start()
+        try:
+            assert await transport.find_servers(url, 60.0, describe=False) == []
+            _, checked = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            assert len(await transport.find_servers(url, 60.0)) == 9000
+            _, decoded = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    finally:
+        server.kill()
+        await server.wait()
+    assert checked < 4 * 1024 * 1024 < decoded, (checked, decoded)
