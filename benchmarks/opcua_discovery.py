@@ -22,24 +22,28 @@ port, started and killed ``--cycles`` times; the agent (this checkout, ``--share
 - ``opcua_server_to_instance_ms``: the server prints ``ready`` (listening) → its Instance file;
 - ``opcua_server_gone_to_instance_gone_ms``: the server killed (SIGKILL) → the file is gone.
 
-**plant** (issue 42, root: a mount namespace) — a discovery server on loopback listing
-:data:`PLANT_SERVERS` servers: :data:`PLANT_UNREACHABLE` on ports nobody listens on,
-:data:`PLANT_HUNG` under names a DNS server that never answers should resolve (the agent runs
-in a mount namespace whose ``/etc/resolv.conf`` names a UDP port the benchmark binds and never
-reads, ``timeout:30 attempts:5``), and the rest, light servers (``answering`` in
-``tests/doubles/opcua_servers.py``), under names in its ``/etc/hosts``. Each checkout given
-with ``--plant`` runs ``akri agent --local`` with one Configuration naming the discovery
-server (default intervals) for ``--plant-seconds``, in turn:
+**plant** (issue 42, root: a mount namespace) — a discovery server on loopback listing the
+servers of a :class:`Plant` (``--plant-scenario``, :data:`PLANTS`; ``issue``: 200 servers,
+50 on ports nobody listens on, 10 under names a DNS server that never answers should resolve
+— the agent runs in a mount namespace whose ``/etc/resolv.conf`` names a UDP port the
+benchmark binds and never reads, ``timeout:30 attempts:5`` — and the rest light servers
+(``answering`` in ``tests/doubles/opcua_servers.py``) under names in its ``/etc/hosts``;
+``dead``: 250 stale registrations; ``hostile``: 20 URLs of one server with a ~0.9 MB
+answer). Each checkout given with ``--plant`` runs ``akri agent --local`` with one
+Configuration naming the discovery server (default intervals) for ``--plant-seconds``, in
+turn:
 
 - ``first_list_s`` / ``first_list_devices``: start → the handler's first device list (the
   agent's "opcua reports N device(s)" line), and N;
 - ``all_reachable_s``: start → an Instance for every reachable server under its own URL
   (None: not within the run; ``own_url_instances`` says how many were);
-- ``rss_mb`` at the end, ``cpu_percent_last_30s`` (what the dead servers cost once settled),
-  ``loop_lag_max_ms`` (the agent's own figure, printed when it stops).
+- ``rss_mb`` at the end and ``peak_rss_mb`` (VmHWM), ``cpu_percent_last_30s`` (what the
+  dead servers cost once settled), ``loop_lag_max_ms`` (the agent's own figure, printed
+  when it stops).
 
 ``python -m benchmarks.opcua_discovery --before /tmp/opcua-before [--after /tmp/opcua-after]
-[--startups 8] [--cycles 5] [--plant /tmp/before --plant .] [--plant-seconds 90]
+[--startups 8] [--cycles 5] [--plant /tmp/before --plant .] [--plant-scenario issue]
+[--plant-seconds 90]
 [--out benchmarks/results-opcua.json]`` prints the JSON (and writes it with ``--out``).
 """
 
@@ -57,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -268,9 +273,28 @@ async def measure_latency(cycles: int) -> dict[str, Any]:
     }
 
 
-PLANT_SERVERS = 200
-PLANT_UNREACHABLE = 50
-PLANT_HUNG = 10
+@dataclass(frozen=True)
+class Plant:
+    """What one discovery server lists: ``reachable`` light servers under /etc/hosts names,
+    ``dead`` on ports nobody listens on, ``hung`` under names the silent DNS server should
+    resolve, ``hostile`` URLs (distinct paths) of one server whose FindServers answer is
+    :data:`FLOOD` descriptions (~0.9 MB)."""
+
+    reachable: int
+    dead: int
+    hung: int
+    hostile: int = 0
+
+
+PLANTS = {
+    # the issue's run: 200 listed servers, 50 unreachable, 10 with unresolvable names
+    "issue": Plant(reachable=140, dead=50, hung=10),
+    # 250 stale registrations (issue 42.5: retried every second for ever)
+    "dead": Plant(reachable=10, dead=250, hung=0),
+    # 20 listed URLs of one hostile server (issue 42.3: RSS 56 -> 208 MB)
+    "hostile": Plant(reachable=10, dead=0, hung=0, hostile=20),
+}
+FLOOD = 9000
 PLANT_DOMAIN = "plant.example"
 
 
@@ -278,7 +302,9 @@ def _plant_url(index: int, port: int) -> str:
     return f"opc.tcp://plc-{index}.{PLANT_DOMAIN}:{port}/"
 
 
-def _plant_listing(lds: str, ports: list[int], closed: list[int]) -> list[dict[str, Any]]:
+def _plant_listing(
+    plant: Plant, lds: str, ports: list[int], closed: list[int], flood: int
+) -> list[dict[str, Any]]:
     return [
         {"name": "LDS", "url": lds, "type": 3},
         *({"name": f"PLC {i}", "url": _plant_url(i, port)} for i, port in enumerate(ports)),
@@ -288,22 +314,33 @@ def _plant_listing(lds: str, ports: list[int], closed: list[int]) -> list[dict[s
         ),
         *(
             {"name": f"Hung {i}", "url": f"opc.tcp://hung-{i}.dns.example:4840/"}
-            for i in range(PLANT_HUNG)
+            for i in range(plant.hung)
+        ),
+        *(
+            {"name": f"Hostile {i}", "url": f"opc.tcp://127.0.0.1:{flood}/h{i}"}
+            for i in range(plant.hostile)
         ),
     ]
 
 
-async def _plant_servers(lds_port: int, ports: list[int], closed: list[int]) -> Any:
+async def _plant_servers(
+    plant: Plant, lds_port: int, ports: list[int], closed: list[int], flood: int
+) -> Any:
     lds = f"opc.tcp://127.0.0.1:{lds_port}/"
     specs: list[dict[str, Any]] = [
         {"kind": "answering", "name": "LDS", "endpoint": lds,
-         "applications": _plant_listing(lds, ports, closed)},
+         "applications": _plant_listing(plant, lds, ports, closed, flood)},
         *(
             {"kind": "answering", "name": f"PLC {i}", "endpoint": f"opc.tcp://127.0.0.1:{port}/",
              "applications": [{"name": f"PLC {i}", "url": _plant_url(i, port)}]}
             for i, port in enumerate(ports)
         ),
     ]  # fmt: skip
+    if plant.hostile:
+        specs.append(
+            {"kind": "answering", "name": "Flood", "endpoint": f"opc.tcp://127.0.0.1:{flood}/",
+             "applications": [{"flood": FLOOD}]}
+        )  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tests.doubles.opcua_servers", json.dumps(specs),
         cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
@@ -368,7 +405,7 @@ async def _plant_run(
             if cpu_mark is None and now - started >= seconds - 30:
                 cpu_mark = (now, cpu_seconds(proc.pid))
             await asyncio.sleep(0.05)
-        rss = rss_mb(proc.pid)
+        rss, peak = rss_mb(proc.pid), rss_mb(proc.pid, "VmHWM")
         cpu = None
         if cpu_mark is not None:
             cpu = 100 * (cpu_seconds(proc.pid) - cpu_mark[1]) / (time.monotonic() - cpu_mark[0])
@@ -393,32 +430,36 @@ async def _plant_run(
         "own_url_instances": len(own & seen),
         "instances": len(seen),
         "rss_mb": round(rss, 1),
+        "peak_rss_mb": round(peak, 1),
         "cpu_percent_last_30s": None if cpu is None else round(cpu, 2),
         "loop_lag_max_ms": float(lag[-1]) if lag else None,
     }
 
 
-async def measure_plant(roots: list[Path], seconds: float) -> dict[str, Any]:
-    reachable = PLANT_SERVERS - PLANT_UNREACHABLE - PLANT_HUNG
-    *ports, lds_port = _free_ports(reachable + PLANT_UNREACHABLE + 1)
-    ports, closed = ports[:reachable], ports[reachable:]
+async def measure_plant(name: str, roots: list[Path], seconds: float) -> dict[str, Any]:
+    plant = PLANTS[name]
+    *ports, lds_port, flood = _free_ports(plant.reachable + plant.dead + 2)
+    ports, closed = ports[: plant.reachable], ports[plant.reachable :]
     dns = f"127.0.{os.getpid() % 200 + 20}.53"
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never read
     silent.bind((dns, 53))
-    servers, lds = await _plant_servers(lds_port, ports, closed)
+    servers, lds = await _plant_servers(plant, lds_port, ports, closed, flood)
     try:
         runs = [await _plant_run(root, lds, ports, dns, seconds) for root in roots]
     finally:
         servers.kill()
         await servers.wait()
         silent.close()
+    listed = plant.reachable + plant.dead + plant.hung + plant.hostile
     return {
         "runs": runs,
-        "method": f"{PLANT_SERVERS} servers listed by one discovery server on loopback: "
-        f"{PLANT_UNREACHABLE} on ports nobody listens on, {PLANT_HUNG} under names a silent "
-        "DNS server should resolve (mount namespace: resolv.conf -> a UDP port never read, "
-        "timeout:30 attempts:5), the rest light servers under /etc/hosts names; akri agent "
-        f"--local, default intervals, {seconds:g} s per checkout, one after the other",
+        "method": f"{listed} servers listed by one discovery server on loopback: "
+        f"{plant.dead} on ports nobody listens on, {plant.hung} under names a silent DNS "
+        "server should resolve (mount namespace: resolv.conf -> a UDP port never read, "
+        f"timeout:30 attempts:5), {plant.hostile} URLs of one server answering FindServers "
+        f"with {FLOOD} descriptions (~0.9 MB), {plant.reachable} light servers under "
+        f"/etc/hosts names; akri agent --local, default intervals (recheck 10 s, retry 1 s, "
+        f"timeout 3 s), {seconds:g} s per checkout, one after the other",
     }
 
 
@@ -429,14 +470,15 @@ async def run(
     cycles: int,
     plant: list[Path] | None = None,
     plant_seconds: float = 90.0,
+    scenarios: list[str] | None = None,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {"load_average_start": os.getloadavg()[0]}
     if before is not None:
         results["footprint"] = await measure_footprint(before, after, startups)
     if cycles:
         results["latency"] = await measure_latency(cycles)
-    if plant:
-        results["plant"] = await measure_plant(plant, plant_seconds)
+    for name in scenarios or ["issue"] if plant else []:
+        results[f"plant_{name}"] = await measure_plant(name, plant or [], plant_seconds)
     results["load_average_end"] = os.getloadavg()[0]
     return results
 
@@ -450,13 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plant", type=Path, action="append", help="a checkout to run the "
                         "plant floor with (root; give several to compare)")  # fmt: skip
     parser.add_argument("--plant-seconds", type=float, default=90.0)
+    parser.add_argument("--plant-scenario", action="append", choices=sorted(PLANTS))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     try:
         results = asyncio.run(
             run(
                 args.before, args.after, args.startups, args.cycles, args.plant,
-                args.plant_seconds,
+                args.plant_seconds, args.plant_scenario,
             )
         )  # fmt: skip
     finally:
