@@ -9,6 +9,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+# node-opcua (pinned by its lockfile) for the OPC UA interop tests, where node is installed
+# (tests/handlers/test_opcua_interop.py skips without node, fails without this install)
+NODE_OPCUA=tests/interop/node_opcua
+if command -v npm >/dev/null && [ ! "$NODE_OPCUA/node_modules/.package-lock.json" -nt "$NODE_OPCUA/package-lock.json" ]; then
+    npm ci --prefix "$NODE_OPCUA" --no-audit --no-fund --loglevel=error >/dev/null
+fi
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy --strict" && .venv/bin/mypy
 echo "== pytest" && .venv/bin/python -m pytest -q "$@"
