@@ -331,6 +331,7 @@ class Reconciler:
         self._report_holding(listed, now)
         for node in dead:
             await self.clean_node(node)
+        await self._delete_unpublished_pools()
 
     async def _follow_unserving_pods(self, listed: set[str], deadlines: list[float]) -> None:
         """Watch the pods bound to each node an Instance names that does not serve
@@ -517,30 +518,59 @@ class Reconciler:
             f"slots freed: {', '.join(eviction.freed) or 'none'}; Instance {what}",
         )
 
+    def _pool_members(self) -> dict[str, set[str]]:
+        members: dict[str, set[str]] = {}
+        for instance in self.store.list_cached():  # a pool is named after its Instance
+            members.setdefault(instance.name, set()).update(instance.nodes)
+        return members
+
+    async def _delete_unpublished_pools(self) -> None:
+        """Shared pools none of whose nodes serves (the publisher's Node went NotReady and no
+        other node of the pool serves): nobody would rewrite them, so they go at once."""
+        if not self.dra_slices:
+            return
+        members = self._pool_members()
+        for name, version in slices.unpublished_shared_slices(
+            self.slice_cache.cache.values(), self.nodes.serves, lambda pool: members.get(pool, ())
+        ):
+            if await self._delete_slice(name, version):
+                log.warning(
+                    "ResourceSlice %s: none of the nodes of its pool is Ready (NotReady, "
+                    "deleted or out-of-service): deleted, so that it offers nothing stale; the "
+                    "first of them Ready again publishes it anew",
+                    name,
+                )
+
+    async def _delete_slice(self, name: str, version: str) -> bool:
+        """Delete a slice at ``version`` (False: gone, or rewritten meanwhile: theirs now)."""
+        path = resource_path("resource.k8s.io", "v1", "resourceslices", None, name)
+        body = {"kind": "DeleteOptions", "apiVersion": "v1",
+                "preconditions": {"resourceVersion": version}}  # fmt: skip
+        try:
+            await self.client.delete(path, body)
+        except ApiError as error:
+            if error.status not in (404, 409):
+                raise
+            return False
+        stored = self.slice_cache.cache.get(f"/{name}")  # cluster-scoped: no namespace
+        if stored is not None:
+            self.slice_cache.wrote(stored, deleted=True)  # not sent again before the watch
+        self.stats.slices_handed_over += 1
+        return True
+
     async def _hand_over_slices(self, node: str) -> None:
         if not self.dra_slices:
             return
         now = self._monotonic()
-        members: dict[str, set[str]] = {}
-        for instance in self.store.list_cached():  # a pool is named after its Instance
-            members.setdefault(instance.name, set()).update(instance.nodes)
+        members = self._pool_members()
         for name, version in slices.stale_shared_slices(
             self.slice_cache.cache.values(),
             node,
             lambda name: self.nodes.is_dead(name, now),
             lambda pool: members.get(pool, ()),
         ):
-            path = resource_path("resource.k8s.io", "v1", "resourceslices", None, name)
-            body = {"kind": "DeleteOptions", "apiVersion": "v1",
-                    "preconditions": {"resourceVersion": version}}  # fmt: skip
-            try:
-                await self.client.delete(path, body)
-            except ApiError as error:
-                if error.status not in (404, 409):
-                    raise
-                continue  # gone, or rewritten by a live publisher: theirs now
-            self.stats.slices_handed_over += 1
-            log.info("ResourceSlice %s listed only dead nodes (%s): deleted", name, node)
+            if await self._delete_slice(name, version):
+                log.info("ResourceSlice %s listed only dead nodes (%s): deleted", name, node)
 
     # -- brokers ---------------------------------------------------------------------------
     def _by_instance(

@@ -9,7 +9,9 @@ scheduler never sees the pool missing — also a live node the slice does not li
 is in its offline grace (it then publishes the pool for itself, tainted). A shared pool whose
 Instance is gone is deleted by a node its nodeSelector lists. A slice that neither a live node
 it lists nor a live node of its Instance will handle (all of them died, or its Instance went
-with them) would stay for ever, so the controller deletes it (with a resourceVersion
+with them; or, before anything is freed, none of them serves: their Nodes are NotReady,
+deleted or out-of-service, :func:`unpublished_shared_slices`) would stay for ever, offering
+what it last said, so the controller deletes it (with a resourceVersion
 precondition, so a version a live publisher wrote meanwhile is never the one deleted). Local
 pools (``spec.nodeName``) stay: they go with the Node object (owner reference) when it is
 deleted, and a NotReady node's pods are not scheduled there meanwhile.
@@ -46,6 +48,30 @@ def stale_shared_slices(
         pool = str((spec.get("pool") or {}).get("name") or "")
         handled = [n for n in (*listed, *members(pool)) if n != dead_node and not is_dead(n)]
         if dead_node in listed and not handled:
+            meta = obj.get("metadata") or {}
+            stale.append((str(meta.get("name")), str(meta.get("resourceVersion") or "")))
+    return sorted(stale)
+
+
+def unpublished_shared_slices(
+    slices: Iterable[Mapping[str, Any]],
+    serves: Callable[[str], bool],
+    members: Callable[[str], Collection[str]] = _no_members,
+) -> list[tuple[str, str]]:
+    """``(name, resourceVersion)`` of the akri.sh shared slices that no node whose Node serves
+    (``serves``: exists, not NotReady, not out-of-service) will rewrite or delete: neither a
+    node the slice lists nor a node of its Instance (``members``) serves. Their publisher went
+    NotReady and no other node can take over (issue 39.4): the pool would go on offering
+    what it last said — slots taken since through device plugins among them — so it goes,
+    and the first node of it that serves again publishes it anew."""
+    stale = []
+    for obj in slices:
+        spec = obj.get("spec") or {}
+        if spec.get("driver") != DRIVER or spec.get("nodeName") or not spec.get("nodeSelector"):
+            continue
+        pool = str((spec.get("pool") or {}).get("name") or "")
+        nodes = {*selected_nodes(spec), *members(pool)}
+        if nodes and not any(serves(node) for node in nodes):
             meta = obj.get("metadata") or {}
             stale.append((str(meta.get("name")), str(meta.get("resourceVersion") or "")))
     return sorted(stale)

@@ -327,8 +327,13 @@ class Agent:
             self.offline_marks.offline,
             options_of=options.of,
             instance_exists=self.store.instance_exists,
+            # a shared pool's publisher is the first of its nodes whose Node serves
+            unready=self.followed_nodes.unserving if self.followed_nodes else frozenset,
+            follow_nodes=self.followed_nodes.want if self.followed_nodes else lambda _n: None,
         )
         self.offline_marks.add_listener(self.publisher.trigger)
+        if self.followed_nodes is not None:
+            self.followed_nodes.listeners.append(self.publisher.trigger)
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""

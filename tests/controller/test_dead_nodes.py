@@ -367,3 +367,46 @@ async def _pods_seen(reconciler: Reconciler, node: str, holding: int) -> None:
         ),
         f"{holding} pod(s) of {node} seen",
     )
+
+
+def _shared_slice(name: str, nodes: list[str]) -> dict[str, Any]:
+    requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"akri.sh-{name}-0"},
+        "spec": {
+            "driver": "akri.sh",
+            "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]},
+            "devices": [{"name": "slot-0"}],
+        },
+    }
+
+
+async def test_a_pool_none_of_whose_nodes_is_ready_goes_at_once_while_the_slots_stay(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.4: the publisher's node goes NotReady and no other node of the pool serves:
+    nobody would rewrite the pool, which would go on offering what it last said; it is deleted
+    without waiting for the grace — while the node's slots stay held (its pod remains)."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=2))
+    instance(api, "cams-8120fe", ["node-a"], usage={"cams-8120fe-0": "node-a"})
+    instance(api, "cams-a19705", ["node-a", "node-b"])
+    api.create(_pod("camera-app", "node-a", {"akri.sh/cams-8120fe": "1"}))
+    api.create(_shared_slice("cams-8120fe", ["node-a"]))
+    api.create(_shared_slice("cams-a19705", ["node-a", "node-b"]))  # node-b takes it over
+    before = _stored(api)
+    clock = FakeClock()
+    async with reconciler_for(api, tmp_path, clock, node_grace=300) as reconciler:
+        await eventually(lambda: len(reconciler.slice_cache.cache) == 2, "slices cached")
+        await reconciler.reconcile_once()
+        assert len(api.list("resourceslices")) == 2  # everyone Ready: nothing to do
+        set_ready(api, "node-a", False)
+        await _sees(reconciler, "node-a", False)
+        await reconciler.reconcile_once()
+        names = [s["metadata"]["name"] for s in api.list("resourceslices")]
+        assert names == ["akri.sh-cams-a19705-0"]
+        assert _stored(api) == before  # the slot and the node's place stay

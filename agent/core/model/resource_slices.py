@@ -8,8 +8,10 @@ shared pool"): the pool of a shared Instance follows the nodes that see the devi
 *serving* nodes are ``nodes`` without those that only drain it (``akri.sh/draining``: they
 lost the device and refuse prepares); of those, the nodes that see the device right now are
 the ones without an offline mark (each node records its own offline grace in the Instance,
-``akri.sh/offline.<node>``). The pool is available on exactly those and published by the one
-whose name sorts first; only when **every** serving node is offline does it list them all, its
+``akri.sh/offline.<node>``); a node whose Node does not serve (NotReady, deleted, tainted
+out-of-service: each agent follows the Nodes its shared Instances list) counts as none of
+them. The pool is available on exactly those and published by the one whose name sorts
+first; only when **every** serving node is offline does it list them all, its
 devices tainted ``akri.sh/offline``, published by the first. Every node reads the same
 Instance, so once their caches agree exactly one node publishes. While they disagree (an
 Instance change not yet seen everywhere), the slice itself says which Instance version it was
@@ -53,19 +55,26 @@ def serving_nodes(instance: SharedInstance) -> tuple[str, ...]:
 
 
 def shared_pool_nodes(
-    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+    instance: SharedInstance,
+    node: str | None = None,
+    offline_here: bool = False,
+    unready: Collection[str] = (),
 ) -> tuple[tuple[str, ...], bool]:
     """``(the nodes a shared Instance's pool selects, whether all of them are offline)``: the
-    serving nodes that see the device — without an offline mark in the Instance — or, when
-    none does, every serving node (the pool is then tainted: the devices stay visible to
-    claims that tolerate the taint, as a local device's do in its grace).
+    serving nodes whose Node serves (not in ``unready``: NotReady, deleted, tainted
+    out-of-service, as :mod:`agent.core.ledger.node_standing` says) that see the device —
+    without an offline mark in the Instance — or, when none does, every such node (the pool is
+    then tainted: the devices stay visible to claims that tolerate the taint, as a local
+    device's do in its grace). When no serving node's Node serves, none: nobody publishes the
+    pool (the controller deletes what is left of it, docs/controller.md).
 
     ``node``'s own view counts too when ``offline_here`` (it has stopped seeing the device and
     its mark is on its way): it then takes itself out before the others can know. Only that
     way round — a node that sees the device again stays out until its mark is gone — so that a
     node never believes it publishes a pool that the others, reading the stored marks, give
     to another node."""
-    serving = serving_nodes(instance)
+    down: Collection[str] = set(unready)
+    serving = tuple(n for n in serving_nodes(instance) if n not in down)
     offline: Collection[str] = set(instance.offline_nodes)
     if offline_here and node is not None and node not in offline:
         offline = {*offline, node}
@@ -76,11 +85,15 @@ def shared_pool_nodes(
 
 
 def shared_publisher(
-    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+    instance: SharedInstance,
+    node: str | None = None,
+    offline_here: bool = False,
+    unready: Collection[str] = (),
 ) -> str | None:
     """The node that publishes a shared Instance's pool: the first node it selects
-    (:func:`shared_pool_nodes`)."""
-    nodes, _ = shared_pool_nodes(instance, node, offline_here)
+    (:func:`shared_pool_nodes`) — the first serving node whose Node serves, so that a
+    publisher whose node goes NotReady is replaced as soon as the others see it."""
+    nodes, _ = shared_pool_nodes(instance, node, offline_here, unready)
     return nodes[0] if nodes else None
 
 

@@ -8,10 +8,13 @@
 * a shared Instance's pool has one publisher, decided from the Instance
   (``agent/core/model/resource_slices.py``: the first of its serving nodes that see the device,
   by the nodes' own offline marks; this node's own view comes from ``offline``, damped, which
-  takes it out before its mark lands). Its slices have fixed
-  names (``akri.sh-<pool>-<index>``), so two nodes that both create the pool at once make one
-  slice, not two; a new publisher adopts the existing slices (updates them in place with a
-  higher generation), so the scheduler never sees the pool missing or twice. Each write
+  takes it out before its mark lands) and from the Nodes of those nodes (``unready``: a node
+  whose Node is NotReady, deleted or out-of-service neither publishes nor is selected, so
+  another node takes the pool over within moments of the publisher's node going NotReady).
+  Its slices have fixed names (``akri.sh-<pool>-<index>``), so two nodes that both create the
+  pool at once make one slice, not two; a new publisher adopts the existing slices (updates
+  them in place with a higher generation), so the scheduler never sees the pool missing or
+  twice. Each write
   records the Instance version it was decided on; a node whose view of the Instance is older
   than the slice's leaves it alone (it is behind, not the publisher);
 * slices of shared pools whose Instance is gone are deleted by the first node their
@@ -184,12 +187,19 @@ class SlicePublisher:
         debounce: float = 0.02,
         options_of: OptionsOf | None = None,
         instance_exists: Callable[[str], Awaitable[bool]] | None = None,
+        unready: Callable[[], Collection[str]] = frozenset,
+        follow_nodes: Callable[[Collection[str]], None] = lambda _nodes: None,
     ) -> None:
         self._client = api_client
         # asks the API server whether an Instance this node's view no longer shows still
         # exists (None: the view is complete); and until when each was last found to
         self._instance_exists = instance_exists
         self._alive_until: dict[str, float] = {}
+        # the nodes whose Node does not serve (NotReady, deleted, out-of-service): no shared
+        # pool selects them or is published by them; ``follow_nodes`` is told which nodes
+        # this node's shared Instances list (agent/node/followed_nodes.py watches those)
+        self._unready = unready
+        self._follow_nodes = follow_nodes
         self._options_of = options_of
         # cleared when the API server drops the fields (its feature gate is off): consumable
         # capacity falls back to one device per slot, taints to withdrawing offline slots
@@ -351,12 +361,16 @@ class SlicePublisher:
         # pure and O(Instances) (88 ms for the first pass at 1,000): off the event loop, which
         # keeps answering Allocates meanwhile. Only this task touches the device memo.
         offline = frozenset(self._offline())  # a snapshot: the loop may change the set
+        self._follow_nodes(
+            frozenset(node for instance in instances if instance.shared for node in instance.nodes)
+        )
+        unready = frozenset(self._unready())
         paths = self.node_paths()
         if paths != self._last_paths:
             self._last_paths = paths
             for listener in list(self.paths_listeners):
                 listener()
-        pools = await asyncio.to_thread(self._desired, instances, offline, paths)
+        pools = await asyncio.to_thread(self._desired, instances, offline, paths, unready)
         self._forget_devices({i.name for i in instances})
         by_pool: dict[str, list[Obj]] = {}
         for obj in self._informer.cache.values():
@@ -482,7 +496,11 @@ class SlicePublisher:
         self._backoff.pop(pool, None)
 
     def _desired(
-        self, instances: list[Instance], offline: Collection[str], paths: Mapping[str, str]
+        self,
+        instances: list[Instance],
+        offline: Collection[str],
+        paths: Mapping[str, str],
+        unready: Collection[str] = (),
     ) -> list[tuple[Pool, list[dict[str, Any]]]]:
         pools = desired_pools(
             instances,
@@ -491,6 +509,7 @@ class SlicePublisher:
             self._devices_of,
             self._effective_options,
             extended_eligibility(instances, paths),
+            unready,
         )
         return [(pool, pool.slice_specs()) for pool in pools]
 

@@ -437,6 +437,7 @@ def desired_pools(
     devices_of: DevicesOf = instance_devices,
     options_of: OptionsOf = _no_options,
     extended_of: ExtendedOf = _always_extended,
+    unready: Collection[str] = (),
 ) -> list[Pool]:
     """The pools ``node`` must publish: its local pool (always, possibly empty) and the pool of
     every shared Instance for which it is the publishing node (:func:`shared_publisher`), over
@@ -445,7 +446,9 @@ def desired_pools(
     tainted when none does. ``devices_of`` may be a memoized :func:`instance_devices`
     (the publisher caches it per Instance version); ``options_of`` gives each Instance's
     Configuration opt-ins, ``extended_of`` whether its slots may serve extended resources
-    (:func:`extended_eligibility`)."""
+    (:func:`extended_eligibility`); ``unready``: the nodes whose Node does not serve (no
+    shared pool selects them, none of them publishes one — this node neither, when it is
+    one of them)."""
     local = [i for i in instances if not i.shared and node in i.nodes]
     pools = [
         Pool(
@@ -457,7 +460,7 @@ def desired_pools(
     for instance in sorted(instances, key=lambda i: i.name):
         if not instance.shared:
             continue
-        nodes, all_offline = shared_pool_nodes(instance, node, instance.name in offline)
+        nodes, all_offline = shared_pool_nodes(instance, node, instance.name in offline, unready)
         if not nodes or nodes[0] != node:
             continue
         if node in instance.draining_nodes:

@@ -305,3 +305,23 @@ def test_selected_nodes_reads_back_both_stored_forms() -> None:
     }
     assert selected_nodes(legacy) == {"n1", "n3", "n4"}
     assert selected_nodes({"nodeName": "n1"}) == set()
+
+
+def test_a_shared_pool_is_published_by_the_first_node_whose_node_serves() -> None:
+    """Issue 39.4: a node whose Node is NotReady (deleted, out-of-service) neither publishes
+    a shared pool nor is selected by it — also in its own view, so that a partitioned node's
+    still-running agent steps back — and when none of its nodes serves, nobody publishes it
+    (the controller deletes what is left)."""
+    shared = inst("cams-ssssss", True, ("n1", "n2", "n3"), s0="n1")
+
+    def pools(node: str, unready: frozenset[str]) -> dict[str, Any]:
+        found = desired_pools([shared], node, set(), unready=unready)
+        return {p.name: p for p in found if p.node_name is None}
+
+    assert pools("n1", frozenset())["cams-ssssss"].nodes == ("n1", "n2", "n3")
+    for node in ("n1", "n3"):
+        assert pools(node, frozenset({"n1"})) == {}
+    pool = pools("n2", frozenset({"n1"}))["cams-ssssss"]
+    assert pool.nodes == ("n2", "n3")
+    assert [d["name"] for d in pool.devices] == ["cams-ssssss-1"]  # n1's slot stays held
+    assert all(pools(n, frozenset({"n1", "n2", "n3"})) == {} for n in ("n1", "n2", "n3"))

@@ -1,0 +1,116 @@
+"""Issue 39.4: a shared pool outlives its publisher. One node publishes a shared device's
+ResourceSlice pool (the first of its serving nodes); when that node's Node goes NotReady —
+its kubelet dead, or the node cut off — another serving node takes the pool over within
+moments, rewriting the slices in place without the NotReady node, and what it advertises
+follows the Instance from then on (a slot taken through a device plugin leaves the pool).
+Before, the pool stayed as the old publisher last wrote it until the controller's dead-node
+cleanup (300 s by default). The agents watch only the Nodes their shared Instances list."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.controller.conftest import add_node, set_ready
+from tests.doubles.apiserver import ApiServerDouble
+from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
+from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
+from tests.node.dra.test_dra_e2e import SLICES
+
+WITHIN = 20.0  # seconds: generous bound for a loaded CI machine
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[ApiServerDouble]:
+    async with ApiServerDouble(crds=CRDS) as server:
+        yield server
+    assert server.internal_errors == []
+
+
+def _pool(api: ApiServerDouble, name: str) -> list[dict[str, Any]]:
+    return [s for s in api.list(SLICES) if s["spec"]["pool"]["name"] == name]
+
+
+def _selected(obj: dict[str, Any]) -> list[str]:
+    (term,) = obj["spec"]["nodeSelector"]["nodeSelectorTerms"]
+    (requirement,) = term["matchExpressions"]
+    return list(requirement["values"])
+
+
+def _devices(objs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["name"] for o in objs for d in o["spec"].get("devices") or [])
+
+
+def _selects(api: ApiServerDouble, name: str, nodes: list[str]) -> bool:
+    objs = _pool(api, name)
+    return len(objs) == 1 and _selected(objs[0]) == nodes
+
+
+async def _stop(nodes: list[DpNode]) -> None:
+    for node in nodes:
+        await node.stop()
+
+
+async def test_a_pool_is_taken_over_when_its_publishers_node_goes_not_ready(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    nodes = [
+        await start_dp_node(api, "node-a", tmp_path, dra=True),
+        await start_dp_node(api, "node-b", tmp_path, dra=True),
+    ]
+    node_b = nodes[1]
+    try:
+        await eventually(
+            lambda: (
+                [sorted(i.nodes) for i in api_instances(api).values()] == [["node-a", "node-b"]]
+            ),
+            WITHIN,
+            "one shared Instance on both nodes",
+        )
+        (name,) = api_instances(api)
+        await eventually(lambda: _selects(api, name, ["node-a", "node-b"]), WITHIN, "pool")
+        (before,) = _pool(api, name)
+        assert len(_devices([before])) == 2
+        # node-a's kubelet stops posting status (its agent still runs: a partition as the
+        # control plane sees it): node-b publishes the pool, node-a's agent leaves it alone
+        set_ready(api, "node-a", False)
+        await eventually(
+            lambda: _selects(api, name, ["node-b"]), WITHIN, "node-b took the pool over"
+        )
+        (after,) = _pool(api, name)
+        assert after["metadata"]["name"] == before["metadata"]["name"]  # rewritten in place
+        generation = after["spec"]["pool"]["generation"]
+        assert generation > before["spec"]["pool"]["generation"]
+        # a slot taken through node-b's device plugin leaves the pool node-b now publishes
+        resource = f"akri.sh/{name}"
+        await node_b.kubelet.wait_registered(resource, timeout=WITHIN)
+        await eventually(lambda: node_b.kubelet.allocatable(resource) == 2, WITHIN, "offered")
+        admitted = await node_b.kubelet.admit_pod("apps", "cam-app", [("app", {resource: 1})])
+        assert admitted.admitted
+        await eventually(
+            lambda: len(_devices(_pool(api, name))) == 1 and _selects(api, name, ["node-b"]),
+            WITHIN,
+            "the taken slot no longer advertised",
+        )
+        # node-a Ready again: it is the first node again and takes the pool back in place
+        set_ready(api, "node-a", True)
+        await eventually(
+            lambda: (
+                _selects(api, name, ["node-a", "node-b"]) and len(_devices(_pool(api, name))) == 1
+            ),
+            WITHIN,
+            "node-a publishes it again",
+        )
+        # invariant 11: each agent reads only the Nodes it needs, one by name each
+        reads = [r for r in api.requests_for(resource="nodes") if r.info.verb in ("list", "watch")]
+        assert reads and all(
+            r.query.get("fieldSelector", "").startswith("metadata.name=") for r in reads
+        )
+    finally:
+        await _stop(nodes)
