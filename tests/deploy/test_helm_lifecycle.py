@@ -258,3 +258,55 @@ def test_the_readme_helm_blocks_run_as_written(tmp_path: Path) -> None:
         assert hook.returncode == 0, hook.stderr
         assert running.returncode == 0 and 'release "akri" uninstalled' in out, out
         assert api.list("instances.akri.sh") == [] and api.list("daemonsets.apps") == []
+
+
+def test_the_installed_policy_refuses_a_typo_at_the_api_server(tmp_path: Path) -> None:
+    """After helm install, the API server (the double, enforcing its stored admission
+    policies) refuses ``kubectl apply`` of a Configuration whose broker has ``nodeSelecter``,
+    naming it, and accepts it without the typo; with webhookConfiguration.enabled=false the
+    typo goes through, as on Akri without its webhook."""
+    broker = {
+        "apiVersion": "akri.sh/v0",
+        "kind": "Configuration",
+        "metadata": {"name": "cams", "namespace": NAMESPACE},
+        "spec": {
+            "discoveryHandler": {"name": "debugEcho", "discoveryDetails": "descriptions: [a]"},
+            "capacity": 1,
+            "brokerSpec": {
+                "brokerPodSpec": {
+                    "nodeSelecter": {"kubernetes.io/os": "linux"},
+                    "containers": [{"name": "b", "image": "nginx"}],
+                }
+            },
+        },
+    }
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(json.dumps(broker))
+    home = tmp_path / "home"
+    with ThreadedApiServer(admission_policies=True) as api:
+        env = helm_env(kubectl_env(api, home), home)
+        kubeconfig = ("--kubeconfig", env["KUBECONFIG"])
+        helm(env, "install", "akri", str(CHART), "-n", NAMESPACE, "--create-namespace", *kubeconfig)
+        done = subprocess.run(
+            ["kubectl", "apply", "-f", str(typo)], env=env, capture_output=True, text=True,
+            timeout=WITHIN, check=False,
+        )  # fmt: skip
+        assert done.returncode != 0
+        assert (
+            "ValidatingAdmissionPolicy 'akri-configuration-broker-fields' with binding "
+            "'akri-configuration-broker-fields' denied request: spec.brokerSpec.brokerPodSpec / "
+            "brokerJobSpec.template.spec (PodSpec) has unknown field(s): nodeSelecter"
+        ) in done.stderr, done.stderr
+        assert api.list("configurations.akri.sh") == []
+        del broker["spec"]["brokerSpec"]["brokerPodSpec"]["nodeSelecter"]
+        typo.write_text(json.dumps(broker))
+        bash(f"kubectl apply -f {typo}", env)
+        assert [c["metadata"]["name"] for c in api.list("configurations.akri.sh")] == ["cams"]
+        # the policy off: the typo is stored (and would silently do nothing)
+        helm(env, "upgrade", "akri", str(CHART), "-n", NAMESPACE, "--reuse-values",
+             "--set", "webhookConfiguration.enabled=false", *kubeconfig)  # fmt: skip
+        broker["spec"]["brokerSpec"]["brokerPodSpec"]["nodeSelecter"] = {"a": "b"}
+        typo.write_text(json.dumps(broker))
+        bash(f"kubectl apply -f {typo}", env)
+        stored = api.get("configurations.akri.sh", "cams", NAMESPACE)
+        assert stored["spec"]["brokerSpec"]["brokerPodSpec"]["nodeSelecter"] == {"a": "b"}

@@ -79,9 +79,14 @@ def admit(
 
 def decide(spec: dict[str, Any], activation: dict[str, Any]) -> tuple[bool, str]:
     """matchConditions, then variables (each sees those before it), then validations."""
+    allowed, message, _reason = _decide(spec, activation)
+    return allowed, message
+
+
+def _decide(spec: dict[str, Any], activation: dict[str, Any]) -> tuple[bool, str, str]:
     for condition in spec.get("matchConditions", []):
         if not evaluate(condition["expression"], activation):
-            return True, "not matched"
+            return True, "not matched", ""
     variables: dict[str, Any] = {}
     for variable in spec.get("variables", []):
         activation["variables"] = (
@@ -97,10 +102,30 @@ def decide(spec: dict[str, Any], activation: dict[str, Any]) -> tuple[bool, str]
     )
     for validation in spec["validations"]:
         if not evaluate(validation["expression"], activation):
+            reason = validation.get("reason", "Forbidden")
             if "messageExpression" in validation:
-                return False, str(evaluate(validation["messageExpression"], activation))
-            return False, " ".join(validation["message"].split())
-    return True, ""
+                return False, str(evaluate(validation["messageExpression"], activation)), reason
+            return False, " ".join(validation["message"].split()), reason
+    return True, "", ""
+
+
+def decide_request(
+    spec: dict[str, Any],
+    operation: str,
+    obj: dict[str, Any],
+    old: dict[str, Any] | None,
+    username: str = "system:admin",
+) -> tuple[str, str] | None:
+    """A policy's refusal of a request — (message, reason) — or None (the API-server double's
+    admission, tests/doubles/apiserver/admission.py)."""
+    request = {"operation": operation, "userInfo": {"username": username, "extra": {}}}
+    activation: dict[str, Any] = {
+        "request": json_to_cel(request),
+        "object": json_to_cel(obj),
+        "oldObject": json_to_cel(old),
+    }
+    allowed, message, reason = _decide(spec, activation)
+    return None if allowed else (message, reason)
 
 
 def admit_configuration(

@@ -148,12 +148,15 @@ class ApiServerDouble:
         validate: bool = True,
         store: Store | None = None,
         watch_events_first: bool = True,
+        admission_policies: bool = False,
     ) -> None:
         self.host = host
         self.port = port
         self.store = store or Store(
             history_size=history_size, require_namespace=require_namespace, validate=validate
         )
+        # the stored ValidatingAdmissionPolicies decide each CREATE and UPDATE (admission.py)
+        self.store.admission_policies = admission_policies
         self.bookmark_interval = bookmark_interval
         self.strict_strategic_merge = strict_strategic_merge
         # a real API server gives no order between a write's answer and its watch events

@@ -258,6 +258,9 @@ class Store:
     ) -> None:
         self.registry = ResourceRegistry(builtin_resources())
         self.validate = validate
+        # the stored ValidatingAdmissionPolicies decide CREATE and UPDATE (admission.py); off
+        # unless asked for (ApiServerDouble(admission_policies=True))
+        self.admission_policies = False
         self.lock = threading.RLock()
         self.require_namespace = require_namespace
         # a deleted namespace's objects go this long after it (kube-controller-manager's
@@ -1069,6 +1072,13 @@ class Store:
 
     # --- CRDs ----------------------------------------------------------------------------
 
+    def _admit(self, rt: ResourceType, version: str, old: JSON | None, new: JSON) -> None:
+        from tests.doubles.apiserver import admission
+
+        policies = list(self._objects.get(admission.POLICIES, {}).values())
+        bindings = list(self._objects.get(admission.BINDINGS, {}).values())
+        admission.admit(policies, bindings, rt, version, old, new)
+
     def _before_write(
         self,
         rt: ResourceType,
@@ -1101,6 +1111,8 @@ class Store:
                 causes += validate_schema(new, schema)
             if causes:
                 raise errors.invalid(rt.gr, rt.kind, name, causes)
+        if self.admission_policies:
+            self._admit(rt, version, old, new)
         if rt.gr == CRD_GR:
             try:
                 served = resource_type_from_crd(new)
