@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -108,6 +109,7 @@ def _pod(name: str, node: str, owner: dict[str, Any] | None, grace: int) -> dict
     if owner is not None:
         meta["ownerReferences"] = [
             {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "controller": True,
+             "blockOwnerDeletion": True,  # as the DaemonSet and ReplicaSet controllers set
              "name": owner["metadata"]["name"], "uid": owner["metadata"]["uid"]}
         ]  # fmt: skip
     return {
@@ -131,7 +133,7 @@ async def _revoke_tokens_of_deleted_accounts(
         for account, names in tokens.items():
             if api.get("serviceaccounts", account, NS) is None:
                 for token in names:
-                    api.users.pop(token, None)
+                    api.revoke_user(token)
         await asyncio.sleep(0.05)
 
 
@@ -301,10 +303,10 @@ def _uninstall_block() -> list[str]:
 async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Path) -> None:
     steps = _uninstall_block()
     assert [s.split()[:2] for s in steps] == [["kubectl", "delete"], ["kubectl", "wait"],
-                                              ["kubectl", "delete"]]  # fmt: skip
+                                              ["kubectl", "-n"], ["kubectl", "delete"]]  # fmt: skip
     async with installed(tmp_path) as cluster:
         api = cluster.api
-        delete_configurations, wait_for_instances, delete_install = steps
+        delete_configurations, wait_for_instances, delete_agents, delete_install = steps
         await kubectl(cluster.env, delete_configurations)
         # the Instances are terminating, their brokers hold every slot: only the controller
         # removing the brokers lets them go (before: they stayed, finalizer akri.sh/slots)
@@ -312,6 +314,12 @@ async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Pa
         assert api.list("instances.akri.sh") == []
         assert cluster.broker_pods() == []
         assert cluster.terminating() == []
+        # returns once every agent is gone; each saw its DaemonSet go while it could look
+        # (issue 39.3: with its ServiceAccount already gone it could not tell a rollout)
+        await kubectl(cluster.env, delete_agents, within=WITHIN)
+        assert {"node-a", "node-b"} <= cluster.stopped
+        assert api.get("daemonsets.apps", "akri-agent", NS) is None
+        assert not cluster.nodes["node-a"].agent.settings.dra_plugin_dir.exists()
         await kubectl(cluster.env, delete_install)
         await eventually(lambda: cluster.stopped == {"node-a", "node-b", "controller"},
                          "the agents and the controller stopped", within=WITHIN)  # fmt: skip
@@ -327,30 +335,39 @@ async def test_the_uninstall_in_the_documented_order_ends_by_itself(tmp_path: Pa
         assert sum(n.startswith("default/") for n in ended) == 4  # the four brokers
 
 
-async def test_deleting_the_install_first_does_not_strand_the_dra_pods(tmp_path: Path) -> None:
+async def test_deleting_the_install_first_releases_nothing_on_a_guess(tmp_path: Path) -> None:
+    """Not the documented order: ``kubectl delete -k deploy/`` while the brokers run. It
+    deletes the agents' ServiceAccount before their DaemonSet: an agent that can no longer
+    read its Pod (401) cannot tell an uninstall from a rollout (issue 39.3), so it leaves as
+    on a rollout — at once, its DRA checkpoint kept, nothing released on a guess. The brokers
+    node-a prepared through DRA, deleted, then stay Terminating (kubelet cannot unprepare
+    their claims without the driver) until an agent runs on node-a again; the Instances stay
+    terminating until the docs' loop removes their finalizer (docs/install.md, "Out of
+    order")."""
     async with installed(tmp_path, shared=False) as cluster:
         api = cluster.api
-        # not the documented order: the install goes while the brokers run (--wait=false:
-        # kubectl would wait for the CRDs, which stay terminating, see below)
+        # --wait=false: kubectl would wait for the CRDs, which stay terminating, see below
         await kubectl(cluster.env, "kubectl delete -k deploy/ --wait=false")
-        await eventually(lambda: "node-b" in cluster.stopped and "controller" in cluster.stopped,
-                         "node-b's agent and the controller stopped", within=WITHIN)  # fmt: skip
-        # node-a's agent still serves kubelet: two brokers' claims are prepared there
-        assert "node-a" not in cluster.stopped
+        await eventually(lambda: {"node-a", "node-b", "controller"} <= cluster.stopped,
+                         "the agents and the controller stopped", within=WITHIN)  # fmt: skip
+        checkpoint = cluster.nodes["node-a"].agent.settings.dra_plugin_dir / "checkpoint.json"
+        prepared = json.loads(checkpoint.read_text())["preparedClaims"]
+        assert len(prepared) == 2  # node-a's two brokers: kept for the next agent here
+        assert sorted(cluster.dra["node-a"].claims) == sorted(prepared)
+        held = [v for i in api.list("instances.akri.sh") for v in i["spec"]["deviceUsage"].values()
+                if v.startswith("D:")]  # fmt: skip
+        assert sorted(v.split(":")[1] for v in held) == sorted(prepared)  # nothing released
         for pod in cluster.broker_pods():  # the user deletes what still uses the devices
             api.delete("pods", pod["metadata"]["name"], "default")
-        await eventually(lambda: cluster.broker_pods() == [], "the brokers ended", within=WITHIN)
-        await eventually(lambda: "node-a" in cluster.stopped, "node-a's agent left",
+        # node-b's brokers (device plugins) end; node-a's wait for a DRA driver
+        await eventually(lambda: len(cluster.broker_pods()) == 2, "node-b's brokers ended",
                          within=WITHIN)  # fmt: skip
-        await eventually(lambda: cluster.terminating() == [], "no Pod left Terminating",
-                         within=WITHIN)  # fmt: skip
-        assert cluster.dra["node-a"].claims == {}
-        assert not cluster.nodes["node-a"].agent.settings.dra_plugin_dir.exists()
-        # nobody can remove the finalizer of node-b's Instances now (their slots stay held by
-        # node-b, whose agent is gone): they and their CRD stay terminating
+        assert all(p["spec"]["nodeName"] == "node-a" and p["metadata"].get("deletionTimestamp")
+                   for p in cluster.broker_pods())  # fmt: skip
+        # nobody can remove the Instances' finalizer now (their slots stay held): they and
+        # their CRD stay terminating until the docs' loop
         crd = api.get("customresourcedefinitions", "instances.akri.sh")
         assert crd is not None and crd["metadata"].get("deletionTimestamp")
-        assert [i["spec"]["nodes"] for i in api.list("instances.akri.sh")].count(["node-b"]) == 2
         await kubectl(cluster.env, block("docs/install.md", "kubectl get akrii -A -o jsonpath"))
         await eventually(
             lambda: api.get("customresourcedefinitions", "instances.akri.sh") is None,

@@ -207,3 +207,22 @@ async def test_tokens_and_rbac_on_requests(api: ApiServerDouble, tmp_path: Path)
         await agent.close()
     # the test's own calls (no request) are an administrator's
     assert api.get(CLAIMS, "c", "default") is not None
+
+
+async def test_a_revoked_token_is_refused_also_when_no_user_is_left(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """A deleted ServiceAccount's token answers 401 on a real server; the double made every
+    request an administrator's once the last registered user was removed."""
+    allocated_claim(api, by_name("node-a"))
+    agent = await client(api, tmp_path, "agent-a")
+    try:
+        await agent.get(CLAIM)
+        for token in list(api.users):
+            api.revoke_user(token)
+        assert api.users == {}
+        with pytest.raises(ApiError) as revoked:
+            await agent.get(CLAIM)
+        assert revoked.value.status == 401
+    finally:
+        await agent.close()

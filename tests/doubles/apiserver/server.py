@@ -177,6 +177,9 @@ class ApiServerDouble:
         self._namespace_task: asyncio.Task[None] | None = None
         # bearer token -> identity (add_user); requests without a token are an administrator
         self.users: dict[str, User] = {}
+        # tokens are checked from the first add_user on, also once every user was removed
+        # (a revoked token answers 401 on a real server, it does not become an administrator)
+        self.authenticating = False
         if crds:
             self.load_crds(*crds)
 
@@ -288,7 +291,12 @@ class ApiServerDouble:
         in the user's extra). See :mod:`tests.doubles.apiserver.authz`."""
         user = user_from_rules(name, rules, groups=groups, node=node)
         self.users[token] = user
+        self.authenticating = True
         return user
+
+    def revoke_user(self, token: str) -> None:
+        """Requests with ``token`` answer 401 from now on (a deleted ServiceAccount's token)."""
+        self.users.pop(token, None)
 
     def kubeconfig(self, namespace: str = "default", token: str | None = None) -> JSON:
         """A kubeconfig (as a dict) pointing at this server, without credentials (an
@@ -579,7 +587,7 @@ class ApiServerDouble:
         user: User | None = None
         if header.startswith("Bearer "):
             user = self.users.get(header.removeprefix("Bearer ").strip())
-            if user is None and self.users:
+            if user is None and self.authenticating:
                 raise ApiError(401)
         CALLER.set(Caller(user, info.verb))
         if user is None or info.verb == "nonresource":
