@@ -149,3 +149,18 @@ def test_the_chart_carries_identical_copies(copy: str) -> None:
 def test_helm_lint_strict() -> None:
     done = helm("lint", "--strict", str(CHART))
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_helm
+def test_every_pod_carries_the_labels_akri_users_select_on() -> None:
+    """Akri's labels on the pods themselves (``kubectl get pods -l app.kubernetes.io/part-of=
+    akri``, ``-l app.kubernetes.io/name=akri-agent``), not only on their owners."""
+    rendered = template(
+        *(f"{h}.discovery.enabled=true" for h in ("debugEcho", "udev", "onvif", "opcua")),
+    )
+    workloads = [o for o in rendered if o["kind"] in ("DaemonSet", "Deployment", "Job")]
+    assert len(workloads) == 7  # agent, controller, four handlers, the uninstall hook
+    for workload in workloads:
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/part-of"] == "akri", workload["metadata"]["name"]
+        assert labels["app.kubernetes.io/name"] == workload["metadata"]["name"]

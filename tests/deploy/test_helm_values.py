@@ -379,3 +379,32 @@ def test_a_misspelled_or_mistyped_value_is_refused_by_name(value: str, named: st
 )
 def test_a_missing_required_value_says_which(values: tuple[str, ...], named: str) -> None:
     assert named in template_error(*values)
+
+
+def test_the_controller_fills_the_placeholder_of_a_charted_broker() -> None:
+    """A chart-rendered broker (Pod and Job) becomes what akri controller creates: the
+    ``{{PLACEHOLDER}}`` slot request names the Instance's resource, as Akri's controller does."""
+    from agent.controller import brokers
+    from agent.core.model.configuration import parse_configuration
+    from agent.core.model.instance import Instance
+
+    rule = 'udev.configuration.discoveryDetails.udevRules[0]=KERNEL=="video[0-9]*"'
+    instance = Instance(
+        name="akri-udev-8120fe", configuration_name="akri-udev", capacity=1, nodes=("node-a",),
+        device_usage={"akri-udev-8120fe-0": ""}, shared=False, uid="uid-1", namespace="akri",
+    )  # fmt: skip
+    for broker in ("brokerPod", "brokerJob"):
+        objects = template(
+            "udev.configuration.enabled=true", rule,
+            f"udev.configuration.{broker}.image.repository=example/broker",
+        )  # fmt: skip
+        config = parse_configuration(configuration(objects, "akri-udev"))
+        if broker == "brokerPod":
+            made = brokers.broker_pod(config, instance, "node-a", "node-a-akri-udev-8120fe-pod")
+            pod = made["spec"]
+        else:
+            pod = brokers.broker_job(config, instance)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        for amounts in (container["resources"]["limits"], container["resources"]["requests"]):
+            assert PLACEHOLDER not in amounts
+            assert amounts["akri.sh/akri-udev-8120fe"] == "1"
