@@ -310,3 +310,48 @@ def test_the_installed_policy_refuses_a_typo_at_the_api_server(tmp_path: Path) -
         bash(f"kubectl apply -f {typo}", env)
         stored = api.get("configurations.akri.sh", "cams", NAMESPACE)
         assert stored["spec"]["brokerSpec"]["brokerPodSpec"]["nodeSelecter"] == {"a": "b"}
+
+
+def handler_process(api: Any, name: str, node: str, tmp: Path) -> AgentProcess:
+    """The handler the chart's ``<handler>.discovery`` DaemonSet would start on ``node``: its
+    container's arguments and environment, the node's directories under ``tmp`` (the same
+    ones :func:`node_agent` gives the agent)."""
+    daemonset = api.get("daemonsets.apps", name, NAMESPACE)
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    assert env["DISCOVERY_HANDLERS_DIRECTORY"] == "/var/lib/akri"
+    env["DISCOVERY_HANDLERS_DIRECTORY"] = str(tmp / node / "akri")  # the node's /var/lib/akri
+    env["AKRI_DEBUG_ECHO_AVAILABILITY_FILE"] = str(tmp / "available")
+    command, *args = container["args"]
+    return AgentProcess(args, command=command, env=env, label=f"{name}@{node}")
+
+
+def test_a_charted_discovery_handler_daemonset_serves_the_agent(tmp_path: Path) -> None:
+    """Akri's architecture: debugEcho.discovery.enabled=true runs `akri handler debugEcho` as
+    its own DaemonSet; with the agent's embedded debugEcho off (no agent.allowDebugEcho), the
+    Configuration's Instances come from that handler, over Akri's discovery protocol."""
+    home = tmp_path / "home"
+    with ThreadedApiServer() as api:
+        env = helm_env(kubectl_env(api, home), home)
+        helm(env, "install", "akri", str(CHART), "-n", NAMESPACE, "--create-namespace",
+             "--set", "debugEcho.configuration.enabled=true",
+             "--set", "debugEcho.discovery.enabled=true",
+             "--kubeconfig", env["KUBECONFIG"])  # fmt: skip
+        (container,) = api.get("daemonsets.apps", "akri-agent", NAMESPACE)["spec"]["template"][
+            "spec"
+        ]["containers"]
+        assert "AKRI_DEBUG_ECHO" not in {var["name"] for var in container["env"]}
+        agent = node_agent(api, "node-a", tmp_path, home)
+        processes = [agent]
+        try:
+            handler = handler_process(api, "akri-debug-echo-discovery", "node-a", tmp_path)
+            processes.append(handler)
+            poll_until(
+                lambda: len(instances(api)) == 2,
+                timeout=WITHIN,
+                message=lambda: agent.describe() + handler.describe(),
+            )
+            assert agent.matching("registered.*debugEcho|debugEcho.*regist"), agent.describe()
+        finally:
+            for process in processes:
+                process.cleanup()
