@@ -164,3 +164,14 @@ def test_every_pod_carries_the_labels_akri_users_select_on() -> None:
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert labels["app.kubernetes.io/part-of"] == "akri", workload["metadata"]["name"]
         assert labels["app.kubernetes.io/name"] == workload["metadata"]["name"]
+
+
+def test_the_chart_version_is_the_projects() -> None:
+    """Chart version and appVersion (the default image tag) follow pyproject.toml."""
+    import tomllib
+
+    import yaml
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (chart["name"], chart["version"], chart["appVersion"]) == ("akri", version, version)
