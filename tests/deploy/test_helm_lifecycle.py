@@ -132,6 +132,10 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
                 message=lambda: agent.describe(),
             )
             uids = {i["metadata"]["uid"] for i in instances(api)}
+            # a slot held on node-a (as a device-plugin pod's, recorded by the agent)
+            held = sorted(i["metadata"]["name"] for i in instances(api))[0]
+            usage = json.dumps({"spec": {"deviceUsage": {f"{held}-0": "node-a"}}})
+            bash(f"kubectl patch akrii -n {NAMESPACE} {held} --type merge -p '{usage}'", env)
 
             # helm upgrade: a capacity and a new image tag, applied in place
             out = helm(env, "upgrade", "akri", str(CHART), "-n", NAMESPACE, "--reuse-values",
@@ -157,6 +161,13 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
                 timeout=WITHIN,
                 message=lambda: agent.describe() + json.dumps(instances(api), indent=1),
             )
+            # the held slot is kept through the upgrade and the rollout; the new one is free
+            kept = api.get("instances.akri.sh", held, NAMESPACE)["spec"]["deviceUsage"]
+            assert kept == {f"{held}-0": "node-a", f"{held}-1": "", f"{held}-2": ""}, kept
+            # its pod ends: the slot is free again (as the agent records it), so the uninstall
+            # below is not held up by it
+            free = json.dumps({"spec": {"deviceUsage": {f"{held}-0": ""}}})
+            bash(f"kubectl patch akrii -n {NAMESPACE} {held} --type merge -p '{free}'", env)
 
             # helm uninstall --wait: the hook deletes the Configurations and waits for the
             # Instances (their agent still runs: it is removed after the hook), then Helm
