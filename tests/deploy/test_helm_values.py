@@ -408,3 +408,24 @@ def test_the_controller_fills_the_placeholder_of_a_charted_broker() -> None:
         for amounts in (container["resources"]["limits"], container["resources"]["requests"]):
             assert PLACEHOLDER not in amounts
             assert amounts["akri.sh/akri-udev-8120fe"] == "1"
+
+
+def test_one_image_runs_every_pod() -> None:
+    """agent.image.* moves the agent, the controller, the handlers and the hook together;
+    controller.image.* moves the controller alone."""
+    objects = template(
+        "agent.image.repository=registry.local/akri-agent", "agent.image.tag=1.2.3",
+        "udev.discovery.enabled=true",
+    )  # fmt: skip
+    images = {
+        c["image"]
+        for o in objects
+        if o["kind"] in ("DaemonSet", "Deployment", "Job")
+        for c in o["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {"registry.local/akri-agent:1.2.3"}
+    objects = template("controller.image.repository=other/controller", "controller.image.tag=9")
+    (container,) = one(objects, "Deployment", "akri-controller")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["image"] == "other/controller:9"
