@@ -181,14 +181,32 @@ class Cluster:
 
     async def close(self) -> None:
         if self.client is not None:
-            for path in (INSTANCES, CONFIGURATIONS):
+            slices = resource_path("resource.k8s.io", "v1", "resourceslices")
+            mine = {"labelSelector": f"akri.sh/configuration={CONFIGURATION}"}
+            try:
+                # the agent's own Instance holds the akri.sh/slots finalizer, which only a
+                # running agent removes: taken off here, the agent being stopped
+                found, _ = await self.client.list_all(INSTANCES, params=mine)
+                for obj in found:
+                    if obj["metadata"].get("finalizers"):
+                        await self.client.request(
+                            "PATCH",
+                            f"{INSTANCES}/{obj['metadata']['name']}",
+                            body={"metadata": {"finalizers": None}},
+                            content_type="application/merge-patch+json",
+                            request_timeout=30,
+                        )
+            except Exception as error:
+                log(f"fleet: removing the agent's finalizers failed: {error}")
+            for path, selector in (
+                (INSTANCES, mine),
+                (INSTANCES, {"labelSelector": f"{BENCH_LABEL}=fleet"}),
+                (CONFIGURATIONS, {"labelSelector": f"{BENCH_LABEL}=fleet"}),
+                # the agent's DRA pool of its node (its own Instance's slots)
+                (slices, {"fieldSelector": f"spec.nodeName={NODE}"}),
+            ):
                 try:
-                    await self.client.request(
-                        "DELETE",
-                        path,
-                        params={"labelSelector": f"{BENCH_LABEL}=fleet"},
-                        request_timeout=120,
-                    )
+                    await self.client.request("DELETE", path, params=selector, request_timeout=120)
                 except Exception as error:
                     log(f"fleet: cleaning up {path} failed: {error}")
             await self.client.close()

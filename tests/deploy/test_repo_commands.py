@@ -121,6 +121,9 @@ BLOCKS: dict[tuple[str, str], str] = {
     "run for minutes; their figures are in benchmarks/results-*.json",
     ("docs/performance.md", ".venv/bin/python -m benchmarks.instance_cost"): "excluded: a "
     "benchmark of minutes; its figures are in benchmarks/results-instance-cost.json",
+    ("docs/performance.md", ".venv/bin/python -m benchmarks.fleet --kubeconfig"): "excluded: "
+    "needs a real API server; the same benchmark runs on the double as benchmarks/run.py "
+    "--only fleet (figures in benchmarks/results-fleet.json)",
     ("docs/performance.md", "python3 -m venv /tmp/govenv"): "excluded: builds the Go peer "
     "(a Go toolchain from PyPI and a clone of squat/generic-device-plugin) for the benchmark",
     ("docs/performance.md", ".venv/bin/python benchmarks/run.py --only peer"): "excluded: a "
