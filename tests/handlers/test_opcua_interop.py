@@ -23,13 +23,19 @@ import shutil
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from agent.core.model.configuration import Configuration, parse_configuration
+from agent.core.store.base import ConfigurationEvent, EventType
+from agent.core.store.local import LocalInstanceStore
+from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from discovery_handlers.base import Device
 from discovery_handlers.opcua import OpcuaHandler, transport
+from discovery_handlers.registry import HandlerRegistry
 from tests.paths import REPO
 
 PACKAGE = REPO / "tests" / "interop" / "node_opcua"
@@ -172,6 +178,65 @@ async def test_node_opcua_servers_through_the_application_names_filter(
         await _until_list(stream, {b})
     finally:
         await stream.aclose()
+
+
+async def test_a_filter_edit_removes_the_unselected_servers_instance_without_the_grace(
+    node_opcua: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 42.6 end to end, through the agent's DiscoveryManager with Akri's 300 s shared
+    grace: ``applicationNames`` edited to exclude Server B, its Instance goes as soon as the
+    restarted discovery's first list is in (before: it stayed offline for the grace, as if
+    the PLC had gone); Server A's stays."""
+    lds, a, b = (node_opcua[n] for n in ("LDS", "Server A", "Server B"))
+    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
+    await store.start()
+    registry = HandlerRegistry()
+    registry.register(OpcuaHandler())
+    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=300))
+    await manager.start()
+
+    def configuration(names: list[str]) -> Configuration:
+        details = _details([lds + "/"], applicationNames={"action": "Exclude", "items": names})
+        return parse_configuration(
+            {
+                "apiVersion": "akri.sh/v0",
+                "kind": "Configuration",
+                "metadata": {"name": "plcs"},
+                "spec": {
+                    "discoveryHandler": {"name": "opcua", "discoveryDetails": details},
+                    "capacity": 1,
+                },
+            }
+        )
+
+    def urls() -> set[str]:
+        return {
+            i.broker_properties["OPCUA_DISCOVERY_URL"]
+            for i in store.list_cached(configuration([]).key)
+        }
+
+    async def until(check: Any) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DEADLINE
+        while not check():
+            assert loop.time() < deadline, f"not reached; instances of {urls()}"
+            await asyncio.sleep(0.05)
+
+    first = configuration([])
+    try:
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.ADDED, first.key, first)
+        )
+        await until(lambda: urls() == {a, b})
+        edited = configuration(["Server B"])
+        await manager.handle_configuration_event(
+            ConfigurationEvent(EventType.MODIFIED, edited.key, edited)
+        )
+        await until(lambda: urls() == {a})  # within DEADLINE (180 s), far below the grace
+        assert manager.offline_instances() == frozenset()  # gone, not offline
+    finally:
+        await manager.close()
+        await store.close()
 
 
 def test_the_lockfile_pins_node_opcua() -> None:
