@@ -39,7 +39,7 @@ from discovery_handlers.registry import HandlerRegistry
 from tests.paths import REPO
 
 PACKAGE = REPO / "tests" / "interop" / "node_opcua"
-DEADLINE = 180.0  # certificates are made at the first start: slow on a loaded machine
+DEADLINE = 100.0  # certificates are made at the first start: slow on a loaded machine
 
 
 def _why_not() -> str | None:
@@ -232,7 +232,7 @@ async def test_a_filter_edit_removes_the_unselected_servers_instance_without_the
         await manager.handle_configuration_event(
             ConfigurationEvent(EventType.MODIFIED, edited.key, edited)
         )
-        await until(lambda: urls() == {a})  # within DEADLINE (180 s), far below the grace
+        await until(lambda: urls() == {a})  # within DEADLINE (100 s), far below the grace
         assert manager.offline_instances() == frozenset()  # gone, not offline
     finally:
         await manager.close()
