@@ -15,8 +15,9 @@ node_serves`: its Node exists, is Ready and is not tainted out-of-service):
   NotReady is replaced within moments.
 
 A Node that cannot be read (an RBAC without ``list``/``watch`` on nodes, an older install), or
-that was never seen (not registered yet), is *unknown*, and unknown counts as serving: the
-agent then behaves as it did before it followed Nodes. Listeners are called when a node's
+this node's own Node never seen (not registered yet), is *unknown*, and unknown counts as
+serving: the agent then behaves as it did before it followed Nodes. Another node's Node that
+is not there is deleted (an Instance lists it: it existed). Listeners are called when a node's
 standing changes, not on every status heartbeat.
 """
 
@@ -135,10 +136,11 @@ class FollowedNodes:
                 found, version = await self.client.list_all(
                     path, params={"fieldSelector": selector}
                 )
-                if found or self.known(name):
+                if found or self.known(name) or name != self.own:
+                    # another node an Instance lists whose Node is not there: deleted
                     self._set(name, found[0] if found else None)
-                elif name == self.own:
-                    self.ready.set()  # not registered (yet): unknown, as before this rule
+                else:
+                    self.ready.set()  # this node not registered (yet): unknown, as before
                 delay = first
                 stream = self.client.watch(
                     path, version, timeout_seconds=WATCH_TIMEOUT, field_selector=selector
