@@ -309,7 +309,9 @@ class SlotReclaimer:
         self.paused = True
         if not self._warned:
             log.warning(
-                "kubelet pod-resources socket not found: slot reclaim is off until it appears"
+                "kubelet pod-resources socket not found: slot reclaim is off until it appears; "
+                "the %d slot(s) this node holds through device plugins are kept",
+                len(self.index),
             )
             self._warned = True
 
