@@ -147,7 +147,12 @@ class FollowedNodes:
                 )
                 async with contextlib.aclosing(watch_events(stream, "nodes")) as events:
                     async for kind, obj in events:
-                        self._set(name, None if kind == "DELETED" else obj)
+                        # a BOOKMARK carries only a resourceVersion: no conditions, no taints
+                        # (read as a Node it would say a NotReady node serves again)
+                        if kind in ("ADDED", "MODIFIED"):
+                            self._set(name, obj)
+                        elif kind == "DELETED":
+                            self._set(name, None)
             except WatchExpiredError:
                 continue
             except ApiError as error:
