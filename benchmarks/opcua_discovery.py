@@ -70,6 +70,7 @@ from benchmarks.local_agent import InstanceFiles, LocalAgent
 from benchmarks.local_mode import LAG_LINE
 from benchmarks.local_mode import configuration as debug_echo_configuration
 from benchmarks.stats import summarize
+from tests.doubles.opcua_servers import free_ports
 
 SETTLE = 3.0  # seconds after the first list before RSS is read
 
@@ -90,16 +91,15 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct free ports (the probes are held open together)."""
-    probes = [socket.socket() for _ in range(count)]
+def _stop(proc: subprocess.Popen[bytes], seconds: float) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within ``seconds``."""
+    proc.send_signal(signal.SIGTERM)
     try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
+        proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    PROCESSES.discard(proc)
 
 
 def _compile(root: Path, env: dict[str, str]) -> None:
@@ -151,13 +151,7 @@ async def _one_start(
         await asyncio.sleep(SETTLE)
         return first, cpu, rss_mb(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        PROCESSES.discard(proc)
+        _stop(proc, 10)
         log.close()
         await kubelet.stop()
         shutil.rmtree(base, ignore_errors=True)
@@ -410,13 +404,7 @@ async def _plant_run(
         if cpu_mark is not None:
             cpu = 100 * (cpu_seconds(proc.pid) - cpu_mark[1]) / (time.monotonic() - cpu_mark[0])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        PROCESSES.discard(proc)
+        _stop(proc, 20)  # before issue 42, threads stuck in getaddrinfo hold the exit
         log.close()
     lag = LAG_LINE.findall(log_path.read_text(errors="replace"))
     seen = files.seen()
@@ -438,7 +426,7 @@ async def _plant_run(
 
 async def measure_plant(name: str, roots: list[Path], seconds: float) -> dict[str, Any]:
     plant = PLANTS[name]
-    *ports, lds_port, flood = _free_ports(plant.reachable + plant.dead + 2)
+    *ports, lds_port, flood = free_ports(plant.reachable + plant.dead + 2)
     ports, closed = ports[: plant.reachable], ports[plant.reachable :]
     dns = f"127.0.{os.getpid() % 200 + 20}.53"
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # bound, never read

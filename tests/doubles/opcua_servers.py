@@ -40,8 +40,10 @@ import functools
 import itertools
 import json
 import logging
+import socket
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -221,9 +223,13 @@ def _huge_body() -> bytes:
 
 
 def _huge_answer(request_id: int) -> list[bytes]:
-    body = _huge_body()  # encoded once: ~1 s of CPU on a loaded machine
+    return _message_chunks(request_id, _huge_body())  # encoded once: ~1 s of CPU
+
+
+def _message_chunks(request_id: int, body: bytes) -> list[bytes]:
+    """``body`` as MSG chunks of at most 65,535 bytes (the last one final)."""
     size = CHUNK - 8 - 16
-    parts = [body[i : i + size] for i in range(0, len(body), size)]
+    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
     return [
         _chunk(
             b"MSG",
@@ -232,6 +238,18 @@ def _huge_answer(request_id: int) -> list[bytes]:
         )
         for index, part in enumerate(parts)
     ]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free loopback ports (the probes are held open together)."""
+    probes = [socket.socket() for _ in range(count)]
+    try:
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [int(probe.getsockname()[1]) for probe in probes]
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 async def _read_message(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
@@ -278,17 +296,7 @@ def find_servers_answer(request_id: int, applications: list[dict[str, Any]]) -> 
                 DiscoveryUrls=[item["url"]],
             )
         )
-    body = struct_to_binary(response)
-    size = CHUNK - 8 - 16
-    parts = [body[i : i + size] for i in range(0, len(body), size)] or [b""]
-    return [
-        _chunk(
-            b"MSG",
-            b"F" if index == len(parts) - 1 else b"C",
-            struct.pack("<IIII", 7, 1, index + 2, request_id) + part,
-        )
-        for index, part in enumerate(parts)
-    ]
+    return _message_chunks(request_id, struct_to_binary(response))
 
 
 async def answer_find_servers(
@@ -301,19 +309,29 @@ async def answer_find_servers(
     discovery server, the servers registered with it). Thousands of these fit in one
     process (asyncua's ``Server`` costs ~30 MB each): the benchmark's 200 servers."""
     try:
-        await _read_message(reader)
-        writer.write(_acknowledge())
-        kind, body = await _read_message(reader)
-        writer.write(_open_response(_request_id(body, kind)))
-        kind, body = await _read_message(reader)
-        for chunk in find_servers_answer(_request_id(body, kind), applications):
-            writer.write(chunk)
-            await writer.drain()
+        await _answer(lambda request: find_servers_answer(request, applications), reader, writer)
         await reader.read()
     except (OSError, asyncio.IncompleteReadError):
         pass
     finally:
         writer.close()
+
+
+async def _answer(
+    chunks: Callable[[int], list[bytes]],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+) -> None:
+    """Acknowledge the Hello, open the channel (None), and answer the next request with the
+    ``chunks`` made for its request id."""
+    await _read_message(reader)
+    writer.write(_acknowledge())
+    kind, body = await _read_message(reader)
+    writer.write(_open_response(_request_id(body, kind)))
+    kind, body = await _read_message(reader)
+    for chunk in chunks(_request_id(body, kind)):
+        writer.write(chunk)
+        await writer.drain()
 
 
 async def _hostile(kind: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -330,14 +348,7 @@ async def _hostile(kind: str, reader: asyncio.StreamReader, writer: asyncio.Stre
             await writer.drain()
             await reader.read()
         elif kind == "huge":
-            await _read_message(reader)
-            writer.write(_acknowledge())
-            message_kind, body = await _read_message(reader)
-            writer.write(_open_response(_request_id(body, message_kind)))
-            message_kind, body = await _read_message(reader)
-            for chunk in _huge_answer(_request_id(body, message_kind)):
-                writer.write(chunk)
-                await writer.drain()
+            await _answer(_huge_answer, reader, writer)
             await reader.read()
     except (OSError, asyncio.IncompleteReadError):
         pass

@@ -20,7 +20,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -36,6 +35,7 @@ from agent.node.discovery.manager import DiscoveryManager, GraceSettings
 from discovery_handlers.base import Device
 from discovery_handlers.opcua import OpcuaHandler, transport
 from discovery_handlers.registry import HandlerRegistry
+from tests.doubles.opcua_servers import free_ports
 from tests.paths import REPO
 
 PACKAGE = REPO / "tests" / "interop" / "node_opcua"
@@ -51,17 +51,6 @@ def _why_not() -> str | None:
 pytestmark = pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 
 
-def _free_ports(count: int) -> list[int]:
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
-
-
 @pytest.fixture(scope="module")
 def node_opcua(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A node-opcua discovery server, servers A and B registered with it, server C not;
@@ -70,7 +59,7 @@ def node_opcua(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
         pytest.fail(
             f"node-opcua is not installed: npm ci --prefix {PACKAGE} (scripts/test.sh does it)"
         )
-    lds, a, b, c = _free_ports(4)
+    lds, a, b, c = free_ports(4)
     spec = {
         "pki": str(tmp_path_factory.mktemp("pki")),
         "lds": {"port": lds},

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -462,18 +463,22 @@ def test_a_discovery_servers_own_record_is_not_taken_for_a_server_it_lists() -> 
 
 
 @contextlib.asynccontextmanager
-async def hostile(kind: str) -> AsyncIterator[str]:
-    from tests.doubles.opcua_servers import _hostile
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _hostile(kind, reader, writer)
-
+async def serving(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """``handle`` serving connections on a loopback port; its ``opc.tcp`` URL."""
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
         yield f"opc.tcp://127.0.0.1:{port}/"
     finally:
         server.close()
+
+
+def hostile(kind: str) -> contextlib.AbstractAsyncContextManager[str]:
+    from tests.doubles.opcua_servers import _hostile
+
+    return serving(functools.partial(_hostile, kind))
 
 
 async def _error_of(url: str, seconds: float = 2.0) -> Any:
@@ -547,12 +552,8 @@ async def test_an_error_message_and_a_service_fault_are_reported_with_their_stat
         (refuse, "refused with BadTcpEndpointUrlInvalid: no (waiting for its Acknowledge)"),
         (fault, "answered FindServers with a fault: BadTooManyOperations"),
     ):
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            error = await _error_of(f"opc.tcp://127.0.0.1:{port}/")
-        finally:
-            server.close()
+        async with serving(handle) as url:
+            error = await _error_of(url)
         assert message in str(error) and not error.unreachable
 
 
@@ -701,21 +702,12 @@ def test_what_is_kept_of_a_server_is_bounded_whatever_it_sends() -> None:
     assert len(offered(flood, None, 10)) == 11  # maxServers + 1: "there were more"
 
 
-@contextlib.asynccontextmanager
-async def answering(applications: list[dict[str, Any]]) -> AsyncIterator[str]:
+def answering(applications: list[dict[str, Any]]) -> contextlib.AbstractAsyncContextManager[str]:
     """A light OPC UA server on loopback answering FindServers with ``applications`` (read
     at each call: the caller may fill it once it knows the URLs)."""
     from tests.doubles.opcua_servers import answer_find_servers
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await answer_find_servers(applications, reader, writer)
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"opc.tcp://127.0.0.1:{port}/"
-    finally:
-        server.close()
+    return serving(functools.partial(answer_find_servers, applications))
 
 
 async def first_list(text: str, deadline: float = 60.0) -> list[Any]:
@@ -733,16 +725,15 @@ async def test_a_listed_servers_answer_is_checked_not_decoded() -> None:
     is not decoded (a hostile server's ~0.9 MB answer decodes to ~8 MB, once per server that
     points at it)."""
     import json
-    import socket
     import sys
     import tracemalloc
 
     from discovery_handlers.opcua import transport
+    from tests.doubles.opcua_servers import free_ports
     from tests.paths import REPO
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        url = f"opc.tcp://127.0.0.1:{probe.getsockname()[1]}/"
+    (port,) = free_ports(1)
+    url = f"opc.tcp://127.0.0.1:{port}/"
     spec = [{"kind": "answering", "name": "Flood", "endpoint": url,
              "applications": [{"flood": 9000}]}]  # fmt: skip
     server = await asyncio.create_subprocess_exec(  # its encoding is not traced here

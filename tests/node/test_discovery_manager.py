@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -92,18 +93,31 @@ async def until(predicate: Callable[[], bool], within: float = 30.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture
-async def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+@contextlib.asynccontextmanager
+async def running(
+    tmp_path: Path, shared_grace: float
+) -> AsyncIterator[tuple[LocalInstanceStore, ScriptedHandler, DiscoveryManager]]:
+    """A local store, a scripted handler and a started manager with that shared grace."""
     store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
     await store.start()
     handler = ScriptedHandler()
     registry = HandlerRegistry()
     registry.register(handler)
-    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=0.3))
+    manager = DiscoveryManager(
+        store, registry, "node-a", GraceSettings(local=0, shared=shared_grace)
+    )
     await manager.start()
-    yield store, handler, manager
-    await manager.close()
-    await store.close()
+    try:
+        yield store, handler, manager
+    finally:
+        await manager.close()
+        await store.close()
+
+
+@pytest.fixture
+async def setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+    async with running(tmp_path, shared_grace=0.3) as started:
+        yield started
 
 
 def instances(store: LocalInstanceStore) -> list[Instance]:
@@ -724,15 +738,8 @@ async def test_a_device_an_edited_configuration_no_longer_selects_goes_without_t
     (not in the first list after an edit) still gets the grace."""
     from agent.core.ledger.decisions import Owner
 
-    store = LocalInstanceStore(tmp_path / "state", poll_interval=0.05)
-    await store.start()
-    handler = ScriptedHandler()
-    registry = HandlerRegistry()
-    registry.register(handler)
-    manager = DiscoveryManager(store, registry, "node-a", GraceSettings(local=0, shared=300))
-    await manager.start()
     key = ObjectKey("default", "cfg")
-    try:
+    async with running(tmp_path, shared_grace=300) as (store, handler, manager):
         await manager.handle_configuration_event(
             ConfigurationEvent(EventType.ADDED, key, cfg(details="names: [a, b, c]"))
         )
@@ -764,6 +771,3 @@ async def test_a_device_an_edited_configuration_no_longer_selects_goes_without_t
         c = ObjectKey("default", names["c"])
         await until(lambda: names["c"] in manager.offline_instances())
         assert store.get_cached(c) is not None
-    finally:
-        await manager.close()
-        await store.close()
