@@ -219,6 +219,15 @@ async def test_a_node_joins_a_shared_instance_other_nodes_created_by_its_name(
                 for line in lines
             )
             assert f"instance {SHARED} deleted" not in lines
+            # it left it itself: known to exist without asking (the DRA publisher asks
+            # before it deletes a shared pool whose Instance its view no longer shows)
+            mark = len(api.requests)
+            assert await node_a.store.instance_exists(SHARED)
+            assert await node_a.store.instance_exists("cam-abcdef") is False
+            asked = [r for r in api.requests[mark:] if r.verb != "watch"]
+            assert [(r.verb, r.query.get("fieldSelector")) for r in asked] == [
+                ("list", "metadata.name=cam-abcdef")
+            ]
         finally:
             await node_a.stop()
     finally:

@@ -87,6 +87,9 @@ CONFIGURATIONS = "configurations"
 WATCH_TIMEOUT_SECONDS = 290
 PROBE_TIMEOUT = 2.0  # seconds for the GET /version that tells a backing-off watch the API is back
 PROBE_REUSE = 0.9  # seconds one probe's answer serves both informers
+# an Instance this node's own write took out of its view (it left, holding no slot) is known
+# to exist this long without asking the API server (instance_exists)
+LEFT_TRUST = 60.0
 CRD_DEADLINE = 300.0  # seconds to wait at start for the akri.sh CRDs to be served
 MAX_START_BACKOFF = 10.0
 TRANSIENT = (0, 429, 500, 502, 503, 504)
@@ -153,6 +156,8 @@ class KubernetesInstanceStore(InstanceStore):
             admits=None if self.instance_selector is None else self._in_view,
         )
         self.relabelled = 0  # Instances this store labelled (written by Akri or older agents)
+        # name -> monotonic time this node's own write took that Instance out of its view
+        self._left_at: dict[str, float] = {}
         self._config_informer = Informer(
             "configurations",
             self._lister(CONFIGURATIONS),
@@ -442,9 +447,18 @@ class KubernetesInstanceStore(InstanceStore):
     def instance_configurations(self) -> set[ObjectKey]:
         return self._instances.configuration_keys()
 
+    def _remember_left(self, name: str) -> None:
+        now = time.monotonic()
+        for old in [n for n, at in self._left_at.items() if now - at >= LEFT_TRUST]:
+            del self._left_at[old]
+        self._left_at[name] = now
+
     async def instance_exists(self, name: str) -> bool:
         if self.instance_selector is None or self._instances.named(name):
             return bool(self._instances.named(name))
+        left = self._left_at.get(name)
+        if left is not None and time.monotonic() - left < LEFT_TRUST:
+            return True  # this node's own write took it out of its view: it exists
         self.request_count += 1
         path = resource_path(GROUP, VERSION, INSTANCES, self.settings.namespace or None)
         found, _version = await self._client.list_all(
@@ -520,7 +534,7 @@ class KubernetesInstanceStore(InstanceStore):
             # the write removed the last finalizer of a terminating Instance: it is gone
             self._instance_informer.apply_local(RawEvent("DELETED", obj))
         else:
-            self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
+            self._written(obj)
         return Instance.from_dict(obj)
 
     async def delete(self, key: ObjectKey, *, resource_version: str | None = None) -> None:
@@ -638,8 +652,15 @@ class KubernetesInstanceStore(InstanceStore):
             raise translated from error
         if self._needs_labels(obj):
             obj = await self._relabel(obj)
-        self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
+        self._written(obj)
         return Instance.from_dict(obj)
+
+    def _written(self, obj: Obj) -> None:
+        """Our write's answer into the cache (it leaves the cache when it took this node out
+        of its view: remembered, so that :meth:`instance_exists` need not ask)."""
+        if self.instance_selector is not None and not self._in_view(obj):
+            self._remember_left(str((obj.get("metadata") or {}).get("name") or ""))
+        self._instance_informer.apply_local(RawEvent("MODIFIED", obj))
 
     # -- Secrets / ConfigMaps for discoveryProperties --------------------------------------
     async def read_object(self, kind: str, namespace: str, name: str) -> Mapping[str, Any] | None:

@@ -89,6 +89,9 @@ CONFLICT_BACKOFF = (0.05, 5.0)
 # a shared slice whose Instance is gone: deleted at once by the first node it lists, by the
 # others (that node may be gone too) once it has been an orphan this long
 ORPHAN_GRACE = 10.0
+# a shared pool whose Instance this node's view no longer shows but the API server says exists
+# (this node left it; its next publisher rewrites the pool without it): asked again this late
+ALIVE_RECHECK = 60.0
 MAX_SLICE_NAME = 253
 
 
@@ -421,7 +424,7 @@ class SlicePublisher:
     async def _gone(self, instance: str, now: float) -> bool:
         """Whether the Instance of a shared pool this node's view does not show is gone: not
         when it still exists (this node left it; its next publisher rewrites the pool),
-        asked again after :data:`ORPHAN_GRACE`; not when the API server cannot say now."""
+        asked again after :data:`ALIVE_RECHECK`; not when the API server cannot say now."""
         if self._instance_exists is None:
             return True
         if now < self._alive_until.get(instance, now):
@@ -433,8 +436,8 @@ class SlicePublisher:
             self._wake_at(ORPHAN_GRACE)
             return False
         if exists:
-            self._alive_until[instance] = now + ORPHAN_GRACE
-            self._wake_at(ORPHAN_GRACE)
+            self._alive_until[instance] = now + ALIVE_RECHECK
+            self._wake_at(ALIVE_RECHECK)
         return not exists
 
     def _backing_off(self, pool: str, now: float) -> bool:
