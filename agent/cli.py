@@ -213,8 +213,8 @@ def _uninstall_cleanup(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
+    from agent.controller.uninstall_cleanup import run_cleanup
     from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
-    from agent.ops.uninstall_cleanup import run_cleanup
 
     _configure_logging("INFO")
     kubeconfig = args.kubeconfig or os.environ.get("AKRI_KUBECONFIG") or None
