@@ -429,3 +429,45 @@ def test_one_image_runs_every_pod() -> None:
         "containers"
     ]
     assert container["image"] == "other/controller:9"
+
+
+def kinds_and_names(objects: Objects) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objects}
+
+
+def test_the_switches_akri_users_flip() -> None:
+    """rbac.enabled, cleanupHook.enabled, agent/controller.enabled, placement keys."""
+    everything = kinds_and_names(template())
+    no_rbac = kinds_and_names(template("rbac.enabled=false"))
+    rbac = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert {k for k, _ in everything - no_rbac} == rbac
+    assert not {k for k, _ in no_rbac} & rbac
+    assert ("Job", "akri-cleanup-hook") in everything
+    no_hook = kinds_and_names(template("cleanupHook.enabled=false"))
+    assert everything - no_hook == {
+        ("Job", "akri-cleanup-hook"), ("ServiceAccount", "akri-cleanup-hook"),
+        ("ClusterRole", "akri-cleanup-hook"), ("ClusterRoleBinding", "akri-cleanup-hook"),
+    }  # fmt: skip
+    no_agent = kinds_and_names(template("agent.enabled=false"))
+    assert ("DaemonSet", "akri-agent") not in no_agent
+    assert ("ClusterRole", "akri-agent") not in no_agent
+    assert ("Deployment", "akri-controller") not in kinds_and_names(
+        template("controller.enabled=false")
+    )
+    placed = template(
+        "controller.onlyOnControlPlane=true",
+        "controller.allowOnControlPlane=false",
+        "controller.nodeSelectors.zone=edge",
+        "agent.nodeSelectors.akri=yes",
+        "agent.tolerations[0].key=dedicated",
+        "agent.tolerations[0].operator=Exists",
+    )
+    validate_all(placed)
+    controller = one(placed, "Deployment", "akri-controller")["spec"]["template"]["spec"]
+    assert controller["nodeSelector"] == {
+        "kubernetes.io/os": "linux", "node-role.kubernetes.io/control-plane": "", "zone": "edge",
+    }  # fmt: skip
+    assert "tolerations" not in controller
+    agent = one(placed, "DaemonSet", "akri-agent")["spec"]["template"]["spec"]
+    assert agent["nodeSelector"] == {"akri": "yes"}
+    assert agent["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
