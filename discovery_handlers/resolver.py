@@ -9,8 +9,8 @@ the default executor fills with them. Here:
 
 - lookups run on at most :data:`THREADS` daemon threads of their own (a stuck one never
   holds back the agent's other work, nor its exit), and at most :data:`MAX_QUEUED` wait for
-  one: beyond that a lookup fails at once (:class:`LookupTimeout`) rather than queueing for
-  ever;
+  one while they are all busy: beyond that a lookup fails at once (:class:`LookupTimeout`)
+  rather than queueing for ever;
 - a host already being looked up is not looked up again: callers share the one answer;
 - a host whose lookup gave no answer in time is not asked again for ``quiet`` seconds (the
   caller's recheck interval): callers get :class:`LookupTimeout` at once meanwhile;
@@ -105,8 +105,10 @@ class Resolver:
         self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._started = 0
+        self._starting = 0  # threads started that have not taken a job yet
         self._idle = 0
-        self._queued = 0
+        self._busy = 0  # threads running a lookup
+        self._queued = 0  # lookups no thread has taken yet
         self._pending: dict[tuple[str, int], Future[list[Address]]] = {}
         self._quiet_until: dict[str, float] = {}  # host -> when it may be asked again
 
@@ -161,25 +163,32 @@ class Resolver:
             future = self._pending.get(key)
             if future is not None:
                 return future
-            if self._queued >= self._max_queued:
+            # jobs the free and not yet started threads will take do not count as waiting
+            if self._queued >= self._max_queued + self._threads - self._busy:
                 return None
             future = Future()
             self._pending[key] = future
             self._queued += 1
-            if self._idle == 0 and self._started < self._threads:
+            # one thread per job no idle (or starting) thread will take: an idle thread may
+            # take an older job, and a job left without a thread behind stuck lookups would
+            # wait for ever
+            if self._queued > self._idle + self._starting and self._started < self._threads:
                 self._started += 1
+                self._starting += 1
                 threading.Thread(target=self._work, name="akri-resolver", daemon=True).start()
         self._jobs.put((host, port, future))
         return future
 
     def _work(self) -> None:
+        with self._lock:
+            self._starting -= 1
+            self._idle += 1
         while True:
-            with self._lock:
-                self._idle += 1
             host, port, future = self._jobs.get()
             with self._lock:
                 self._idle -= 1
                 self._queued -= 1
+                self._busy += 1
             try:
                 result = self._lookup(host, port)
             except BaseException as error:  # handed to the waiting coroutine
@@ -188,6 +197,8 @@ class Resolver:
                 outcome = result
             with self._lock:
                 self._pending.pop((host, port), None)
+                self._busy -= 1
+                self._idle += 1
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:

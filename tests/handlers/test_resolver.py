@@ -100,3 +100,22 @@ async def test_lookups_are_bounded_and_never_use_the_default_executor(lookups: L
     assert "akri-resolver" in names
     lookups.release.set()
     await asyncio.gather(*hung, queued)
+
+
+async def test_a_name_asked_after_names_that_hang_gets_a_thread_of_its_own() -> None:
+    """Ten names that hang, then one that answers, in one burst (a discovery server's
+    list): the last one must not be left in the queue while every thread is stuck (before:
+    a thread counted idle took an older job, and the last job had no thread, for ever)."""
+    for _ in range(20):
+        lookups = Lookups()
+        resolver = Resolver(lookup=lookups)
+        try:
+            hung = [
+                asyncio.create_task(resolver.lookup(f"{i}.hung", seconds=30)) for i in range(10)
+            ]
+            good = asyncio.create_task(resolver.lookup("plc.good", seconds=30))
+            async with asyncio.timeout(20):
+                assert await good == [(socket.AF_INET, "127.0.0.1")]
+        finally:
+            lookups.release.set()
+        await asyncio.gather(*hung)
