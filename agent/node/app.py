@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from agent.core.aio.events import Subscription
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from agent.node.dra.reclaim import DraReclaimer
     from agent.node.dra.state import DraState
     from agent.node.external.registration import RegistrationServer
+    from agent.node.followed_agents import FollowedAgents
     from agent.node.followed_nodes import FollowedNodes
     from agent.ops.health import HealthServer
 from agent.core.store.base import InstanceStore
@@ -165,13 +166,19 @@ class Agent:
         # this node's Node (and, for the shared pools' publisher, those of the nodes its
         # shared Instances list): whether each serves (agent/core/ledger/node_standing.py)
         self.followed_nodes: FollowedNodes | None = None
+        self.followed_agents: FollowedAgents | None = None
         api_client = getattr(store, "api_client", None)
         if not settings.local and api_client is not None:
             # imported only in cluster mode: a local agent loads no Kubernetes client
+            from agent.node.followed_agents import FollowedAgents
             from agent.node.followed_nodes import FollowedNodes
 
             self.followed_nodes = FollowedNodes(api_client, node)
             self.ledger.may_join = self.followed_nodes.may_join
+            # and whether the agents of those nodes are there (Ready, not being deleted): a
+            # shared pool's publisher is the first of its nodes that serves with its agent
+            if settings.dra:
+                self.followed_agents = FollowedAgents(api_client, node)
         self.ownership = Ownership(store)
         self.served = ServedInstances(store, self.ownership)
         self.discovery = DiscoveryManager(
@@ -327,13 +334,31 @@ class Agent:
             self.offline_marks.offline,
             options_of=options.of,
             instance_exists=self.store.instance_exists,
-            # a shared pool's publisher is the first of its nodes whose Node serves
-            unready=self.followed_nodes.unserving if self.followed_nodes else frozenset,
-            follow_nodes=self.followed_nodes.want if self.followed_nodes else lambda _n: None,
+            # a shared pool's publisher is the first of its nodes whose Node serves and
+            # whose agent is there
+            unready=self._unready_nodes,
+            follow_nodes=self._follow_nodes,
         )
         self.offline_marks.add_listener(self.publisher.trigger)
         if self.followed_nodes is not None:
             self.followed_nodes.listeners.append(self.publisher.trigger)
+        if self.followed_agents is not None:
+            self.followed_agents.listeners.append(self.publisher.trigger)
+
+    def _unready_nodes(self) -> frozenset[str]:
+        """The nodes that may not publish or be selected by a shared pool: their Node does
+        not serve, or their agent is not there (issue 39.4)."""
+        unready = self.followed_nodes.unserving() if self.followed_nodes else frozenset()
+        if self.followed_agents is not None:
+            unready |= self.followed_agents.absent()
+        return unready
+
+    def _follow_nodes(self, nodes: Collection[str]) -> None:
+        """Follow the Nodes and the agents of the nodes this node's shared Instances list."""
+        if self.followed_nodes is not None:
+            self.followed_nodes.want(nodes)
+        if self.followed_agents is not None:
+            self.followed_agents.want(nodes)
 
     async def start(self) -> None:
         """Load state (raises CorruptStateError), then start discovery."""
@@ -381,6 +406,14 @@ class Agent:
             self._dra_reclaim_task = asyncio.create_task(
                 self.dra_reclaimer.run(), name="dra-reclaimer"
             )
+            if self.followed_agents is not None:
+                # whether this node's agent (and each other's) is there, before the publisher
+                # decides who publishes a shared pool: a restarting agent is not Ready yet,
+                # and publishing on an unknown would contest the pool its successor holds
+                self.followed_agents.start(self.pod_environ)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(NODE_FIRST_READ):
+                        await self.followed_agents.ready.wait()
             await self.publisher.start()
             self.ownership.add_listener(lambda _names: self._wake_publisher())
             self._slice_events = asyncio.create_task(
@@ -622,6 +655,8 @@ class Agent:
         await self.discovery.close()
         if self.followed_nodes is not None:
             await self.followed_nodes.close()
+        if self.followed_agents is not None:
+            await self.followed_agents.close()
         await self.ledger.close()
         for task in (self._activity, self._finalizers):
             if task is not None:

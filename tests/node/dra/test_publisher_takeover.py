@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.controller.conftest import add_node, set_ready
+from tests.controller.conftest import add_node, set_ready, set_status
 from tests.doubles.apiserver import ApiServerDouble
 from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
@@ -111,6 +111,143 @@ async def test_a_pool_is_taken_over_when_its_publishers_node_goes_not_ready(
         reads = [r for r in api.requests_for(resource="nodes") if r.info.verb in ("list", "watch")]
         assert reads and all(
             r.query.get("fieldSelector", "").startswith("metadata.name=") for r in reads
+        )
+    finally:
+        await _stop(nodes)
+
+
+# -- the publisher's agent goes while its Node stays Ready ------------------------------------
+NS = "akri"
+AGENT_LABELS = {"app.kubernetes.io/name": "akri-agent", "app.kubernetes.io/part-of": "akri"}
+
+
+def _agent_daemonset(api: ApiServerDouble) -> dict[str, Any]:
+    selector = {"matchLabels": {"app.kubernetes.io/name": "akri-agent"}}
+    return api.create(
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "akri-agent", "namespace": NS},
+            "spec": {"selector": selector, "template": {"metadata": {"labels": AGENT_LABELS}}},
+        }
+    )
+
+
+def _agent_pod(
+    api: ApiServerDouble, daemonset: dict[str, Any], node: str, name: str, *, ready: bool
+) -> None:
+    """An agent Pod of ``daemonset`` on ``node`` (with kubelet's finalizer stand-in, so that a
+    delete leaves it terminating, as a running container does), Ready or not."""
+    owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "akri-agent",
+             "uid": daemonset["metadata"]["uid"], "controller": True}  # fmt: skip
+    metadata = {"name": name, "namespace": NS, "labels": {**AGENT_LABELS,
+                "controller-revision-hash": "abc"}, "ownerReferences": [owner],
+                "finalizers": ["tests.akri.sh/kubelet"]}  # fmt: skip
+    spec = {"nodeName": node, "containers": [{"name": "agent", "image": "a"}]}
+    api.create({"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec})
+    _set_pod_ready(api, name, ready)
+
+
+def _set_pod_ready(api: ApiServerDouble, name: str, ready: bool) -> None:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    set_status(api, "pods", name, {"phase": "Running", "conditions": [condition]}, NS)
+
+
+def _remove_pod(api: ApiServerDouble, name: str) -> None:
+    """kubelet's part once the container stopped: the finalizer goes, and the Pod with it."""
+    pod = api.get("pods", name, NS)
+    assert pod is not None
+    pod["metadata"]["finalizers"] = []
+    api.apply(pod)
+
+
+def _writes(nodes: list[DpNode]) -> int:
+    return sum(n.publisher.writes for n in nodes if n.publisher is not None)
+
+
+async def test_a_pool_is_taken_over_when_its_publishers_agent_goes(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.4, the agent half: node-a's Node stays Ready while its agent is not there —
+    its Pod not Ready (a stuck or starting agent), being deleted (a rollout, an eviction) or
+    gone. node-b takes the pool over in place, a slot taken meanwhile through node-b's
+    device plugin is not advertised, and node-a takes it back once its agent is Ready again;
+    one pool write per change of publisher, and the agents read only their peers' agent
+    Pods, by label and node."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    daemonset = _agent_daemonset(api)
+    _agent_pod(api, daemonset, "node-a", "akri-agent-a", ready=True)
+    _agent_pod(api, daemonset, "node-b", "akri-agent-b", ready=True)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    nodes = [
+        await start_dp_node(api, "node-a", tmp_path, dra=True,
+                            pod_environ={"POD_NAME": "akri-agent-a", "POD_NAMESPACE": NS}),
+        await start_dp_node(api, "node-b", tmp_path, dra=True,
+                            pod_environ={"POD_NAME": "akri-agent-b", "POD_NAMESPACE": NS}),
+    ]  # fmt: skip
+    node_b = nodes[1]
+    try:
+        await eventually(
+            lambda: (
+                [sorted(i.nodes) for i in api_instances(api).values()] == [["node-a", "node-b"]]
+            ),
+            WITHIN,
+            "one shared Instance on both nodes",
+        )
+        (name,) = api_instances(api)
+        await eventually(lambda: _selects(api, name, ["node-a", "node-b"]), WITHIN, "pool")
+        (before,) = _pool(api, name)
+        writes = _writes(nodes)
+        # node-a's agent Pod is no longer Ready (its readiness probe fails: a stuck agent)
+        _set_pod_ready(api, "akri-agent-a", False)
+        await eventually(lambda: _selects(api, name, ["node-b"]), WITHIN, "node-b took over")
+        (after,) = _pool(api, name)
+        assert after["metadata"]["name"] == before["metadata"]["name"]  # rewritten in place
+        assert after["spec"]["pool"]["generation"] > before["spec"]["pool"]["generation"]
+        # a slot taken through node-b's device plugin leaves the pool node-b now publishes
+        resource = f"akri.sh/{name}"
+        await node_b.kubelet.wait_registered(resource, timeout=WITHIN)
+        await eventually(lambda: node_b.kubelet.allocatable(resource) == 2, WITHIN, "offered")
+        admitted = await node_b.kubelet.admit_pod("apps", "cam-app", [("app", {resource: 1})])
+        assert admitted.admitted
+        await eventually(
+            lambda: len(_devices(_pool(api, name))) == 1 and _selects(api, name, ["node-b"]),
+            WITHIN,
+            "the taken slot no longer advertised",
+        )
+        # node-a's agent Ready again: node-a is the first node again and takes the pool back
+        _set_pod_ready(api, "akri-agent-a", True)
+        await eventually(
+            lambda: (
+                _selects(api, name, ["node-a", "node-b"]) and len(_devices(_pool(api, name))) == 1
+            ),
+            WITHIN,
+            "node-a publishes it again",
+        )
+        # a rollout: node-a's agent Pod deleted (terminating while the old agent stops), gone,
+        # and its successor Ready a moment later
+        api.delete("pods", "akri-agent-a", NS)
+        await eventually(lambda: _selects(api, name, ["node-b"]), WITHIN, "taken over again")
+        _remove_pod(api, "akri-agent-a")
+        _agent_pod(api, daemonset, "node-a", "akri-agent-a2", ready=False)
+        _set_pod_ready(api, "akri-agent-a2", True)
+        await eventually(
+            lambda: _selects(api, name, ["node-a", "node-b"]), WITHIN, "node-a back after it"
+        )
+        (last,) = _pool(api, name)
+        assert last["metadata"]["name"] == before["metadata"]["name"]
+        assert len(_devices([last])) == 1
+        # five changes of the pool (taken over, the taken slot, back, taken over, back): a
+        # write each, and a few more at most where the two nodes' views crossed — no storm
+        assert _writes(nodes) - writes <= 10, _writes(nodes) - writes
+        # invariant 11: each agent reads its own Pod once, then only agent Pods by label
+        # and node
+        reads = [r for r in api.requests_for(resource="pods") if r.info.verb in ("list", "watch")]
+        assert reads and all(
+            r.query.get("labelSelector") == "app.kubernetes.io/name=akri-agent"
+            and r.query.get("fieldSelector", "").startswith("spec.nodeName=")
+            for r in reads
         )
     finally:
         await _stop(nodes)
