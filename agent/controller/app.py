@@ -58,6 +58,7 @@ class Controller:
                 failed_broker_grace=settings.failed_broker_grace,
                 resync_interval=settings.resync_interval,
                 namespace=settings.namespace,
+                agent_selector=settings.agent_selector or None,
             ),
         )
         # KEP-5004: the DeviceClasses that serve akri.sh/<name> limits through DRA

@@ -40,6 +40,7 @@ from agent.controller.watched import HOLDS_SLOTS, Watched, broker_summary, pod_s
 from agent.core.kube import ApiError, KubeClient, TransportError, resource_path
 from agent.core.ledger.decisions import Eviction, decide_evict_node, node_slots
 from agent.core.ledger.finalizer import release_finalizer_share
+from agent.core.model.agent_pods import AGENT_SELECTOR, agent_summary, agents_there
 from agent.core.model.configuration import Configuration
 from agent.core.model.device_usage import holder_node, parse_usage
 from agent.core.model.instance import Instance
@@ -68,6 +69,9 @@ class ReconcileSettings:
     resync_interval: float = 60.0
     namespace: str | None = None  # None: every namespace
     request_timeout: float = 30.0
+    # the agents' Pods (every namespace): a shared pool none of whose nodes has its agent
+    # there is deleted (None: not followed, every agent counts as there)
+    agent_selector: str | None = AGENT_SELECTOR
 
 
 @dataclass
@@ -195,6 +199,17 @@ class Reconciler:
             resource_path("resource.k8s.io", "v1", "resourceslices"),
             lambda _event: None,  # read when a node is cleaned, never a reason for a pass
         )
+        # the agents' Pods: whether each node's agent is there (Ready, not being deleted)
+        self.agent_cache: Watched | None = None
+        if settings.agent_selector:
+            self.agent_cache = Watched(
+                client,
+                "agent-pods",
+                resource_path("", "v1", "pods"),
+                self._on_change,
+                label_selector=settings.agent_selector,
+                keep=agent_summary,
+            )
         self._observed: dict[tuple[Any, Any], brokers.ObservedPod] = {}
         self.synced = False
         self.dra_slices = True  # False when the cluster does not serve resource.k8s.io/v1
@@ -235,6 +250,18 @@ class Reconciler:
                 raise
             self.dra_slices = False
             log.info("the cluster serves no resource.k8s.io/v1 ResourceSlices: no hand-over")
+        if self.dra_slices and self.agent_cache is not None:
+            try:
+                await self.agent_cache.start()
+            except ApiError as error:
+                if error.status not in (401, 403):
+                    raise
+                log.warning(
+                    "cannot list the agents' Pods (%s): a shared ResourceSlice whose nodes' "
+                    "agents are all gone stays until their Nodes stop serving",
+                    error,
+                )
+                self.agent_cache = None
         for subscribe in (self.store.subscribe_instances, self.store.subscribe_configurations):
             subscription = subscribe()
             self._subscriptions.append(subscription)
@@ -260,6 +287,7 @@ class Reconciler:
             self.job_cache,
             self.service_cache,
             self.slice_cache,
+            *([self.agent_cache] if self.agent_cache is not None else []),
             *self.node_pods.values(),
         ):
             await cache.stop()
@@ -524,19 +552,32 @@ class Reconciler:
             members.setdefault(instance.name, set()).update(instance.nodes)
         return members
 
+    def _agents_there(self) -> Callable[[str], bool]:
+        """node -> whether its agent is there (unknown: True; the watch lost: all unknown,
+        a Pod may have come back meanwhile)."""
+        cache = self.agent_cache
+        if cache is None or cache.lost():
+            return lambda _node: True
+        return agents_there(cache.cache.values())
+
     async def _delete_unpublished_pools(self) -> None:
-        """Shared pools none of whose nodes serves (the publisher's Node went NotReady and no
-        other node of the pool serves): nobody would rewrite them, so they go at once."""
+        """Shared pools none of whose nodes publishes: each one's Node does not serve (the
+        publisher's went NotReady and no other serves) or its agent is not there (crashed,
+        deleted, evicted, not Ready). Nobody would rewrite them, so they go at once."""
         if not self.dra_slices:
             return
         members = self._pool_members()
+        there = self._agents_there()
         for name, version in slices.unpublished_shared_slices(
-            self.slice_cache.cache.values(), self.nodes.serves, lambda pool: members.get(pool, ())
+            self.slice_cache.cache.values(),
+            lambda node: self.nodes.serves(node) and there(node),
+            lambda pool: members.get(pool, ()),
         ):
             if await self._delete_slice(name, version):
                 log.warning(
-                    "ResourceSlice %s: none of the nodes of its pool is Ready (NotReady, "
-                    "deleted or out-of-service): deleted, so that it offers nothing stale; the "
+                    "ResourceSlice %s: none of the nodes of its pool is Ready with its agent "
+                    "Ready (Node NotReady, deleted or out-of-service, or agent Pod not Ready, "
+                    "being deleted or gone): deleted, so that it offers nothing stale; the "
                     "first of them Ready again publishes it anew",
                     name,
                 )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from agent.controller.brokers import FAILED_GRACE, PENDING_GRACE
 from agent.controller.leader import LEASE_DURATION, RENEW_DEADLINE, RETRY_PERIOD
 from agent.controller.nodes import NODE_GRACE
+from agent.core.model.agent_pods import AGENT_SELECTOR
 from agent.ops.flags import (
     Option,
     SettingsError,
@@ -63,6 +64,10 @@ CONTROLLER_FLAGS = (
          "seconds a broker Pod may stay Pending before it is replaced (Akri: 300)"),
     Option("--failed-broker-grace", "AKRI_FAILED_BROKER_GRACE", parse_seconds, FAILED_GRACE,
          "seconds before a Failed/Succeeded broker Pod is replaced (Akri: 0)"),
+    Option("--agent-selector", "AKRI_AGENT_SELECTOR", str, AGENT_SELECTOR,
+         "label selector of the agents' Pods (every namespace): a shared ResourceSlice none "
+         "of whose nodes has its agent Ready is deleted (empty: not followed)",
+         metavar="SELECTOR"),
     Option("--resync-interval", "AKRI_RESYNC_INTERVAL", parse_interval, 60.0,
          "seconds between full reconcile passes when nothing changes"),
     Option("--health-port", "AKRI_HEALTH_PORT", parse_port, HEALTH_PORT,
@@ -97,6 +102,7 @@ class ControllerSettings:
     free_slots_of_unready_nodes_after: float | None
     pending_broker_grace: float
     failed_broker_grace: float
+    agent_selector: str
     resync_interval: float
     health_port: int
     health_address: str

@@ -204,6 +204,7 @@ def controller_settings(**changes: Any) -> ControllerSettings:
         "free_slots_of_unready_nodes_after": None,
         "pending_broker_grace": 300.0,
         "failed_broker_grace": 0.0,
+        "agent_selector": "app.kubernetes.io/name=akri-agent",
         "resync_interval": 60.0,
         "health_port": 0,
         "health_address": "127.0.0.1",

@@ -19,6 +19,7 @@ from tests.controller.conftest import (
     reconciler_for,
     running_controller,
     set_ready,
+    set_status,
 )
 from tests.doubles.apiserver import ApiServerDouble
 
@@ -410,3 +411,74 @@ async def test_a_pool_none_of_whose_nodes_is_ready_goes_at_once_while_the_slots_
         names = [s["metadata"]["name"] for s in api.list("resourceslices")]
         assert names == ["akri.sh-cams-a19705-0"]
         assert _stored(api) == before  # the slot and the node's place stay
+
+
+def _agent_pod(api: ApiServerDouble, node: str, ready: bool, labels: dict[str, str]) -> None:
+    name = f"akri-agent-{node}"
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": "akri", "labels": labels},
+           "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "a"}]}}  # fmt: skip
+    if api.get("pods", name, "akri") is None:
+        api.create(pod)
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    set_status(api, "pods", name, {"phase": "Running", "conditions": [condition]}, "akri")
+
+
+AGENT = {"app.kubernetes.io/name": "akri-agent"}
+
+
+async def test_a_pool_none_of_whose_nodes_has_its_agent_there_goes_at_once(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.4, the agent half: node-a's Node stays Ready but its agent is not there (its
+    Pod not Ready, then gone): a pool only node-a publishes would go on offering what it
+    last said; it is deleted at once, slots untouched. A pool node-b (agent Ready) can take
+    over stays. The agents' Pods are read with one label-selected watch."""
+    for name in ("node-a", "node-b"):
+        add_node(api, name)
+    api.create(configuration(capacity=2))
+    instance(api, "cams-8120fe", ["node-a"], usage={"cams-8120fe-0": "node-a"})
+    instance(api, "cams-a19705", ["node-a", "node-b"])
+    api.create(_shared_slice("cams-8120fe", ["node-a"]))
+    api.create(_shared_slice("cams-a19705", ["node-a", "node-b"]))
+    _agent_pod(api, "node-a", True, AGENT)
+    _agent_pod(api, "node-b", True, AGENT)
+    before = _stored(api)
+    clock = FakeClock()
+    async with reconciler_for(
+        api, tmp_path, clock, agent_selector="app.kubernetes.io/name=akri-agent"
+    ) as reconciler:
+        assert reconciler.agent_cache is not None
+        agents = reconciler.agent_cache
+        await eventually(lambda: len(reconciler.slice_cache.cache) == 2, "slices cached")
+        await reconciler.reconcile_once()
+        assert len(api.list("resourceslices")) == 2  # every agent Ready: nothing to do
+        _agent_pod(api, "node-a", False, AGENT)
+        await eventually(
+            lambda: "False" in str(agents.cache.get("akri/akri-agent-node-a")), "seen not Ready"
+        )
+        await reconciler.reconcile_once()
+        names = [s["metadata"]["name"] for s in api.list("resourceslices")]
+        assert names == ["akri.sh-cams-a19705-0"]
+        assert _stored(api) == before  # the slot and the node's place stay
+        reads = [r for r in api.requests_for(resource="pods") if r.info.verb in ("list", "watch")]
+        assert all(r.query.get("labelSelector") for r in reads)  # never every Pod
+
+
+async def test_agents_labelled_otherwise_are_unknown_and_delete_nothing(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """An install whose agents the selector does not find (other labels): every node's agent
+    counts as there, so no pool is deleted on that account."""
+    add_node(api, "node-a")
+    api.create(configuration(capacity=2))
+    instance(api, "cams-8120fe", ["node-a"])
+    api.create(_shared_slice("cams-8120fe", ["node-a"]))
+    _agent_pod(api, "node-a", True, {"app": "my-akri-agent"})
+    clock = FakeClock()
+    async with reconciler_for(
+        api, tmp_path, clock, agent_selector="app.kubernetes.io/name=akri-agent"
+    ) as reconciler:
+        await eventually(lambda: len(reconciler.slice_cache.cache) == 1, "slice cached")
+        await reconciler.reconcile_once()
+        assert len(api.list("resourceslices")) == 1

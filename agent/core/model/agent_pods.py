@@ -18,7 +18,7 @@ be read is *unknown*, and unknown counts as there, as an unknown Node counts as 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 # what akri controller selects the agents' Pods by (deploy/base/daemonset.yaml, the chart)
@@ -88,3 +88,16 @@ def selector_string(selector: Mapping[str, Any] | None) -> str | None:
         else:
             return None
     return ",".join(parts) or None
+
+
+def agents_there(pods: Iterable[Mapping[str, Any]]) -> Callable[[str], bool]:
+    """node -> whether its agent is there, from every agent Pod a selector found (akri
+    controller's one watch for the cluster). When it found none at all — the agents are
+    labelled otherwise (another install), or none runs yet — every node's agent is unknown,
+    and unknown counts as there."""
+    by_node: dict[str, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        by_node.setdefault(pod_node(pod), []).append(pod)
+    if not by_node:
+        return lambda _node: True
+    return lambda node: agent_there(by_node.get(node, ()))
