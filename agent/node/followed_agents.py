@@ -229,7 +229,15 @@ class FollowedAgents:
         after = self.there(node)
         if before == after:
             return
-        if not after:
+        if node == self.own:
+            if not after:
+                log.info(
+                    "this agent's Pod is not Ready (starting, or its readiness probe fails) or "
+                    "is being deleted: it publishes no shared pool until it is Ready"
+                )
+            else:
+                log.info("this agent's Pod is Ready: it publishes the shared pools it is first for")
+        elif not after:
             log.info(
                 "the agent on node %s is not there (no Pod of it Ready and not being deleted): "
                 "it publishes no shared pool and no shared pool selects it",
