@@ -189,8 +189,10 @@ def _parser(command: str | None = None) -> FlagParser:
         "(the first step of an uninstall; the Helm chart's pre-delete hook)",
         description="Deletes every Configuration (all namespaces), then waits until no "
         "Instance, broker Pod/Job/Service (controller=akri.sh) or DeviceClass of akri "
-        "controller is left, saying what it waits for every 10 s. Exit 0 once they are "
-        "gone, 1 after --timeout with what is left (docs/install.md, Uninstall).",
+        "controller is left; then deletes the --daemonset and --deployment workloads in the "
+        "foreground and waits until they and their pods are gone; then deletes the --lease. "
+        "Says what it waits for every 10 s. Exit 0 once all is gone, 1 after --timeout with "
+        "what is left (docs/install.md, Uninstall).",
     )
     cleanup.add_argument(
         "--timeout",
@@ -198,6 +200,34 @@ def _parser(command: str | None = None) -> FlagParser:
         default=120.0,
         metavar="SECONDS",
         help="give up after SECONDS (default: 120)",
+    )
+    cleanup.add_argument(
+        "--namespace",
+        default=None,
+        metavar="NS",
+        help="where --daemonset, --deployment and --lease are (default: the kubeconfig's or "
+        "the pod's namespace)",
+    )
+    cleanup.add_argument(
+        "--daemonset",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="then delete this DaemonSet in the foreground and wait until it and its pods are "
+        "gone (repeatable: the agents', the discovery handlers')",
+    )
+    cleanup.add_argument(
+        "--deployment",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the same for this Deployment (repeatable: the controller's)",
+    )
+    cleanup.add_argument(
+        "--lease",
+        default=None,
+        metavar="NAME",
+        help="last, delete this Lease (the controller's leader election)",
     )
     cleanup.add_argument(
         "--kubeconfig",
@@ -213,7 +243,7 @@ def _uninstall_cleanup(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from agent.controller.uninstall_cleanup import run_cleanup
+    from agent.controller.uninstall_cleanup import Workloads, run_cleanup
     from agent.core.kube import ApiError, ConfigError, TransportError, make_kube_client
 
     _configure_logging("INFO")
@@ -221,8 +251,16 @@ def _uninstall_cleanup(args: argparse.Namespace) -> int:
 
     async def run() -> bool:
         client = make_kube_client(kubeconfig)
+        workloads = None
+        if args.daemonset or args.deployment or args.lease:
+            workloads = Workloads(
+                namespace=args.namespace or client.namespace,
+                daemonsets=tuple(args.daemonset),
+                deployments=tuple(args.deployment),
+                lease=args.lease,
+            )
         try:
-            return await run_cleanup(client, give_up_after=args.timeout)
+            return await run_cleanup(client, give_up_after=args.timeout, workloads=workloads)
         finally:
             await client.close()
 

@@ -34,6 +34,8 @@ ONLY_IN_HELM = {
     ("ServiceAccount", "akri", "akri-cleanup-hook"),
     ("ClusterRole", "", "akri-cleanup-hook"),
     ("ClusterRoleBinding", "", "akri-cleanup-hook"),
+    ("Role", "akri", "akri-cleanup-hook"),
+    ("RoleBinding", "akri", "akri-cleanup-hook"),
 }
 CEL_FIELDS = (".expression", ".messageExpression", ".message")
 # The copies the chart carries (Helm reads nothing outside the chart directory).

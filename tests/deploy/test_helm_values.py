@@ -447,6 +447,7 @@ def test_the_switches_akri_users_flip() -> None:
     assert everything - no_hook == {
         ("Job", "akri-cleanup-hook"), ("ServiceAccount", "akri-cleanup-hook"),
         ("ClusterRole", "akri-cleanup-hook"), ("ClusterRoleBinding", "akri-cleanup-hook"),
+        ("Role", "akri-cleanup-hook"), ("RoleBinding", "akri-cleanup-hook"),
     }  # fmt: skip
     no_agent = kinds_and_names(template("agent.enabled=false"))
     assert ("DaemonSet", "akri-agent") not in no_agent
@@ -471,3 +472,49 @@ def test_the_switches_akri_users_flip() -> None:
     agent = one(placed, "DaemonSet", "akri-agent")["spec"]["template"]["spec"]
     assert agent["nodeSelector"] == {"akri": "yes"}
     assert agent["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+
+
+def hook_arguments(args: list[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == flag]
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        (),
+        ("debugEcho.discovery.enabled=true", "udev.discovery.enabled=true"),
+        ("agent.full=true", "udev.discovery.enabled=true"),
+        ("agent.enabled=false", "controller.enabled=false", "opcua.discovery.enabled=true"),
+    ],
+)
+def test_the_cleanup_hook_removes_the_workloads_the_chart_renders(values: tuple[str, ...]) -> None:
+    """Issue 40.4: the hook deletes, by the chart's names, exactly the DaemonSets and the
+    Deployment the release runs, then the controller's Lease (the one its RBAC names), and its
+    Role may get and delete those and nothing else."""
+    objects = template(*values)
+    (container,) = one(objects, "Job", "akri-cleanup-hook")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    args = container["args"]
+    daemonsets = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "DaemonSet")
+    deployments = sorted(o["metadata"]["name"] for o in objects if o["kind"] == "Deployment")
+    assert sorted(hook_arguments(args, "--daemonset")) == daemonsets
+    assert sorted(hook_arguments(args, "--deployment")) == deployments
+    assert hook_arguments(args, "--namespace") == ["akri"]
+    rules = one(objects, "Role", "akri-cleanup-hook")["rules"] or []
+    granted = {
+        (rule["resources"][0], name): rule["verbs"]
+        for rule in rules
+        for name in rule["resourceNames"]
+    }
+    wanted = {("daemonsets", n): ["get", "delete"] for n in daemonsets}
+    wanted |= {("deployments", n): ["get", "delete"] for n in deployments}
+    if deployments:
+        lease_role = one(objects, "Role", "akri-controller-lease")
+        (lease,) = [n for r in lease_role["rules"] for n in r.get("resourceNames", [])]
+        assert hook_arguments(args, "--lease") == [lease]
+        wanted[("leases", lease)] = ["delete"]
+    else:
+        assert hook_arguments(args, "--lease") == []
+    assert granted == wanted
+    assert all(rule.get("resourceNames") for rule in rules)  # none without names: all of them

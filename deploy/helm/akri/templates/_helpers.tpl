@@ -52,3 +52,26 @@ envFrom:
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* The discovery-handler DaemonSets the release runs (<handler>.discovery.enabled; with
+agent.full only custom's: the agent embeds the others), as a JSON list of
+{key, handler, name}: discovery-handlers.yaml renders them, the cleanup hook deletes them. */}}
+{{- define "akri.discoveryHandlers" -}}
+{{- $all := list
+  (dict "key" "debugEcho" "handler" "debugEcho" "name" "akri-debug-echo-discovery")
+  (dict "key" "udev" "handler" "udev" "name" "akri-udev-discovery")
+  (dict "key" "onvif" "handler" "onvif" "name" "akri-onvif-discovery")
+  (dict "key" "opcua" "handler" "opcua" "name" "akri-opcua-discovery")
+  (dict "key" "custom" "handler" "" "name" .Values.custom.discovery.name) -}}
+{{- $enabled := list -}}
+{{- range $h := $all -}}
+{{- if and (index $.Values $h.key).discovery.enabled (or (eq $h.key "custom") (not $.Values.agent.full)) -}}
+{{- $enabled = append $enabled $h -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $enabled -}}
+{{- end }}
+
+{{/* The controller's leader-election Lease (its --lease-name default, akri-controller): its
+RBAC names it, the cleanup hook deletes it. */}}
+{{- define "akri.controllerLease" -}}akri-controller{{- end }}
