@@ -6,7 +6,10 @@ No kubelet or controllers run here, so the test stands in for them where Helm wa
 it starts the agent the DaemonSet describes (its container's arguments and environment), and
 for the uninstall hook it does what the Job controller and kubelet would — runs the Job's
 command, ``akri uninstall-cleanup``, with the hook's own ServiceAccount (the chart's RBAC and
-nothing more), then writes the Job's status as the Job controller does.
+nothing more), then writes the Job's status as the Job controller does. In the whole lifecycle
+the agents and the controller run in Pods (:class:`ReleasePods`): each as its ServiceAccount
+with the chart's RBAC (its tokens refused once the ServiceAccount is deleted), SIGTERMed when
+its Pod is deleted, the Pod gone once the process has ended, as kubelet does.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agent.node.dra.checkpoint import Checkpoint
+from tests.controller.conftest import add_node
 from tests.deploy.helm_chart import CHART, HELM, needs_helm
 from tests.deploy.test_repo_commands import bash, block, commands, kubectl_env, node_agent
 from tests.doubles.apiserver.threaded import ThreadedApiServer
@@ -59,6 +66,136 @@ def instances(api: Any) -> list[dict[str, Any]]:
     return [i for i in api.list("instances.akri.sh") if i["metadata"]["namespace"] == NAMESPACE]
 
 
+KUBELET = "tests.akri.sh/kubelet"  # keeps a deleted Pod until its process ended, as kubelet
+
+
+def account_rules(api: Any, namespace: str, name: str) -> list[dict[str, Any]]:
+    """Every rule the (Cluster)RoleBindings of ServiceAccount ``namespace/name`` grant it (a
+    Role's rules taken cluster-wide: the double binds rules to a token, not to namespaces)."""
+    subject = {"kind": "ServiceAccount", "name": name, "namespace": namespace}
+    rules: list[dict[str, Any]] = []
+    for kind, roles in (("clusterrolebindings", "clusterroles"), ("rolebindings", "roles")):
+        for binding in api.list(f"{kind}.rbac.authorization.k8s.io"):
+            if subject in binding.get("subjects", []):
+                ref = binding["roleRef"]["name"]
+                role_namespace = binding["metadata"].get("namespace")
+                role = api.get(f"{roles}.rbac.authorization.k8s.io", ref, role_namespace)
+                rules += (role or {}).get("rules") or []
+    return rules
+
+
+class ReleasePods:
+    """The Pods of the processes the test runs for the release's DaemonSet and Deployment:
+    what their controllers, the token authenticator and kubelet do. A Pod is created owned by
+    its workload (``blockOwnerDeletion``, as their controllers set it) and held by
+    :data:`KUBELET`; its process runs as the Pod's ServiceAccount with the RBAC the release
+    bound to it, its token refused (401) once that ServiceAccount is deleted. A deleted Pod's
+    process gets SIGTERM (up to the Pod's grace period, then SIGKILL); once it ended the Pod
+    goes."""
+
+    def __init__(self, api: Any, namespace: str) -> None:
+        self.api = api
+        self.namespace = namespace
+        self.running: dict[str, AgentProcess] = {}  # Pod name: its process
+        self.ended: dict[str, int] = {}  # Pod name: its process's exit code
+        self.tokens: dict[str, list[str]] = {}  # ServiceAccount: its Pods' tokens
+        self._stopping: set[str] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._kubelet, name="kubelet", daemon=True)
+        self._thread.start()
+
+    def start(
+        self,
+        kind: str,
+        owner: str,
+        pod_name: str,
+        node: str,
+        home: Path,
+        run: Callable[[dict[str, Any], Path], AgentProcess],
+    ) -> AgentProcess:
+        """A Pod of the workload ``kind/owner`` on ``node``; ``run(pod, kubeconfig)`` starts its
+        process with its ServiceAccount's token."""
+        resource = {"DaemonSet": "daemonsets.apps", "Deployment": "deployments.apps"}[kind]
+        workload = self.api.get(resource, owner, self.namespace)
+        spec = workload["spec"]["template"]["spec"]
+        account = spec["serviceAccountName"]
+        pod = self.api.create({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {
+                "name": pod_name, "namespace": self.namespace, "finalizers": [KUBELET],
+                "labels": workload["spec"]["template"]["metadata"]["labels"],
+                "ownerReferences": [{
+                    "apiVersion": "apps/v1", "kind": kind, "name": owner,
+                    "uid": workload["metadata"]["uid"], "controller": True,
+                    "blockOwnerDeletion": True,
+                }],
+            },
+            "spec": {**spec, "nodeName": node},
+        })  # fmt: skip
+        token = f"{account}-{pod_name}"
+        rules = account_rules(self.api, self.namespace, account)
+        self.api.add_user(token, f"system:serviceaccount:{self.namespace}:{account}", rules,
+                          node=node)  # fmt: skip
+        self.tokens.setdefault(account, []).append(token)
+        process = run(pod, self.api.write_kubeconfig(home / f"{pod_name}-kubeconfig", token=token))
+        self.running[pod_name] = process
+        return process
+
+    def _kubelet(self) -> None:
+        while not self._done.wait(0.05):
+            for account, tokens in self.tokens.items():
+                if self.api.get("serviceaccounts", account, self.namespace) is None:
+                    for token in tokens:
+                        self.api.revoke_user(token)
+            for name in list(self.running):
+                pod = self.api.get("pods", name, self.namespace)
+                if name in self._stopping or not pod or "deletionTimestamp" not in pod["metadata"]:
+                    continue
+                self._stopping.add(name)
+                grace = float(pod["metadata"].get("deletionGracePeriodSeconds") or 30)
+                threading.Thread(target=self._terminate, args=(name, grace), daemon=True).start()
+
+    def _terminate(self, name: str, grace: float) -> None:
+        process = self.running[name]
+        try:
+            self.ended[name] = process.stop(timeout=grace)
+        except AssertionError:
+            self.ended[name] = process.kill()
+        pod = self.api.get("pods", name, self.namespace)
+        if pod is not None:
+            pod["metadata"]["finalizers"] = [f for f in pod["metadata"]["finalizers"]
+                                             if f != KUBELET]  # fmt: skip
+            self.api.store.update(self.api.resource("pods"), "v1", self.namespace, name, pod)
+        del self.running[name]
+
+    def describe(self) -> str:
+        return "\n".join(p.describe() for p in self.running.values())
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(5)
+        for process in list(self.running.values()):
+            process.cleanup()
+
+
+def controller_process(api: Any, pod: dict[str, Any], kubeconfig: Path) -> AgentProcess:
+    """The controller the Deployment describes, in ``pod`` (its downward-API variables)."""
+    deployment = api.get("deployments.apps", "akri-controller", pod["metadata"]["namespace"])
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    fields = {"metadata.name": pod["metadata"]["name"],
+              "metadata.namespace": pod["metadata"]["namespace"]}  # fmt: skip
+    env = {
+        var["name"]: var["value"]
+        if "value" in var
+        else fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        for var in container["env"]
+    }
+    env["AKRI_LOG_FORMAT"] = "text"
+    command, *args = container["args"]
+    return AgentProcess([*args, "--kubeconfig", str(kubeconfig), "--health-port", "0"],
+                        command=command, env=env, label="controller")  # fmt: skip
+
+
 def run_hook_job(
     api: Any, env: dict[str, str], home: Path, namespace: str = NAMESPACE
 ) -> subprocess.CompletedProcess[str]:
@@ -72,12 +209,8 @@ def run_hook_job(
     pod = job["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "akri-cleanup-hook"
     (container,) = pod["containers"]
-    role = api.get("clusterroles.rbac.authorization.k8s.io", "akri-cleanup-hook")
-    binding = api.get("clusterrolebindings.rbac.authorization.k8s.io", "akri-cleanup-hook")
-    assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": "akri-cleanup-hook", "namespace": namespace}
-    ]
-    api.add_user("hook", f"system:serviceaccount:{namespace}:akri-cleanup-hook", role["rules"])
+    rules = account_rules(api, namespace, "akri-cleanup-hook")
+    api.add_user("hook", f"system:serviceaccount:{namespace}:akri-cleanup-hook", rules)
     kubeconfig = api.write_kubeconfig(home / "hook-kubeconfig", token="hook")
     done = subprocess.run(
         [sys.executable, "-m", "agent.cli", *container["args"], "--kubeconfig", str(kubeconfig)],
@@ -120,16 +253,32 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
         assert config["spec"]["capacity"] == 2
         daemonset = api.get("daemonsets.apps", "akri-agent", NAMESPACE)
         assert daemonset["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-        agent = node_agent(api, "node-a", tmp_path, home)
-        agents: list[AgentProcess] = [agent]
+        add_node(api, "node-a")
+        pods = ReleasePods(api, NAMESPACE)
+
+        def agent_in(pod: dict[str, Any], kubeconfig: Path) -> AgentProcess:
+            return node_agent(api, "node-a", tmp_path, home, pod=pod, kubeconfig=kubeconfig)
+
+        def controller_in(pod: dict[str, Any], kubeconfig: Path) -> AgentProcess:
+            return controller_process(api, pod, kubeconfig)
+
+        # node-a's empty DRA checkpoint, as a node where a claim was prepared and unprepared
+        # has it: only an agent that knows it is uninstalled removes it (and its directory)
+        checkpoint = tmp_path / "node-a" / "dra" / "checkpoint.json"
+        Checkpoint(checkpoint, durable=False).save()
+        controller = pods.start("Deployment", "akri-controller", "akri-controller-6f9c-x1",
+                                "node-a", home, controller_in)  # fmt: skip
+        agent = pods.start("DaemonSet", "akri-agent", "akri-agent-x1", "node-a", home, agent_in)
+        first_agent = agent
         try:
             poll_until(
                 lambda: (
                     len(instances(api)) == 2
                     and all(i["spec"]["capacity"] == 2 for i in instances(api))
+                    and api.get("leases.coordination.k8s.io", "akri-controller", NAMESPACE)
                 ),
                 timeout=WITHIN,
-                message=lambda: agent.describe(),
+                message=lambda: pods.describe(),
             )
             uids = {i["metadata"]["uid"] for i in instances(api)}
             # a slot held on node-a (as a device-plugin pod's, recorded by the agent)
@@ -149,10 +298,15 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
             assert rolled["metadata"]["uid"] == daemonset["metadata"]["uid"]
             (container,) = rolled["spec"]["template"]["spec"]["containers"]
             assert container["image"] == "ghcr.io/akri-py/akri-agent:0.1.1"
-            # the rollout: the agent is replaced; its Instances stay the same objects
-            agent.stop()
-            agent = node_agent(api, "node-a", tmp_path, home)
-            agents.append(agent)
+            # the rollout: the DaemonSet controller deletes the agent's Pod and starts a new
+            # one; the old agent, its DaemonSet staying, keeps its DRA checkpoint for it
+            api.delete("pods", "akri-agent-x1", NAMESPACE)
+            poll_until(lambda: "akri-agent-x1" in pods.ended, timeout=WITHIN,
+                       message=lambda: first_agent.describe())  # fmt: skip
+            assert pods.ended["akri-agent-x1"] == 0, first_agent.describe()
+            assert checkpoint.exists(), first_agent.describe()
+            agent = pods.start("DaemonSet", "akri-agent", "akri-agent-x2", "node-a", home,
+                               agent_in)  # fmt: skip
             poll_until(
                 lambda: (
                     {i["metadata"]["uid"] for i in instances(api)} == uids
@@ -170,8 +324,10 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
             bash(f"kubectl patch akrii -n {NAMESPACE} {held} --type merge -p '{free}'", env)
 
             # helm uninstall --wait: the hook deletes the Configurations and waits for the
-            # Instances (their agent still runs: it is removed after the hook), then Helm
-            # removes the rest
+            # Instances (their agent still runs), then deletes the agents' DaemonSet and the
+            # controller's Deployment in the foreground — their RBAC still there — and waits
+            # until their Pods are gone, then the controller's Lease; then Helm removes the
+            # rest (the DaemonSet and the Deployment already gone: not an error to Helm)
             uninstall = subprocess.Popen(
                 [HELM or "helm", "uninstall", "akri", "-n", NAMESPACE, "--wait",
                  "--timeout", "300s", *kubeconfig],
@@ -186,10 +342,20 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
             assert hook.returncode == 0, hook.stderr
             assert "deleted 1 Configuration(s): edge/akri-debug-echo" in hook.stderr
             assert "the uninstall can go on" in hook.stderr
+            assert "deleting DaemonSet edge/akri-agent in the foreground" in hook.stderr
+            assert "deleted the controller's Lease edge/akri-controller" in hook.stderr
             assert uninstall.returncode == 0, out
             assert 'release "akri" uninstalled' in out
+            # the agent saw its DaemonSet being deleted (its RBAC still there), knew it was
+            # uninstalled, not rolled, and removed its empty DRA checkpoint and directory
+            assert pods.running == {}, pods.describe()
+            assert pods.ended["akri-agent-x2"] == 0, agent.describe()
+            assert agent.matching("uninstalled: removed the empty DRA checkpoint"), agent.describe()
+            assert not checkpoint.parent.exists(), agent.describe()
+            assert pods.ended["akri-controller-6f9c-x1"] == 0, controller.describe()
         finally:
-            for each in agents:
+            pods.close()
+            for each in (first_agent, agent, controller):
                 each.cleanup()
         # nothing of the release is left, nothing is terminating; Helm keeps the CRDs of crds/
         left = {
@@ -202,7 +368,8 @@ def test_install_upgrade_uninstall_as_an_akri_user(tmp_path: Path) -> None:
                          "clusterrolebindings.rbac.authorization.k8s.io",
                          "validatingadmissionpolicies.admissionregistration.k8s.io",
                          "validatingadmissionpolicybindings.admissionregistration.k8s.io",
-                         "deviceclasses.resource.k8s.io")
+                         "deviceclasses.resource.k8s.io", "pods",
+                         "leases.coordination.k8s.io")
         }  # fmt: skip
         assert all(not names for names in left.values()), left
         crds = [c["metadata"]["name"] for c in api.list("customresourcedefinitions")]

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -311,23 +312,37 @@ def bash(command: str, env: dict[str, str], timeout: float = 120) -> str:
     return done.stdout
 
 
-def node_agent(api: ApiServerDouble, node: str, tmp: Path, home: Path) -> AgentProcess:
+def node_agent(
+    api: ApiServerDouble,
+    node: str,
+    tmp: Path,
+    home: Path,
+    *,
+    pod: dict[str, Any] | None = None,
+    kubeconfig: Path | None = None,
+) -> AgentProcess:
     """The agent the DaemonSet the block applied would start on ``node``: its container's
-    arguments and environment, with the kubelet's directories under ``tmp``."""
+    arguments and environment, with the kubelet's directories under ``tmp``; given its
+    ``pod``, the downward API's ``metadata.name`` and ``metadata.namespace`` too. As the
+    administrator unless ``kubeconfig`` is given."""
     (daemonset,) = [d for d in api.list("daemonsets.apps") if d["metadata"]["name"] == "akri-agent"]
     (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    fields = {"spec.nodeName": node}
+    if pod is not None:
+        fields["metadata.name"] = pod["metadata"]["name"]
+        fields["metadata.namespace"] = pod["metadata"]["namespace"]
     env = {}
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = var["value"]
-        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
-            env[var["name"]] = node
+        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") in fields:
+            env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
     assert env.get("AKRI_NODE_NAME") == node, container
     env.update(AKRI_LOG_FORMAT="text", AKRI_DEBUG_ECHO_AVAILABILITY_FILE=str(tmp / "available"))
     kubelet = tmp / node
     args = [
         *container["args"][1:],
-        "--kubeconfig", str(home / "kubeconfig"),
+        "--kubeconfig", str(kubeconfig or home / "kubeconfig"),
         "--device-plugin-dir", str(kubelet / "device-plugins"),
         "--pod-resources-socket", str(kubelet / "pod-resources" / "kubelet.sock"),
         "--plugins-registry-dir", str(kubelet / "plugins_registry"),
