@@ -143,9 +143,9 @@ class ReleasePods:
 
     def _kubelet(self) -> None:
         while not self._done.wait(0.05):
-            for account, tokens in self.tokens.items():
+            for account, tokens in list(self.tokens.items()):  # (start() adds to it)
                 if self.api.get("serviceaccounts", account, self.namespace) is None:
-                    for token in tokens:
+                    for token in list(tokens):
                         self.api.revoke_user(token)
             for name in list(self.running):
                 pod = self.api.get("pods", name, self.namespace)
@@ -158,18 +158,20 @@ class ReleasePods:
     def _terminate(self, name: str, grace: float) -> None:
         process = self.running[name]
         try:
-            self.ended[name] = process.stop(timeout=grace)
+            code = process.stop(timeout=grace)
         except AssertionError:
-            self.ended[name] = process.kill()
+            code = process.kill()
+        # recorded before the Pod goes: whoever waits for the Pod sees the process ended
+        self.ended[name] = code
+        del self.running[name]
         pod = self.api.get("pods", name, self.namespace)
         if pod is not None:
             pod["metadata"]["finalizers"] = [f for f in pod["metadata"]["finalizers"]
                                              if f != KUBELET]  # fmt: skip
             self.api.store.update(self.api.resource("pods"), "v1", self.namespace, name, pod)
-        del self.running[name]
 
     def describe(self) -> str:
-        return "\n".join(p.describe() for p in self.running.values())
+        return "\n".join(p.describe() for p in list(self.running.values()))
 
     def close(self) -> None:
         self._done.set()
