@@ -268,9 +268,11 @@ class _Session:
         return before != verdict
 
     def _relist(self, tracker: Tracker, now: float) -> None:
+        """The configured targets' lists again, now that a host name's verdict changed (not
+        a list no longer trusted: it comes back with the next answer)."""
         for key in self.offered:
             target = tracker.targets.get(key)
-            if target is not None and target.configured:
+            if target is not None and target.configured and target.listing is not None:
                 tracker.relist(target, self._listing(target), now)
 
     async def _resolves(self, host: str) -> bool | None:
