@@ -163,8 +163,8 @@ class Agent:
             # hot paths (Allocate, NodePrepareResources) bounded well under kubelet's waits
             claim_timeout=settings.slot_write_timeout or None,
         )
-        # this node's Node (and, for the shared pools' publisher, those of the nodes its
-        # shared Instances list): whether each serves (agent/core/ledger/node_standing.py)
+        # this node's Node (and, for the shared pools' publisher, those of the nodes that
+        # decide who publishes them): whether each serves (agent/core/ledger/node_standing.py)
         self.followed_nodes: FollowedNodes | None = None
         self.followed_agents: FollowedAgents | None = None
         api_client = getattr(store, "api_client", None)
@@ -354,7 +354,8 @@ class Agent:
         return unready
 
     def _follow_nodes(self, nodes: Collection[str]) -> None:
-        """Follow the Nodes and the agents of the nodes this node's shared Instances list."""
+        """Follow the Nodes and the agents of the nodes that decide this node's shared pools
+        (the publisher names them: resource_slices.nodes_to_follow)."""
         if self.followed_nodes is not None:
             self.followed_nodes.want(nodes)
         if self.followed_agents is not None:

@@ -1,4 +1,5 @@
-"""The agent Pods of the nodes this agent shares devices with (its own included): whether each
+"""The agent Pods of the nodes that decide who publishes this agent's shared pools (its own
+included; ``nodes_to_follow`` in ``agent/core/model/resource_slices.py``): whether each
 node's agent is *there* (:mod:`agent.core.model.agent_pods`: a Pod of the agents' DaemonSet on
 that node, not being deleted, Ready), so that a shared pool whose publisher's agent crashed,
 was deleted or evicted, or is stuck (its readiness probe fails) while its Node stays Ready is

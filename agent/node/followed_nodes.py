@@ -1,7 +1,8 @@
-"""The Node objects this agent needs: its own, and those of the nodes its shared Instances
-list — one ``fieldSelector metadata.name=<node>`` list and watch each, never a watch of every
-Node (an agent pays for the nodes that share its devices, not for the cluster: DESIGN.md
-invariant 11).
+"""The Node objects this agent needs: its own, and those of the nodes that decide who
+publishes its shared pools (``nodes_to_follow`` in ``agent/core/model/resource_slices.py``: the
+nodes before it up to the first that serves; all of a pool it publishes) — one ``fieldSelector
+metadata.name=<node>`` list and watch each, never a watch of every Node (an agent pays for the
+nodes that share its devices, not for the cluster: DESIGN.md invariant 11).
 
 What they are for is whether each node *serves* (:func:`~agent.core.ledger.node_standing.
 node_serves`: its Node exists, is Ready and is not tainted out-of-service):

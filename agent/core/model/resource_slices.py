@@ -9,7 +9,8 @@ shared pool"): the pool of a shared Instance follows the nodes that see the devi
 lost the device and refuse prepares); of those, the nodes that see the device right now are
 the ones without an offline mark (each node records its own offline grace in the Instance,
 ``akri.sh/offline.<node>``); a node whose Node does not serve (NotReady, deleted, tainted
-out-of-service: each agent follows the Nodes its shared Instances list) counts as none of
+out-of-service: each agent follows the Nodes that decide its part, :func:`nodes_to_follow`)
+counts as none of
 them. The pool is available on exactly those and published by the one whose name sorts
 first; only when **every** serving node is offline does it list them all, its
 devices tainted ``akri.sh/offline``, published by the first. Every node reads the same
@@ -95,6 +96,58 @@ def shared_publisher(
     publisher whose node goes NotReady is replaced as soon as the others see it."""
     nodes, _ = shared_pool_nodes(instance, node, offline_here, unready)
     return nodes[0] if nodes else None
+
+
+def publisher_order(
+    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+) -> tuple[str, ...]:
+    """The serving nodes of a shared Instance in the order that picks its publisher: those
+    that see the device, then those offline (each sorted; ``node``'s own view counts as in
+    :func:`shared_pool_nodes`). The publisher is the first of them whose Node serves and
+    whose agent is there — :func:`shared_publisher` is exactly that."""
+    offline: Collection[str] = set(instance.offline_nodes)
+    if offline_here and node is not None:
+        offline = {*offline, node}
+    serving = serving_nodes(instance)
+    return (
+        *(n for n in serving if n not in offline),
+        *(n for n in serving if n in offline),
+    )
+
+
+def nodes_to_follow(
+    instance: SharedInstance,
+    node: str,
+    offline_here: bool = False,
+    unready: Collection[str] = (),
+) -> tuple[str, ...]:
+    """The nodes whose standing (Node, agent Pod) ``node`` must follow to decide, for a shared
+    Instance, whether it publishes the pool, and — when it does — which nodes the pool
+    selects. Lazily, in :func:`publisher_order`: the first node; when that one is known not
+    to serve (in ``unready``), the next as well; ... up to the first that serves (or is not
+    known yet: unknown serves), which publishes — one node, typically. Only when the walk
+    reaches ``node`` itself, serving, does ``node`` publish, and it then follows every serving
+    node, so that the pool selects none whose Node does not serve or whose agent is gone (a
+    Ready Node without its agent would be offered, and a pod placed there would wait on a
+    prepare nobody answers). A node that does not serve the pool (it drains it) needs none.
+
+    So each pool's publisher follows its pool's nodes and every other node one or two: the
+    cluster's total grows with the nodes of each pool, not with their square (DESIGN.md
+    invariant 11; at 50 nodes sharing a device, each following every other cost ~60 requests
+    per agent to join). ``unready``: the followed nodes known not to serve; a node this
+    returns that is not followed yet is unknown, which stops the walk until it is read."""
+    order = publisher_order(instance, node, offline_here)
+    if node not in order:
+        return ()
+    down: Collection[str] = set(unready)
+    walked: list[str] = []
+    for candidate in order:
+        if candidate == node:
+            return order if node not in down else tuple(walked)
+        walked.append(candidate)
+        if candidate not in down:
+            break
+    return tuple(walked)
 
 
 def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from agent.core.model.instance import Instance
 from agent.core.model.resource_slices import (
     INSTANCE_UID_ANNOTATION,
     INSTANCE_VERSION_ANNOTATION,
+    nodes_to_follow,
 )
 from agent.core.store.informer import Informer, Obj, RawEvent, compare_versions, watch_events
 from agent.node.dra.name_paths import modes_of_slices
@@ -200,7 +201,9 @@ class SlicePublisher:
         self._alive_until: dict[str, float] = {}
         # the nodes whose Node does not serve (NotReady, deleted, out-of-service): no shared
         # pool selects them or is published by them; ``follow_nodes`` is told which nodes
-        # this node's shared Instances list (agent/node/followed_nodes.py watches those)
+        # decide its shared pools (resource_slices.nodes_to_follow: up to the first that
+        # serves, all of a pool this node publishes; agent/node/followed_nodes.py and
+        # followed_agents.py watch those)
         self._unready = unready
         self._follow_nodes = follow_nodes
         self._options_of = options_of
@@ -364,10 +367,20 @@ class SlicePublisher:
         # pure and O(Instances) (88 ms for the first pass at 1,000): off the event loop, which
         # keeps answering Allocates meanwhile. Only this task touches the device memo.
         offline = frozenset(self._offline())  # a snapshot: the loop may change the set
-        self._follow_nodes(
-            frozenset(node for instance in instances if instance.shared for node in instance.nodes)
-        )
+        # the nodes whose standing decides who publishes each shared pool (and, for the pools
+        # this node publishes, which nodes they select); only those are followed
         unready = frozenset(self._unready())
+        self._follow_nodes(
+            frozenset(
+                followed
+                for instance in instances
+                if instance.shared
+                for followed in nodes_to_follow(
+                    instance, self.node, instance.name in offline, unready
+                )
+            )
+        )
+        unready = frozenset(self._unready())  # without the nodes no longer followed
         paths = self.node_paths()
         if paths != self._last_paths:
             self._last_paths = paths

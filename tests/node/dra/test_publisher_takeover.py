@@ -251,3 +251,72 @@ async def test_a_pool_is_taken_over_when_its_publishers_agent_goes(
         )
     finally:
         await _stop(nodes)
+
+
+# -- what each agent follows: the nodes before it up to the first that serves ----------------
+def _lists_of(api: ApiServerDouble, resource: str, selector: str) -> int:
+    """List requests for ``resource`` whose fieldSelector is ``selector``."""
+    return sum(
+        1
+        for r in api.requests_for(verb="list", resource=resource)
+        if r.query.get("fieldSelector") == selector
+    )
+
+
+async def test_a_node_that_does_not_publish_follows_the_first_serving_node_only(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Four nodes share a device that node-a found first. node-b, node-c and node-d each
+    follow node-a (the publisher) and themselves, not each other; node-a follows all four (its
+    pool selects only those that serve). When node-a and then node-b go NotReady, node-c walks
+    on to node-b and then publishes, in place. Before, every node followed every other: each
+    Node and agent Pod was listed by all four agents (quadratic in the nodes of a pool)."""
+    names = ("node-a", "node-b", "node-c", "node-d")
+    for name in names:
+        add_node(api, name)
+    daemonset = _agent_daemonset(api)
+    for name in names:
+        _agent_pod(api, daemonset, name, f"akri-agent-{name[-1]}", ready=True)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+
+    def environ(name: str) -> dict[str, str]:
+        return {"POD_NAME": f"akri-agent-{name[-1]}", "POD_NAMESPACE": NS}
+
+    nodes = [await start_dp_node(api, "node-a", tmp_path, dra=True, pod_environ=environ("node-a"))]
+    try:
+        await eventually(lambda: len(api_instances(api)) == 1, WITHIN, "node-a's Instance")
+        (name,) = api_instances(api)
+        for other in names[1:]:
+            nodes.append(
+                await start_dp_node(api, other, tmp_path, dra=True, pod_environ=environ(other))
+            )
+        await eventually(lambda: _selects(api, name, list(names)), WITHIN, "pool of all four")
+
+        def counts() -> dict[str, tuple[int, int]]:
+            return {
+                n: (
+                    _lists_of(api, "nodes", f"metadata.name={n}"),
+                    _lists_of(api, "pods", f"spec.nodeName={n}"),
+                )
+                for n in names
+            }
+
+        # node-a by all four; the others by themselves and by the publisher, node-a, only
+        # (each Node is listed once more by its own agent: its extended-resource path,
+        # agent/node/dra/extended.py)
+        expected = {"node-a": (5, 4), "node-b": (3, 2), "node-c": (3, 2), "node-d": (3, 2)}
+        await eventually(lambda: counts() == expected, WITHIN, f"the follows {expected}")
+        # node-a NotReady: node-b publishes; then node-b too: node-c walks on and publishes
+        set_ready(api, "node-a", False)
+        await eventually(
+            lambda: _selects(api, name, ["node-b", "node-c", "node-d"]), WITHIN, "node-b"
+        )
+        set_ready(api, "node-b", False)
+        await eventually(lambda: _selects(api, name, ["node-c", "node-d"]), WITHIN, "node-c")
+        (after,) = _pool(api, name)
+        assert after["metadata"]["name"].startswith("akri.sh-")  # the one slice, in place
+        set_ready(api, "node-a", True)
+        set_ready(api, "node-b", True)
+        await eventually(lambda: _selects(api, name, list(names)), WITHIN, "node-a again")
+    finally:
+        await _stop(nodes)

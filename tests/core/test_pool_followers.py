@@ -1,0 +1,108 @@
+"""Which nodes an agent follows to decide a shared pool (issue 41 after issue 39.4): the nodes
+ordered before it up to the first that serves, all of them when it publishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.core.model.resource_slices import (
+    nodes_to_follow,
+    publisher_order,
+    shared_pool_nodes,
+    shared_publisher,
+)
+
+
+@dataclass(frozen=True)
+class Shared:
+    nodes: tuple[str, ...]
+    draining_nodes: tuple[str, ...] = ()
+    offline_nodes: tuple[str, ...] = ()
+
+
+FIFTY = Shared(tuple(f"node-{i:03d}" for i in range(50)))
+
+
+def test_a_node_that_does_not_publish_follows_the_first_node_only() -> None:
+    assert nodes_to_follow(FIFTY, "node-030") == ("node-000",)
+    assert nodes_to_follow(FIFTY, "node-049") == ("node-000",)
+
+
+def test_the_walk_goes_on_past_nodes_known_not_to_serve() -> None:
+    assert nodes_to_follow(FIFTY, "node-030", unready={"node-000"}) == ("node-000", "node-001")
+    assert nodes_to_follow(FIFTY, "node-030", unready={"node-000", "node-002"}) == (
+        "node-000",
+        "node-001",
+    )
+    down = {"node-000", "node-001"}
+    assert nodes_to_follow(FIFTY, "node-030", unready=down) == ("node-000", "node-001", "node-002")
+
+
+def test_the_publisher_follows_every_serving_node_of_its_pool() -> None:
+    assert nodes_to_follow(FIFTY, "node-000") == FIFTY.nodes
+    down = {f"node-{i:03d}" for i in range(30)}
+    assert nodes_to_follow(FIFTY, "node-030", unready=down) == FIFTY.nodes
+
+
+def test_a_node_that_does_not_serve_follows_only_what_is_before_it() -> None:
+    down = {"node-000", "node-001", "node-002"}
+    assert nodes_to_follow(FIFTY, "node-002", unready=down) == ("node-000", "node-001")
+    draining = Shared(("a", "b", "c"), draining_nodes=("b",))
+    assert nodes_to_follow(draining, "b") == ()
+    assert nodes_to_follow(Shared(("a", "b")), "z") == ()
+
+
+def test_nodes_that_see_the_device_come_before_those_offline() -> None:
+    instance = Shared(("a", "b", "c", "d"), offline_nodes=("a", "c"))
+    assert publisher_order(instance) == ("b", "d", "a", "c")
+    assert publisher_order(instance, "b", offline_here=True) == ("d", "a", "b", "c")
+    assert nodes_to_follow(instance, "a") == ("b",)
+    assert nodes_to_follow(instance, "a", unready={"b", "d"}) == ("b", "d", "a", "c")
+    assert nodes_to_follow(instance, "b", offline_here=True) == ("d",)
+
+
+NAMES = st.sampled_from([f"n{i}" for i in range(6)])
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    nodes=st.lists(NAMES, min_size=1, max_size=6, unique=True),
+    draining=st.sets(NAMES),
+    offline=st.sets(NAMES),
+    unready=st.sets(NAMES),
+    node=NAMES,
+    offline_here=st.booleans(),
+)
+def test_following_only_those_nodes_decides_as_following_every_node(
+    nodes: list[str],
+    draining: set[str],
+    offline: set[str],
+    unready: set[str],
+    node: str,
+    offline_here: bool,
+) -> None:
+    """What a node knows of the nodes it follows and of itself (the others unknown, counted as
+    serving)
+    tells it whether it publishes exactly as knowing every node would, and, when it
+    publishes, the pool it writes; reading a followed node then never makes the walk skip
+    one it has not read (every step of the walk is one node read)."""
+    instance = Shared(
+        tuple(nodes),
+        tuple(n for n in nodes if n in draining),
+        tuple(n for n in nodes if n in offline),
+    )
+    followed = set(nodes_to_follow(instance, node, offline_here, unready))
+    known_unready = unready & (followed | {node})  # a node always follows its own standing
+    truth = shared_publisher(instance, node, offline_here, unready)
+    seen = shared_publisher(instance, node, offline_here, known_unready)
+    assert (seen == node) == (truth == node)
+    if truth == node:
+        assert shared_pool_nodes(instance, node, offline_here, known_unready) == (
+            shared_pool_nodes(instance, node, offline_here, unready)
+        )
+    # the walk is a fixed point once every followed node is read: following what it names
+    # with what is known of those gives the same nodes again
+    assert set(nodes_to_follow(instance, node, offline_here, known_unready)) == followed
