@@ -14,7 +14,13 @@ from typing import Any
 
 import pytest
 
-from tests.controller.conftest import add_node, set_ready, set_status
+from tests.controller.conftest import (
+    add_node,
+    more_passes,
+    running_controller,
+    set_ready,
+    set_status,
+)
 from tests.doubles.apiserver import ApiServerDouble
 from tests.harness.dp_nodes import DpNode, api_instances, start_dp_node
 from tests.harness.k8s_nodes import CRDS, debug_echo_configuration, eventually
@@ -320,3 +326,41 @@ async def test_a_node_that_does_not_publish_follows_the_first_serving_node_only(
         await eventually(lambda: _selects(api, name, list(names)), WITHIN, "node-a again")
     finally:
         await _stop(nodes)
+
+
+async def test_a_pool_whose_only_agent_goes_is_deleted_and_published_again_once_it_is_back(
+    api: ApiServerDouble, tmp_path: Path
+) -> None:
+    """Issue 39.4: no other node can take the pool over (the device is seen by node-a alone)
+    and node-a's agent is not there while its Node stays Ready: akri controller deletes the
+    pool, which would go on offering what it last said; node-a's agent does not publish it
+    while it is not Ready, and publishes it again once it is — and the controller leaves that
+    alone: one delete, one create, no fight."""
+    add_node(api, "node-a")
+    daemonset = _agent_daemonset(api)
+    _agent_pod(api, daemonset, "node-a", "akri-agent-a", ready=True)
+    api.create(debug_echo_configuration("cam", ("foo0",), 2))
+    environ = {"POD_NAME": "akri-agent-a", "POD_NAMESPACE": NS}
+    node = await start_dp_node(api, "node-a", tmp_path, dra=True, pod_environ=environ)
+    try:
+        await eventually(lambda: len(api_instances(api)) == 1, WITHIN, "the shared Instance")
+        (name,) = api_instances(api)
+        await eventually(lambda: _selects(api, name, ["node-a"]), WITHIN, "pool")
+        (before,) = _pool(api, name)
+        async with running_controller(api, tmp_path) as running:
+            reconciler = running.controller.reconciler
+            await more_passes(reconciler, 1)
+            assert _selects(api, name, ["node-a"])  # its agent is there: the pool stays
+            _set_pod_ready(api, "akri-agent-a", False)
+            await eventually(lambda: _pool(api, name) == [], WITHIN, "the controller deleted it")
+            assert node.publisher is not None
+            await node.publisher.sync()
+            assert _pool(api, name) == []  # an agent that is not Ready does not publish it
+            _set_pod_ready(api, "akri-agent-a", True)
+            await eventually(lambda: _selects(api, name, ["node-a"]), WITHIN, "published again")
+            await more_passes(reconciler, 2)
+            (after,) = _pool(api, name)
+            assert after["metadata"]["name"] == before["metadata"]["name"]
+            assert reconciler.stats.slices_handed_over == 1  # deleted once, never the new one
+    finally:
+        await node.stop()
