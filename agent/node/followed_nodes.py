@@ -1,6 +1,6 @@
 """The Node objects this agent needs: its own, and those of the nodes that decide who
 publishes its shared pools (``nodes_to_follow`` in ``agent/core/model/resource_slices.py``: the
-nodes before it up to the first that serves; all of a pool it publishes) — one ``fieldSelector
+node just before it in each pool, back to the first that serves) — one ``fieldSelector
 metadata.name=<node>`` list and watch each, never a watch of every Node (an agent pays for the
 nodes that share its devices, not for the cluster: DESIGN.md invariant 11).
 

@@ -1,5 +1,5 @@
 """Which nodes an agent follows to decide a shared pool (issue 41 after issue 39.4): the nodes
-ordered before it up to the first that serves, all of them when it publishes."""
+just before it in publisher order, back to the first that serves."""
 
 from __future__ import annotations
 
@@ -26,32 +26,27 @@ class Shared:
 FIFTY = Shared(tuple(f"node-{i:03d}" for i in range(50)))
 
 
-def test_a_node_that_does_not_publish_follows_the_first_node_only() -> None:
-    assert nodes_to_follow(FIFTY, "node-030") == ("node-000",)
-    assert nodes_to_follow(FIFTY, "node-049") == ("node-000",)
+def test_each_node_follows_the_node_before_it_and_the_publisher_none() -> None:
+    assert nodes_to_follow(FIFTY, "node-030") == ("node-029",)
+    assert nodes_to_follow(FIFTY, "node-001") == ("node-000",)
+    assert nodes_to_follow(FIFTY, "node-000") == ()
 
 
-def test_the_walk_goes_on_past_nodes_known_not_to_serve() -> None:
-    assert nodes_to_follow(FIFTY, "node-030", unready={"node-000"}) == ("node-000", "node-001")
-    assert nodes_to_follow(FIFTY, "node-030", unready={"node-000", "node-002"}) == (
-        "node-000",
-        "node-001",
+def test_the_walk_goes_back_past_nodes_known_not_to_serve() -> None:
+    assert nodes_to_follow(FIFTY, "node-030", unready={"node-029"}) == ("node-028", "node-029")
+    assert nodes_to_follow(FIFTY, "node-030", unready={"node-029", "node-027"}) == (
+        "node-028",
+        "node-029",
     )
-    down = {"node-000", "node-001"}
-    assert nodes_to_follow(FIFTY, "node-030", unready=down) == ("node-000", "node-001", "node-002")
-
-
-def test_the_publisher_follows_every_serving_node_of_its_pool() -> None:
-    assert nodes_to_follow(FIFTY, "node-000") == FIFTY.nodes
+    # every node before it is down: it publishes, knowing all of them down
     down = {f"node-{i:03d}" for i in range(30)}
-    assert nodes_to_follow(FIFTY, "node-030", unready=down) == FIFTY.nodes
+    assert nodes_to_follow(FIFTY, "node-030", unready=down) == FIFTY.nodes[:30]
 
 
-def test_a_node_that_does_not_serve_follows_only_what_is_before_it() -> None:
-    down = {"node-000", "node-001", "node-002"}
-    assert nodes_to_follow(FIFTY, "node-002", unready=down) == ("node-000", "node-001")
+def test_a_node_that_does_not_serve_the_pool_follows_none() -> None:
     draining = Shared(("a", "b", "c"), draining_nodes=("b",))
     assert nodes_to_follow(draining, "b") == ()
+    assert nodes_to_follow(draining, "c") == ("a",)
     assert nodes_to_follow(Shared(("a", "b")), "z") == ()
 
 
@@ -59,9 +54,18 @@ def test_nodes_that_see_the_device_come_before_those_offline() -> None:
     instance = Shared(("a", "b", "c", "d"), offline_nodes=("a", "c"))
     assert publisher_order(instance) == ("b", "d", "a", "c")
     assert publisher_order(instance, "b", offline_here=True) == ("d", "a", "b", "c")
-    assert nodes_to_follow(instance, "a") == ("b",)
-    assert nodes_to_follow(instance, "a", unready={"b", "d"}) == ("b", "d", "a", "c")
-    assert nodes_to_follow(instance, "b", offline_here=True) == ("d",)
+    assert nodes_to_follow(instance, "a") == ("d",)
+    assert nodes_to_follow(instance, "a", unready={"b", "d"}) == ("b", "d")
+    assert nodes_to_follow(instance, "b") == ()
+    assert nodes_to_follow(instance, "b", offline_here=True) == ("a",)
+
+
+def test_a_change_of_order_moves_only_the_nodes_next_to_it() -> None:
+    """node-000 goes offline (its mark lands): node-001 publishes, node-000 follows the last
+    node; every other node keeps following the node it followed."""
+    offline = Shared(FIFTY.nodes, offline_nodes=("node-000",))
+    moved = [n for n in FIFTY.nodes if nodes_to_follow(offline, n) != nodes_to_follow(FIFTY, n)]
+    assert moved == ["node-000", "node-001"]
 
 
 NAMES = st.sampled_from([f"n{i}" for i in range(6)])
@@ -86,9 +90,7 @@ def test_following_only_those_nodes_decides_as_following_every_node(
 ) -> None:
     """What a node knows of the nodes it follows and of itself (the others unknown, counted as
     serving)
-    tells it whether it publishes exactly as knowing every node would, and, when it
-    publishes, the pool it writes; reading a followed node then never makes the walk skip
-    one it has not read (every step of the walk is one node read)."""
+    tells it whether it publishes exactly as knowing every node would."""
     instance = Shared(
         tuple(nodes),
         tuple(n for n in nodes if n in draining),
@@ -100,9 +102,12 @@ def test_following_only_those_nodes_decides_as_following_every_node(
     seen = shared_publisher(instance, node, offline_here, known_unready)
     assert (seen == node) == (truth == node)
     if truth == node:
-        assert shared_pool_nodes(instance, node, offline_here, known_unready) == (
-            shared_pool_nodes(instance, node, offline_here, unready)
-        )
+        # its pool leaves out the nodes it knows not to serve, and selects every node that
+        # serves (the others are selected on the Instance's word)
+        known, _ = shared_pool_nodes(instance, node, offline_here, known_unready)
+        really, _ = shared_pool_nodes(instance, node, offline_here, unready)
+        assert set(really) <= set(known)
+        assert not set(known) & known_unready
     # the walk is a fixed point once every followed node is read: following what it names
     # with what is known of those gives the same nodes again
     assert set(nodes_to_follow(instance, node, offline_here, known_unready)) == followed

@@ -121,33 +121,31 @@ def nodes_to_follow(
     offline_here: bool = False,
     unready: Collection[str] = (),
 ) -> tuple[str, ...]:
-    """The nodes whose standing (Node, agent Pod) ``node`` must follow to decide, for a shared
-    Instance, whether it publishes the pool, and — when it does — which nodes the pool
-    selects. Lazily, in :func:`publisher_order`: the first node; when that one is known not
-    to serve (in ``unready``), the next as well; ... up to the first that serves (or is not
-    known yet: unknown serves), which publishes — one node, typically. Only when the walk
-    reaches ``node`` itself, serving, does ``node`` publish, and it then follows every serving
-    node, so that the pool selects none whose Node does not serve or whose agent is gone (a
-    Ready Node without its agent would be offered, and a pod placed there would wait on a
-    prepare nobody answers). A node that does not serve the pool (it drains it) needs none.
+    """The nodes whose standing (Node, agent Pod) ``node`` must follow to tell whether it
+    publishes a shared Instance's pool: it does when every node before it in
+    :func:`publisher_order` does not serve. So it follows the node just before it; when that
+    one is known not to serve (in ``unready``), the one before that as well; ... back to the
+    first that serves (or is not read yet: unknown serves) — then it does not publish — or to
+    the start of the order — then it publishes. Typically one node: each node follows its
+    predecessor, and the publisher none. When the publisher's Node goes NotReady or its agent
+    goes, the node after it sees it and takes the pool over (one more read per node skipped
+    when several go at once); when the order changes (a node joins, leaves or goes offline),
+    only the nodes next to the change follow another node, never the whole pool.
 
-    So each pool's publisher follows its pool's nodes and every other node one or two: the
-    cluster's total grows with the nodes of each pool, not with their square (DESIGN.md
-    invariant 11; at 50 nodes sharing a device, each following every other cost ~60 requests
-    per agent to join). ``unready``: the followed nodes known not to serve; a node this
-    returns that is not followed yet is unknown, which stops the walk until it is read."""
+    A pool therefore selects the nodes after its publisher on their stored standing only (the
+    Instance: its nodes, their offline and draining marks), not on their Nodes' and agents'
+    (docs/dra.md, "Which nodes each agent follows"). ``unready``: the followed nodes known
+    not to serve. A node that does not serve the pool (it drains it) needs none."""
     order = publisher_order(instance, node, offline_here)
     if node not in order:
         return ()
     down: Collection[str] = set(unready)
     walked: list[str] = []
-    for candidate in order:
-        if candidate == node:
-            return order if node not in down else tuple(walked)
+    for candidate in reversed(order[: order.index(node)]):
         walked.append(candidate)
         if candidate not in down:
             break
-    return tuple(walked)
+    return tuple(reversed(walked))
 
 
 def shared_node_selector(nodes: Iterable[str]) -> dict[str, Any]:

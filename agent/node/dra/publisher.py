@@ -201,9 +201,9 @@ class SlicePublisher:
         self._alive_until: dict[str, float] = {}
         # the nodes whose Node does not serve (NotReady, deleted, out-of-service): no shared
         # pool selects them or is published by them; ``follow_nodes`` is told which nodes
-        # decide its shared pools (resource_slices.nodes_to_follow: up to the first that
-        # serves, all of a pool this node publishes; agent/node/followed_nodes.py and
-        # followed_agents.py watch those)
+        # tell whether it publishes its shared pools (resource_slices.nodes_to_follow: the
+        # node before it in each pool, back to the first that serves; agent/node/
+        # followed_nodes.py and followed_agents.py watch those)
         self._unready = unready
         self._follow_nodes = follow_nodes
         self._options_of = options_of

@@ -269,14 +269,15 @@ def _lists_of(api: ApiServerDouble, resource: str, selector: str) -> int:
     )
 
 
-async def test_a_node_that_does_not_publish_follows_the_first_serving_node_only(
+async def test_each_node_follows_the_node_before_it_and_takeover_walks_back(
     api: ApiServerDouble, tmp_path: Path
 ) -> None:
-    """Four nodes share a device that node-a found first. node-b, node-c and node-d each
-    follow node-a (the publisher) and themselves, not each other; node-a follows all four (its
-    pool selects only those that serve). When node-a and then node-b go NotReady, node-c walks
-    on to node-b and then publishes, in place. Before, every node followed every other: each
-    Node and agent Pod was listed by all four agents (quadratic in the nodes of a pool)."""
+    """Four nodes share a device node-a found first, joining in turn. Each follows the Node
+    and agent Pod of the node just before it (node-b node-a's, node-c node-b's, node-d
+    node-c's), the publisher node-a none. When node-a and then node-b go NotReady, node-b
+    takes the pool over, then node-c walks back to node-a and publishes, in place, without
+    either. Before, every node followed every other: each Node and agent Pod was listed by
+    all four agents (quadratic in the nodes of a pool)."""
     names = ("node-a", "node-b", "node-c", "node-d")
     for name in names:
         add_node(api, name)
@@ -284,18 +285,20 @@ async def test_a_node_that_does_not_publish_follows_the_first_serving_node_only(
     for name in names:
         _agent_pod(api, daemonset, name, f"akri-agent-{name[-1]}", ready=True)
     api.create(debug_echo_configuration("cam", ("foo0",), 2))
-
-    def environ(name: str) -> dict[str, str]:
-        return {"POD_NAME": f"akri-agent-{name[-1]}", "POD_NAMESPACE": NS}
-
-    nodes = [await start_dp_node(api, "node-a", tmp_path, dra=True, pod_environ=environ("node-a"))]
+    nodes: list[DpNode] = []
     try:
-        await eventually(lambda: len(api_instances(api)) == 1, WITHIN, "node-a's Instance")
-        (name,) = api_instances(api)
-        for other in names[1:]:
-            nodes.append(
-                await start_dp_node(api, other, tmp_path, dra=True, pod_environ=environ(other))
+        for index, node in enumerate(names):
+            environ = {"POD_NAME": f"akri-agent-{node[-1]}", "POD_NAMESPACE": NS}
+            nodes.append(await start_dp_node(api, node, tmp_path, dra=True, pod_environ=environ))
+            joined = sorted(names[: index + 1])
+            await eventually(
+                lambda joined=joined: (
+                    [sorted(i.nodes) for i in api_instances(api).values()] == [joined]
+                ),
+                WITHIN,
+                f"{node} joined",
             )
+        (name,) = api_instances(api)
         await eventually(lambda: _selects(api, name, list(names)), WITHIN, "pool of all four")
 
         def counts() -> dict[str, tuple[int, int]]:
@@ -307,20 +310,18 @@ async def test_a_node_that_does_not_publish_follows_the_first_serving_node_only(
                 for n in names
             }
 
-        # node-a by all four; the others by themselves and by the publisher, node-a, only
-        # (each Node is listed once more by its own agent: its extended-resource path,
-        # agent/node/dra/extended.py)
-        expected = {"node-a": (5, 4), "node-b": (3, 2), "node-c": (3, 2), "node-d": (3, 2)}
+        # each Node and agent Pod by its own agent (the Node twice: its extended-resource
+        # path too, agent/node/dra/extended.py) and by the next node's; node-d's by no other
+        expected = {"node-a": (3, 2), "node-b": (3, 2), "node-c": (3, 2), "node-d": (2, 1)}
         await eventually(lambda: counts() == expected, WITHIN, f"the follows {expected}")
-        # node-a NotReady: node-b publishes; then node-b too: node-c walks on and publishes
+        # node-a NotReady: node-b publishes; then node-b too: node-c walks back and publishes
         set_ready(api, "node-a", False)
         await eventually(
             lambda: _selects(api, name, ["node-b", "node-c", "node-d"]), WITHIN, "node-b"
         )
         set_ready(api, "node-b", False)
         await eventually(lambda: _selects(api, name, ["node-c", "node-d"]), WITHIN, "node-c")
-        (after,) = _pool(api, name)
-        assert after["metadata"]["name"].startswith("akri.sh-")  # the one slice, in place
+        assert len(_pool(api, name)) == 1  # rewritten in place
         set_ready(api, "node-a", True)
         set_ready(api, "node-b", True)
         await eventually(lambda: _selects(api, name, list(names)), WITHIN, "node-a again")
