@@ -142,6 +142,9 @@ async def measure_n(n: int, plan: ManyAgentsPlan, options: AgentOptions) -> dict
                 CONFIGURATION, [f"cam{i}" for i in range(plan.devices)], plan.capacity
             )
         )
+        # their Node objects, as in a cluster: a shared pool's publisher is the first node
+        # whose Node serves (a node without one counts as deleted)
+        api.create_nodes(f"node-{i:03d}" for i in range(n))
         nodes = [await start_node(api, f"node-{i:03d}", options) for i in range(n)]
         for node in nodes:
             node.set_available(False)
