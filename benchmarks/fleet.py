@@ -2,9 +2,10 @@
 
 One agent (cluster mode, ``akri agent`` as a process, node ``fleet-me``) serves one local
 debugEcho device of the Configuration ``fleet-cams``. The other nodes of a large cluster are
-simulated by their Instances alone: ``--sizes`` of them (cumulative), each a local device of
+simulated by their Instances: ``--sizes`` of them (cumulative), each a local device of
 another node (``shared: false``, one node in ``nodes``), labelled as our agents label what they
-write. Figures:
+write, ten per node — and by each such node's local DRA pool (one ``akri.sh`` ResourceSlice
+per foreign node, ``spec.nodeName`` that node, a device per camera). Figures:
 
 * ``rss_mb``: the agent's VmRSS on the empty cluster (``0``) and with each number of foreign
   Instances created while it runs (each the median of a few readings once it has gone idle),
@@ -49,6 +50,9 @@ from agent.core.kube import ApiError, KubeClient, make_kube_client, resource_pat
 from agent.core.model.naming import akri_digest, device_key, instance_name
 from agent.core.model.node_labels import with_node_labels
 from agent.node.deviceplugin.views import configuration_resource, instance_resource
+from agent.node.dra.name_paths import DRA, MODE_LABEL
+from agent.node.dra.publisher import POOL_LABEL
+from agent.node.dra.slices import DRIVER
 from benchmarks.harness import (
     AGENT_COMMAND,
     PROCESSES,
@@ -71,6 +75,7 @@ CAMERAS_PER_NODE = 10
 BENCH_LABEL = "akri.sh/bench"
 INSTANCES = resource_path("akri.sh", "v0", "instances", "default")
 CONFIGURATIONS = resource_path("akri.sh", "v0", "configurations", "default")
+SLICES = resource_path("resource.k8s.io", "v1", "resourceslices")
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,36 @@ def foreign_instance(index: int) -> dict[str, Any]:
     return with_node_labels(body)
 
 
+def foreign_slice(node: str) -> dict[str, Any]:
+    """Another node's local DRA pool, as our agent on that node publishes it: one
+    ResourceSlice (``spec.nodeName`` that node) with a device per camera slot, labelled with
+    its mode. Every node of a DRA cluster has one (issue 41: the agent must not pay for them)."""
+    devices = [
+        {
+            "name": f"cam-{i}",
+            "attributes": {
+                "configuration": {"string": CONFIGURATION},
+                "slot": {"int": i},
+            },
+        }
+        for i in range(CAMERAS_PER_NODE)
+    ]
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {
+            "generateName": f"akri.sh-{node}-",
+            "labels": {POOL_LABEL: node, MODE_LABEL: DRA, BENCH_LABEL: "fleet"},
+        },
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": devices,
+        },
+    }
+
+
 class Cluster:
     """Where the Instances live: the API-server double in this process, or a real server."""
 
@@ -144,7 +179,9 @@ class Cluster:
         if self.double is not None:
             return self.double.api.create(obj)
         assert self.client is not None
-        path = CONFIGURATIONS if obj["kind"] == "Configuration" else INSTANCES
+        path = {"Configuration": CONFIGURATIONS, "ResourceSlice": SLICES}.get(
+            obj["kind"], INSTANCES
+        )
         return await self.client.create(path, obj, request_timeout=30)
 
     async def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -181,7 +218,7 @@ class Cluster:
 
     async def close(self) -> None:
         if self.client is not None:
-            slices = resource_path("resource.k8s.io", "v1", "resourceslices")
+            slices = SLICES
             mine = {"labelSelector": f"akri.sh/configuration={CONFIGURATION}"}
             try:
                 # the agent's own Instance holds the akri.sh/slots finalizer, which only a
@@ -202,6 +239,7 @@ class Cluster:
                 (INSTANCES, mine),
                 (INSTANCES, {"labelSelector": f"{BENCH_LABEL}=fleet"}),
                 (CONFIGURATIONS, {"labelSelector": f"{BENCH_LABEL}=fleet"}),
+                (slices, {"labelSelector": f"{BENCH_LABEL}=fleet"}),  # the foreign pools
                 # the agent's DRA pool of its node (its own Instance's slots)
                 (slices, {"fieldSelector": f"spec.nodeName={NODE}"}),
             ):
@@ -288,12 +326,17 @@ async def serving(cluster: Cluster, node: Node, own: str, within: float) -> None
 
 
 async def create_foreign(cluster: Cluster, start: int, stop: int) -> list[dict[str, Any]]:
-    """Create foreign Instances ``start``..``stop``-1 (16 at a time on a real server)."""
+    """Create foreign Instances ``start``..``stop``-1 (16 at a time on a real server), and the
+    local ResourceSlice of each foreign node they bring (its first camera's index); returns
+    the Instances."""
     created: list[dict[str, Any]] = []
     batch = 1 if cluster.double is not None else 16
     for first in range(start, stop, batch):
-        bodies = [foreign_instance(i) for i in range(first, min(first + batch, stop))]
+        indexes = range(first, min(first + batch, stop))
+        bodies = [foreign_instance(i) for i in indexes]
         created += await asyncio.gather(*(cluster.create(b) for b in bodies))
+        pools = [foreign_slice(foreign_node(i)) for i in indexes if i % CAMERAS_PER_NODE == 0]
+        await asyncio.gather(*(cluster.create(b) for b in pools))
     return created
 
 
