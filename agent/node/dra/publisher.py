@@ -127,6 +127,30 @@ def _has_labels(obj: Obj, labels: Mapping[str, str]) -> bool:
     return all(have.get(k) == v for k, v in labels.items())
 
 
+# of another node's local slice, all this agent reads: its identity (for the informer), its
+# labels (its node's mode: name_paths.modes_of_slices) and spec.driver/nodeName/pool (sync's
+# grouping by pool, which skips it); its devices (most of its size) are never read
+FOREIGN_LOCAL_METADATA = ("name", "namespace", "resourceVersion", "uid", "labels")
+FOREIGN_LOCAL_SPEC = ("driver", "nodeName", "pool")
+
+
+def cached_part(obj: Obj, node: str) -> Obj:
+    """What the publisher's cache keeps of slice ``obj`` on ``node``: the whole of this node's
+    local slices and of the shared ones (no ``spec.nodeName``), which it compares and rewrites
+    with their resourceVersion; of another node's local slice only what it reads
+    (:data:`FOREIGN_LOCAL_METADATA`, :data:`FOREIGN_LOCAL_SPEC`), so that a cluster of many
+    nodes costs each agent a small entry per node, not that node's devices (issue 41)."""
+    spec = obj.get("spec") or {}
+    owner = spec.get("nodeName")
+    if not owner or owner == node:
+        return obj
+    meta = obj.get("metadata") or {}
+    return {
+        "metadata": {key: meta[key] for key in FOREIGN_LOCAL_METADATA if key in meta},
+        "spec": {key: spec[key] for key in FOREIGN_LOCAL_SPEC if key in spec},
+    }
+
+
 def _generation(obj: Obj) -> int:
     return int(((obj.get("spec") or {}).get("pool") or {}).get("generation") or 0)
 
@@ -222,7 +246,13 @@ class SlicePublisher:
         self._debounce = debounce
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._informer = Informer("resourceslices", self._list, self._watch, self._on_event)
+        self._informer = Informer(
+            "resourceslices",
+            self._list,
+            self._watch,
+            self._on_event,
+            keep=lambda obj: cached_part(obj, node),
+        )
         self._node_uid: str | None = None
         self._reported_drops: set[str] = set()
         self._reported_refusals: set[tuple[str, int, str]] = set()
