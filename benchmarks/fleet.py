@@ -219,7 +219,10 @@ class Cluster:
     async def close(self) -> None:
         if self.client is not None:
             slices = SLICES
-            mine = {"labelSelector": f"akri.sh/configuration={CONFIGURATION}"}
+            # the agent's own Instance only: every foreign one carries the configuration label
+            # too, and a 10,000-object deletecollection outlasts a real API server's 60 s
+            # request timeout (504; seen on the real 1.36 server)
+            mine = {"labelSelector": f"akri.sh/configuration={CONFIGURATION},!{BENCH_LABEL}"}
             try:
                 # the agent's own Instance holds the akri.sh/slots finalizer, which only a
                 # running agent removes: taken off here, the agent being stopped
@@ -243,10 +246,16 @@ class Cluster:
                 # the agent's DRA pool of its node (its own Instance's slots)
                 (slices, {"fieldSelector": f"spec.nodeName={NODE}"}),
             ):
-                try:
-                    await self.client.request("DELETE", path, params=selector, request_timeout=120)
-                except Exception as error:
-                    log(f"fleet: cleaning up {path} failed: {error}")
+                # a deletecollection the server times out goes on deleting there: asked again
+                # until nothing matches (each pass deletes what the last one had left)
+                for attempt in range(1, 6):
+                    try:
+                        await self.client.request(
+                            "DELETE", path, params=selector, request_timeout=120
+                        )
+                        break
+                    except Exception as error:
+                        log(f"fleet: cleaning up {path} ({selector}), pass {attempt}: {error}")
             await self.client.close()
         if self.double is not None:
             self.double.stop()
