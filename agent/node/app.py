@@ -757,6 +757,7 @@ class Agent:
             for task in (starting, waiting):
                 task.cancel()
             try:
-                await asyncio.wait_for(self.stop(), stop_within)
+                async with asyncio.timeout(stop_within):
+                    await self.stop()
             except TimeoutError:
                 log.warning("agent stop took longer than %.0fs: leaving the rest", stop_within)

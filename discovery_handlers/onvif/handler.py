@@ -379,8 +379,11 @@ class _Session:
                 deadline = next_probe if round_end is None else min(next_probe, round_end)
                 timeout = max(0.0, deadline - loop.time())
                 if timeout > 0:
+                    # not wait_for: on Python 3.11 it returns, and the cancellation is lost,
+                    # when the wake comes with it (a stopped discovery went on for ever)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), timeout)
+                        async with asyncio.timeout(timeout):
+                            await self.wake.wait()
         finally:
             for task in self.in_flight.values():
                 task.cancel()

@@ -628,3 +628,43 @@ def test_probe_matches_count_only_when_they_answer_our_probes() -> None:
     assert hello is not None
     session.receive(hello, None)
     assert len(session.pending) == 2
+
+
+# -- stopping ---------------------------------------------------------------------------------
+
+
+class _NoSockets:
+    def probe(self, data: bytes) -> None:
+        pass
+
+
+@pytest.mark.parametrize("turns", range(6))
+async def test_a_cancel_that_comes_with_a_wake_stops_the_discovery(turns: int) -> None:
+    """A wake (a datagram, a query done) and the cancel of a stopped discovery in the same
+    turn of the loop: on Python 3.11 ``asyncio.wait_for`` returned and dropped the cancel, and
+    the discovery went on for ever (a test here hung until its 120 s timeout). Each ``turns`` cancels
+    at another step of the wake's way to the waiting loop."""
+    import asyncio
+
+    from discovery_handlers.base import ProblemReporter
+    from discovery_handlers.onvif.handler import _Session
+
+    session = _Session(
+        parse_details("discoveryTimeoutSeconds: 1\nprobeIntervalSeconds: 3600"),
+        ProblemReporter(logging.getLogger("test")),
+    )
+
+    async def consume() -> None:
+        async for _ in session.run(_NoSockets(), querier=None):  # no camera: never queried
+            pass
+
+    task = asyncio.create_task(consume())
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop probed and waits
+    session.wake.set()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=10)  # bound of a failure, not a timing
+    assert done, "the discovery went on after its cancel"
+    assert task.cancelled()

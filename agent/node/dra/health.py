@@ -218,8 +218,9 @@ class HealthReporter:
                     self.on_sent(entries)
                 async with self._wake:
                     if self.version == seen:
-                        try:
-                            await asyncio.wait_for(self._wake.wait(), self.resend)
+                        try:  # not wait_for: on 3.11 a wake with a cancel loses the cancel
+                            async with asyncio.timeout(self.resend):
+                                await self._wake.wait()
                         except TimeoutError:
                             # the re-send; also catches what no event announces (a claim
                             # unprepared whose Instance is gone)

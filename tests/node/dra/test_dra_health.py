@@ -235,3 +235,35 @@ async def test_stream_end_clears_health_and_kubelet_reopens(
     finally:
         await kubelet.stop()
         await node.stop()
+
+
+@pytest.mark.parametrize("turns", range(8))
+async def test_a_cancel_that_comes_with_a_change_ends_the_stream(turns: int) -> None:
+    """kubelet closes a health stream just as the list changes: on Python 3.11
+    ``asyncio.wait_for`` returned and dropped the cancel, and the stream's generator went on.
+    Each ``turns`` cancels at another step of the change's way to the waiting stream."""
+    import asyncio
+
+    from agent.node.dra.health import HealthReporter, health_v1
+
+    offline: set[str] = set()
+    usb = instance("usb-aaaaaa", ("node-a",), shared=False)
+    reporter = HealthReporter("node-a", lambda: [usb], lambda: offline, resend=3600)
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in reporter.watch(health_v1):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    for _ in range(3):
+        await asyncio.sleep(0)  # the stream waits for a change
+    offline.add("usb-aaaaaa")
+    reporter.changed()
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=10)  # bound of a failure, not a timing
+    assert done, "the stream went on after its cancel"
+    assert task.cancelled()
