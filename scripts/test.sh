@@ -17,4 +17,10 @@ if command -v npm >/dev/null && [ ! "$NODE_OPCUA/node_modules/.package-lock.json
 fi
 echo "== ruff" && .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy --strict" && .venv/bin/mypy
-echo "== pytest" && .venv/bin/python -m pytest -q "$@"
+# two processes (AKRI_TEST_WORKERS; 0 runs in this one): the suite mostly waits on sockets and
+# subprocesses. A short base directory: the agents' unix socket paths under it, xdist's
+# popen-gwN/ included, stay within the 107 bytes Linux allows.
+BASETEMP="$(mktemp -d /tmp/akt.XXXX)"
+trap 'rm -rf "$BASETEMP"' EXIT
+echo "== pytest" && .venv/bin/python -m pytest -q -n "${AKRI_TEST_WORKERS:-2}" --dist loadgroup \
+    --basetemp "$BASETEMP" "$@"
