@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import random
 import socket
 import struct
 import uuid as uuid_module
@@ -272,8 +273,15 @@ class FakeCamera:
         return self._hello_or_bye(Kind.HELLO)
 
     def announce(self) -> None:
-        """Multicast a Hello."""
-        self._multicast(self._hello_or_bye(Kind.HELLO))
+        """Multicast a Hello, and once more 50 to 250 ms later, as SOAP-over-UDP 1.1 has a sender
+        repeat a multicast message (MULTICAST_UDP_REPEAT 1, UDP_MIN/MAX_DELAY) and cameras do:
+        a single datagram lost on a loaded host is not a camera never found."""
+        hello = self._hello_or_bye(Kind.HELLO)
+        self._multicast(hello)
+        with contextlib.suppress(RuntimeError):  # no loop: the one send is all
+            asyncio.get_running_loop().call_later(
+                random.uniform(0.05, 0.25), self._multicast, hello
+            )
 
     def _multicast(self, payload: bytes) -> None:
         if self._sender is not None:
