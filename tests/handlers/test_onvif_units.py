@@ -642,8 +642,8 @@ class _NoSockets:
 async def test_a_cancel_that_comes_with_a_wake_stops_the_discovery(turns: int) -> None:
     """A wake (a datagram, a query done) and the cancel of a stopped discovery in the same
     turn of the loop: on Python 3.11 ``asyncio.wait_for`` returned and dropped the cancel, and
-    the discovery went on for ever (a test here hung until its 120 s timeout). Each ``turns`` cancels
-    at another step of the wake's way to the waiting loop."""
+    the discovery went on for ever (a test here hung until its 120 s timeout). Each
+    ``turns`` cancels at another step of the wake's way to the waiting loop."""
     import asyncio
 
     from discovery_handlers.base import ProblemReporter
