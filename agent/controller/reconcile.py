@@ -547,10 +547,7 @@ class Reconciler:
         )
 
     def _pool_members(self) -> dict[str, set[str]]:
-        members: dict[str, set[str]] = {}
-        for instance in self.store.list_cached():  # a pool is named after its Instance
-            members.setdefault(instance.name, set()).update(instance.nodes)
-        return members
+        return slices.pool_members(self.store.list_cached())
 
     def _agents_there(self) -> Callable[[str], bool]:
         """node -> whether its agent is there (unknown: True; the watch lost: all unknown,

@@ -22,7 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from agent.core.model.resource_slices import DRIVER, selected_nodes
+from agent.core.model.instance import Instance
+from agent.core.model.resource_slices import DRIVER, pool_candidates, selected_nodes
+
+
+def pool_members(instances: Iterable[Instance]) -> dict[str, set[str]]:
+    """Pool name (a shared pool is named after its Instance) -> the nodes that may publish it:
+    those that see the device, all of its serving nodes only when none does
+    (``pool_candidates``, the agents' own rule). A pool whose devices only nodes offline can
+    serve while the nodes that see them are down is published by nobody, so it is deleted."""
+    members: dict[str, set[str]] = {}
+    for instance in instances:
+        members.setdefault(instance.name, set()).update(pool_candidates(instance)[0])
+    return members
 
 
 def _no_members(pool: str) -> Collection[str]:

@@ -476,6 +476,38 @@ def test_a_slice_a_live_node_of_its_instance_will_rewrite_is_not_stale() -> None
     ]
 
 
+def test_a_pool_only_offline_nodes_could_serve_is_deleted() -> None:
+    """The agents' rule (``pool_candidates``): the nodes offline do not stand in for the nodes
+    that see the device, so when those are all down nobody publishes the pool; the controller
+    deletes it as it does any pool none of whose nodes serves. Once every node is offline, the
+    pool is theirs (tainted)."""
+    from agent.core.model.naming import offline_annotation
+
+    requirement = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["node-a"]}
+    obj = {
+        "metadata": {"name": "akri.sh-cams-8120fe-0", "resourceVersion": "9"},
+        "spec": {
+            "driver": "akri.sh",
+            "pool": {"name": "cams-8120fe", "generation": 1, "resourceSliceCount": 1},
+            "nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [requirement]}]},
+        },
+    }
+    b_offline = _instance(annotations={offline_annotation("node-b"): "1"})
+    assert b_offline.offline_nodes == ("node-b",)
+    members = slices.pool_members([b_offline])
+    assert members == {"cams-8120fe": {"node-a"}}
+
+    def serves(node: str) -> bool:
+        return node == "node-b"  # node-a NotReady
+
+    found = slices.unpublished_shared_slices([obj], serves, lambda p: members.get(p, ()))
+    assert found == [("akri.sh-cams-8120fe-0", "9")]
+    both = _instance(annotations={offline_annotation(n): "1" for n in ("node-a", "node-b")})
+    members = slices.pool_members([both])
+    assert members == {"cams-8120fe": {"node-a", "node-b"}}
+    assert slices.unpublished_shared_slices([obj], serves, lambda p: members.get(p, ())) == []
+
+
 def test_the_broker_example_plans_one_pod_per_node_and_both_services() -> None:
     import yaml
 

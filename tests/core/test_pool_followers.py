@@ -54,18 +54,43 @@ def test_nodes_that_see_the_device_come_before_those_offline() -> None:
     instance = Shared(("a", "b", "c", "d"), offline_nodes=("a", "c"))
     assert publisher_order(instance) == ("b", "d", "a", "c")
     assert publisher_order(instance, "b", offline_here=True) == ("d", "a", "b", "c")
-    assert nodes_to_follow(instance, "a") == ("d",)
-    assert nodes_to_follow(instance, "a", unready={"b", "d"}) == ("b", "d")
+    assert nodes_to_follow(instance, "d") == ("b",)
     assert nodes_to_follow(instance, "b") == ()
-    assert nodes_to_follow(instance, "b", offline_here=True) == ("a",)
+    # a node offline follows none while another node sees the device: it cannot publish
+    assert nodes_to_follow(instance, "a") == ()
+    assert nodes_to_follow(instance, "a", unready={"b", "d"}) == ()
+    assert nodes_to_follow(instance, "b", offline_here=True) == ()
+    assert nodes_to_follow(instance, "d", offline_here=True) == ()
+
+
+def test_the_nodes_offline_publish_only_when_none_sees_the_device() -> None:
+    instance = Shared(("a", "b", "c", "d"), offline_nodes=("a", "c"))
+    assert shared_pool_nodes(instance) == (("b", "d"), False)
+    assert shared_pool_nodes(instance, unready={"b"}) == (("d",), False)
+    # the nodes that see it are down: nobody publishes, the offline ones do not stand in
+    assert shared_pool_nodes(instance, unready={"b", "d"}) == ((), False)
+    assert shared_publisher(instance, "a", unready={"b", "d"}) is None
+    # every node offline: the pool lists them all (tainted), the first that serves publishes
+    gone = Shared(("a", "b", "c", "d"), offline_nodes=("a", "b", "c", "d"))
+    assert shared_pool_nodes(gone, unready={"a"}) == (("b", "c", "d"), True)
+    assert shared_publisher(gone, "c", unready={"a"}) == "b"
+    assert nodes_to_follow(gone, "c") == ("b",)
+    assert nodes_to_follow(gone, "c", unready={"b"}) == ("a", "b")
 
 
 def test_a_change_of_order_moves_only_the_nodes_next_to_it() -> None:
-    """node-000 goes offline (its mark lands): node-001 publishes, node-000 follows the last
-    node; every other node keeps following the node it followed."""
+    """node-000, the publisher, goes offline (its mark lands): node-001 publishes and follows
+    none, node-000 still follows none (before: it then followed the last node); every other
+    node keeps following the node it followed. Half the nodes losing the device moves none of
+    the others but the new publisher."""
     offline = Shared(FIFTY.nodes, offline_nodes=("node-000",))
     moved = [n for n in FIFTY.nodes if nodes_to_follow(offline, n) != nodes_to_follow(FIFTY, n)]
-    assert moved == ["node-000", "node-001"]
+    assert moved == ["node-001"]
+    assert nodes_to_follow(offline, "node-000") == nodes_to_follow(offline, "node-001") == ()
+    half = Shared(FIFTY.nodes, offline_nodes=FIFTY.nodes[:25])
+    moved = [n for n in FIFTY.nodes[25:] if nodes_to_follow(half, n) != nodes_to_follow(FIFTY, n)]
+    assert moved == ["node-025"]
+    assert all(nodes_to_follow(half, n) == () for n in FIFTY.nodes[:25])
 
 
 NAMES = st.sampled_from([f"n{i}" for i in range(6)])

@@ -62,12 +62,16 @@ def shared_pool_nodes(
     unready: Collection[str] = (),
 ) -> tuple[tuple[str, ...], bool]:
     """``(the nodes a shared Instance's pool selects, whether all of them are offline)``: the
-    serving nodes whose Node serves (not in ``unready``: NotReady, deleted, tainted
-    out-of-service, as :mod:`agent.core.ledger.node_standing` says) that see the device —
-    without an offline mark in the Instance — or, when none does, every such node (the pool is
-    then tainted: the devices stay visible to claims that tolerate the taint, as a local
-    device's do in its grace). When no serving node's Node serves, none: nobody publishes the
-    pool (the controller deletes what is left of it, docs/controller.md).
+    serving nodes that see the device — without an offline mark in the Instance — whose Node
+    serves (not in ``unready``: NotReady, deleted, tainted out-of-service, as
+    :mod:`agent.core.ledger.node_standing` says); when none of them sees it, every serving node
+    whose Node serves (the pool is then tainted: the devices stay visible to claims that
+    tolerate the taint, as a local device's do in its grace). When no node that could be
+    selected serves, none: nobody publishes the pool (the controller deletes what is left of
+    it, docs/controller.md) — also when the nodes that see the device are all down and only
+    nodes offline serve: those cannot reach the device either, and standing in for the
+    others would make every offline node follow the nodes before it for the whole of its grace
+    (:func:`pool_candidates`).
 
     ``node``'s own view counts too when ``offline_here`` (it has stopped seeing the device and
     its mark is on its way): it then takes itself out before the others can know. Only that
@@ -75,14 +79,24 @@ def shared_pool_nodes(
     node never believes it publishes a pool that the others, reading the stored marks, give
     to another node."""
     down: Collection[str] = set(unready)
-    serving = tuple(n for n in serving_nodes(instance) if n not in down)
+    candidates, all_offline = pool_candidates(instance, node, offline_here)
+    serving = tuple(n for n in candidates if n not in down)
+    return serving, all_offline and bool(serving)
+
+
+def pool_candidates(
+    instance: SharedInstance, node: str | None = None, offline_here: bool = False
+) -> tuple[tuple[str, ...], bool]:
+    """``(the nodes that may publish a shared Instance's pool on the Instance's word, whether
+    they are offline)``: its serving nodes that see the device; when none does, every serving
+    node (offline, all of them). Which of them publishes then depends on their Nodes and agents
+    only (:func:`shared_pool_nodes`); the controller deletes a pool none of them serves."""
     offline: Collection[str] = set(instance.offline_nodes)
-    if offline_here and node is not None and node not in offline:
+    if offline_here and node is not None:
         offline = {*offline, node}
+    serving = serving_nodes(instance)
     seeing = tuple(n for n in serving if n not in offline)
-    if seeing:
-        return seeing, False
-    return serving, bool(serving)
+    return (seeing, False) if seeing else (serving, True)
 
 
 def shared_publisher(
@@ -135,10 +149,13 @@ def nodes_to_follow(
     A pool therefore selects the nodes after its publisher on their stored standing only (the
     Instance: its nodes, their offline and draining marks), not on their Nodes' and agents'
     (docs/dra.md, "Which nodes each agent follows"). ``unready``: the followed nodes known
-    not to serve. A node that does not serve the pool (it drains it) needs none."""
-    order = publisher_order(instance, node, offline_here)
-    if node not in order:
+    not to serve. A node that does not serve the pool (it drains it) needs none, nor does a
+    node offline while another node sees the device: it cannot publish then
+    (:func:`pool_candidates`), so a loss of the device on half the nodes costs those nodes no
+    reads."""
+    if node not in pool_candidates(instance, node, offline_here)[0]:
         return ()
+    order = publisher_order(instance, node, offline_here)
     down: Collection[str] = set(unready)
     walked: list[str] = []
     for candidate in reversed(order[: order.index(node)]):
