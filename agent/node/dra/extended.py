@@ -690,22 +690,6 @@ def observed_paths(
     return ObservedPaths(paths, runtimes, plugin_names)
 
 
-async def read_observed_paths(client: KubeClient) -> ObservedPaths | None:
-    """:func:`observed_paths` from the cluster (Nodes, ``akri.sh`` ResourceSlices), or None
-    when they may not be read (RBAC) or DRA is not served."""
-    try:
-        nodes, _ = await client.list_all(resource_path("", "v1", "nodes"))
-        slices, _ = await client.list_all(
-            resource_path("resource.k8s.io", "v1", "resourceslices"),
-            params={"fieldSelector": "spec.driver=akri.sh"},
-        )
-    except ApiError as error:
-        if error.status in (401, 403, 404):
-            return None
-        raise
-    return observed_paths(nodes, slices)
-
-
 def paths_table(paths: Mapping[str, str] | None) -> str:
     """The ``akri status`` section: which path serves ``akri.sh/<name>`` limits per node, and
     (from :class:`ObservedPaths`) each node's runtime and whether it injects CDI."""
