@@ -7,6 +7,8 @@ these markers change nothing."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 from tests.paths import REPO
@@ -23,6 +25,16 @@ HOST_NETWORK = frozenset(
         "tests/handlers/test_udev_discovery.py",
     }
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """``pytest -n N`` without ``--basetemp`` (scripts/test.sh gives one): a short base, as
+    xdist's ``popen-gwN/`` under pytest's default one would push the agents' unix socket
+    paths past the 107 bytes Linux allows."""
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="akt.", dir="/tmp")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
