@@ -22,5 +22,5 @@ echo "== mypy --strict" && .venv/bin/mypy
 # popen-gwN/ included, stay within the 107 bytes Linux allows.
 BASETEMP="$(mktemp -d /tmp/akt.XXXX)"
 trap 'rm -rf "$BASETEMP"' EXIT
-echo "== pytest" && .venv/bin/python -m pytest -q -n "${AKRI_TEST_WORKERS:-2}" --dist loadgroup \
+echo "== pytest" && .venv/bin/python -m pytest -q -n "${AKRI_TEST_WORKERS:-2}" \
     --basetemp "$BASETEMP" "$@"

@@ -1,17 +1,16 @@
-"""How scripts/test.sh spreads the suite over processes (pytest-xdist, ``--dist loadgroup``):
+"""How scripts/test.sh spreads the suite over processes (pytest-xdist, ``-n 2``):
 each test file stays in one process, in order, as when run alone (module fixtures start once,
 tests written to follow each other still do), and the files that use what a host has only
 once — multicast on loopback (WS-Discovery 3702, mDNS 5353), network and mount namespaces,
-umockdev's /sys, fixed OPC UA ports — run in one process, one after the other. Without xdist
-these markers change nothing."""
+umockdev's /sys, node-opcua's servers — run in one process, one after the other
+(:func:`pytest_xdist_make_scheduler`). Without xdist this changes nothing."""
 
 from __future__ import annotations
 
 import tempfile
+from typing import Any
 
 import pytest
-
-from tests.paths import REPO
 
 HOST_NETWORK = frozenset(
     {
@@ -37,8 +36,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.basetemp = tempfile.mkdtemp(prefix="akt.", dir="/tmp")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.path.relative_to(REPO).as_posix()
-        group = "host-network" if path in HOST_NETWORK else path
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's own scheduling by file, with the files of :data:`HOST_NETWORK` as one unit.
+    (Not ``xdist_group`` marks: xdist 3.8 renames a marked test's ``_nodeid``, which pytest 9.2
+    no longer reads, so the marks group nothing.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ByFile(config, log)
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit a test is sent to a process with: its file, or ``host-network``."""
+    path = nodeid.split("::", 1)[0]
+    return "host-network" if path in HOST_NETWORK else path

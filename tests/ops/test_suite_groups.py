@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tests.conftest import HOST_NETWORK
+from tests.conftest import HOST_NETWORK, scope_of
 from tests.paths import REPO, TESTS
 
 # what a test file does that another process doing it at the same time would disturb
@@ -33,3 +33,9 @@ def test_every_file_using_host_wide_resources_is_listed() -> None:
     assert using, "the pattern finds nothing: it no longer matches how the tests do it"
     assert using >= PRIVATE_MOUNTS_ONLY
     assert sorted(using - HOST_NETWORK - PRIVATE_MOUNTS_ONLY) == []
+
+
+def test_a_test_goes_with_its_file_or_with_the_host_network_files() -> None:
+    assert scope_of("tests/handlers/test_mdns_discovery.py::test_a[x::y]") == "host-network"
+    assert scope_of("tests/handlers/test_opcua_netns.py::test_b") == "host-network"
+    assert scope_of("tests/core/test_layout.py::test_c[1]") == "tests/core/test_layout.py"
