@@ -136,6 +136,12 @@ def test_debug_echo_as_akri_documents_it() -> None:
     assert env(container)["DEBUG_ECHO_INSTANCES_SHARED"] == "false"
     assert env(container)["DISCOVERY_HANDLERS_DIRECTORY"] == "/var/lib/akri"
     assert {"name": "discovery-handlers", "mountPath": "/var/lib/akri"} in container["volumeMounts"]
+    # docs.akri.sh (debug echo): `kubectl exec <handler pod> -- /bin/sh -c "echo OFFLINE >
+    # /tmp/debug-echo-availability.txt"` unplugs the devices: /tmp is writable on the
+    # read-only root (on a real 1.36 cluster the write failed, "Read-only file system")
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+    assert {"name": "tmp", "emptyDir": {}} in handler_pod["volumes"]
 
 
 def test_udev_with_rules_and_a_broker_as_akri_documents_it() -> None:
@@ -178,6 +184,7 @@ def test_udev_with_rules_and_a_broker_as_akri_documents_it() -> None:
     assert container["args"] == ["handler", "udev"]
     assert {m["mountPath"] for m in container["volumeMounts"]} == {
         "/var/lib/akri",
+        "/tmp",
         "/run/udev",
         "/sys",
     }
