@@ -572,10 +572,11 @@ class Reconciler:
         ):
             if await self._delete_slice(name, version):
                 log.warning(
-                    "ResourceSlice %s: none of the nodes of its pool is Ready with its agent "
-                    "Ready (Node NotReady, deleted or out-of-service, or agent Pod not Ready, "
-                    "being deleted or gone): deleted, so that it offers nothing stale; the "
-                    "first of them Ready again publishes it anew",
+                    "ResourceSlice %s: none of the nodes that may publish its pool (those "
+                    "that see the device; every node only when none does) is Ready with its "
+                    "agent Ready (Node NotReady, deleted or out-of-service, or agent Pod not "
+                    "Ready, being deleted or gone): deleted, so that it offers nothing stale; "
+                    "the first of them Ready again publishes it anew",
                     name,
                 )
 
