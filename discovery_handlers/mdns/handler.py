@@ -223,8 +223,8 @@ class MdnsHandler(DiscoveryHandler):
                 if name not in backlog and len(backlog) < MAX_BACKLOG:
                     backlog[name] = service_type
                 problems.report(
-                    "cap",
-                    "DeviceCapReached",
+                    "cap:announced",  # not the list's cap (below): alternating, each would
+                    "DeviceCapReached",  # end the other's quiet time and both repeat
                     f"mdns: more than {tracked_limit} service instances (2 x maxDevices) are "
                     f"announced; new ones wait (at most {MAX_BACKLOG}) and are resolved when "
                     "a slot frees",
@@ -303,7 +303,7 @@ class MdnsHandler(DiscoveryHandler):
         if len(kept) > details.max_devices:
             # a log line and an Event (then again only every few minutes while it lasts)
             problems.report(
-                "cap",
+                "cap:offered",
                 "DeviceCapReached",
                 f"mdns: more services pass the filters than maxDevices ({details.max_devices}):"
                 f" only the first {details.max_devices} by name are offered",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import socket
 import time
@@ -299,9 +300,14 @@ async def test_interfaces_by_name(publisher: Publisher, service_type: str) -> No
 
 
 @needs_multicast
-async def test_a_flood_of_services_stays_bounded(publisher: Publisher, service_type: str) -> None:
+async def test_a_flood_of_services_stays_bounded(
+    publisher: Publisher, service_type: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """maxDevices 1: at most two service instances are kept or resolved; the others are
-    ignored with one Event, and the list is capped with another."""
+    ignored with one Event, and the list is capped with another. More of them later (or the
+    same ones announced again) repeat neither Event: the two caps are two problems (once one
+    subject, each message ended the other's quiet time, and a parallel run saw four)."""
+    caplog.set_level(logging.DEBUG, logger="discovery_handlers.mdns")
     follower = Follower(details(service_type, "maxDevices: 1\n"))
     try:
         await follower.until(lambda: follower.lists, "a first (empty) list")
@@ -318,6 +324,16 @@ async def test_a_flood_of_services_stays_bounded(publisher: Publisher, service_t
         messages = " | ".join(message for _, message in follower.events)
         assert "more than 2 service instances" in messages and "maxDevices (1)" in messages
         assert len(follower.names()) == 1
+        caplog.clear()
+        await publisher.add(service_type, "flood-5", 85)
+        await follower.until(
+            lambda: any(
+                r.levelno == logging.DEBUG and "more than 2 service instances" in r.getMessage()
+                for r in caplog.records
+            ),
+            "flood-5 over the cap, its problem logged at debug level only",
+        )
+        assert len(follower.events) == 2, follower.events
     finally:
         await follower.close()
 
