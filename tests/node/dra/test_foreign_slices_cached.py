@@ -92,3 +92,48 @@ async def test_another_nodes_local_slice_is_cached_without_its_devices(tmp_path:
             assert len(own["spec"]["devices"]) == 2
         finally:
             await pub.close()
+
+
+async def test_another_nodes_device_changes_cost_no_sync_its_mode_change_does(
+    tmp_path: Path,
+) -> None:
+    """A sync walks every slice of the cluster. Another node's local slice changing its
+    devices changes nothing this node publishes (it caches none of them): no sync. Before,
+    each such write cost one — 21 % of a core at 50 foreign writes a second
+    (benchmarks/fleet.py, slice_churn). Its mode label changing still does, and node_paths
+    says the new mode."""
+    async with ApiServerDouble() as api:
+        api.create(foreign_local_slice("n2", DRA))
+        client = make_kube_client(str(api.write_kubeconfig(tmp_path / "kubeconfig")))
+        instances = [inst("cam", False, ("n1",), 2)]
+        pub = SlicePublisher(client, "n1", lambda: instances, lambda: ())
+        pub.extended_path = DRA
+        await pub.load()
+        await pub.start()
+        try:
+            cache = pub._informer.cache
+            await eventually(
+                lambda: any((o.get("spec") or {}).get("nodeName") == "n1" for o in cache.values()),
+                what="n1's own slice published",
+            )
+            for change in range(3):  # devices only: three writes the watch brings
+                stored = api.get(SLICES, "akri.sh-n2-abcde") or {}
+                await eventually(lambda: not pub._wake.is_set(), what="the publisher idle")
+                syncs = pub.syncs
+                stored["spec"]["devices"][0]["attributes"]["busy"] = {"bool": change % 2 == 0}
+                version = api.apply(stored)["metadata"]["resourceVersion"]
+                await eventually(
+                    lambda v=version: (
+                        cache["/akri.sh-n2-abcde"]["metadata"]["resourceVersion"] == v
+                    ),
+                    what="the device change watched",
+                )
+                assert not pub._wake.is_set() and pub.syncs == syncs, "a sync for n2's devices"
+            stored = api.get(SLICES, "akri.sh-n2-abcde") or {}
+            syncs = pub.syncs
+            stored["metadata"]["labels"][MODE_LABEL] = DEVICE_PLUGINS
+            api.apply(stored)
+            await eventually(lambda: pub.syncs > syncs, what="a sync for n2's mode")
+            await eventually(lambda: pub.node_paths().get("n2") == DEVICE_PLUGINS, what="n2's mode")
+        finally:
+            await pub.close()
