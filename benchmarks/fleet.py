@@ -17,6 +17,10 @@ per foreign node, ``spec.nodeName`` that node, a device per camera). Figures:
   as their pods come and go): the agent's CPU in % of one core during the churn and during as
   long an idle window before it (``cpu_percent``, ``idle_cpu_percent``; the churn's own cost
   is the difference), its log lines and its requests meanwhile;
+* ``slice_churn``: the other nodes rewrite their local ResourceSlices at the same rate (each
+  write flips one device attribute of one foreign node's pool, as a pool's content changes
+  when its devices do): the same figures. The agent still lists and watches every ``akri.sh``
+  slice (docs/performance.md, the per-node cost model): this is what that costs;
 * ``own_instance_served``: its own Instance still lists it and its plugin offers the device.
 
 Against the API-server double (default), or a real API server: ``--kubeconfig FILE`` (an
@@ -334,10 +338,12 @@ async def serving(cluster: Cluster, node: Node, own: str, within: float) -> None
     )
 
 
-async def create_foreign(cluster: Cluster, start: int, stop: int) -> list[dict[str, Any]]:
+async def create_foreign(
+    cluster: Cluster, start: int, stop: int, slices: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """Create foreign Instances ``start``..``stop``-1 (16 at a time on a real server), and the
-    local ResourceSlice of each foreign node they bring (its first camera's index); returns
-    the Instances."""
+    local ResourceSlice of each foreign node they bring (its first camera's index, appended to
+    ``slices`` as created); returns the Instances."""
     created: list[dict[str, Any]] = []
     batch = 1 if cluster.double is not None else 16
     for first in range(start, stop, batch):
@@ -345,7 +351,9 @@ async def create_foreign(cluster: Cluster, start: int, stop: int) -> list[dict[s
         bodies = [foreign_instance(i) for i in indexes]
         created += await asyncio.gather(*(cluster.create(b) for b in bodies))
         pools = [foreign_slice(foreign_node(i)) for i in indexes if i % CAMERAS_PER_NODE == 0]
-        await asyncio.gather(*(cluster.create(b) for b in pools))
+        made = await asyncio.gather(*(cluster.create(b) for b in pools))
+        if slices is not None:
+            slices += made
     return created
 
 
@@ -366,6 +374,48 @@ async def churn(
         usage[slot] = "" if usage[slot] else obj["spec"]["nodes"][0]
         objects[index] = await cluster.replace(obj)
     return writes
+
+
+async def churn_slices(
+    cluster: Cluster, slices: list[dict[str, Any]], rate: float, seconds: float
+) -> int:
+    """Flip an attribute of one foreign node's local slice after the other at ``rate``
+    writes/s."""
+    writes = int(rate * seconds)
+    started = time.monotonic()
+    for n in range(writes):
+        delay = started + n / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        index = n % len(slices)
+        obj = slices[index]
+        attributes = obj["spec"]["devices"][n // len(slices) % CAMERAS_PER_NODE]["attributes"]
+        busy = attributes.get("busy", {}).get("bool", False)
+        attributes["busy"] = {"bool": not busy}
+        slices[index] = await cluster.replace(obj)
+    return writes
+
+
+async def cpu_during(cluster: Cluster, agent: Any, work: Any) -> dict[str, Any]:
+    """The agent's CPU, log lines and requests while ``work()`` runs (its writes count)."""
+    offset = agent.log_mark()
+    mark = cluster.request_mark()
+    before = cpu_ns(agent.pid)
+    started = time.monotonic()
+    writes = await work()
+    elapsed = time.monotonic() - started
+    await asyncio.sleep(1.0)  # the last events reach the agent
+    used = (cpu_ns(agent.pid) - before) / 1e9
+    lines = log_lines_since(agent.log_path, offset)
+    return {
+        "writes": writes,
+        "seconds": round(elapsed, 1),
+        "writes_per_s": round(writes / elapsed, 1),
+        "cpu_percent": round(used / (elapsed + 1.0) * 100, 2),
+        "log_lines": len(lines),
+        "log_line_example": lines[0][:200] if lines else None,
+        "requests": cluster.requests_since(mark),
+    }
 
 
 async def run_fleet(
@@ -397,10 +447,11 @@ async def run_fleet(
         rss = {"0": await idle_rss(agent.pid, plan.within)}
         log(f"fleet: empty cluster: {rss['0']} MiB")
         objects: list[dict[str, Any]] = []
+        slices: list[dict[str, Any]] = []
         creation_lines = 0
         for size in plan.sizes:
             offset = agent.log_mark()
-            objects += await create_foreign(cluster, len(objects), size)
+            objects += await create_foreign(cluster, len(objects), size, slices)
             rss[str(size)] = await idle_rss(agent.pid, plan.within)
             creation_lines += len(log_lines_since(agent.log_path, offset))
             log(f"fleet: {size} foreign Instances: {rss[str(size)]} MiB")
@@ -420,26 +471,18 @@ async def run_fleet(
         before = cpu_ns(agent.pid)
         await asyncio.sleep(plan.seconds)
         idle = (cpu_ns(agent.pid) - before) / 1e9
-        offset = agent.log_mark()
-        mark = cluster.request_mark()
-        before = cpu_ns(agent.pid)
-        started = time.monotonic()
-        writes = await churn(cluster, objects, plan.rate, plan.seconds)
-        elapsed = time.monotonic() - started
-        await asyncio.sleep(1.0)  # the last events reach the agent
-        used = (cpu_ns(agent.pid) - before) / 1e9
-        lines = log_lines_since(agent.log_path, offset)
         result["churn"] = {
-            "writes": writes,
-            "seconds": round(elapsed, 1),
-            "writes_per_s": round(writes / elapsed, 1),
-            "cpu_percent": round(used / (elapsed + 1.0) * 100, 2),
+            **await cpu_during(
+                cluster, agent, lambda: churn(cluster, objects, plan.rate, plan.seconds)
+            ),
             "idle_cpu_percent": round(idle / plan.seconds * 100, 2),
-            "log_lines": len(lines),
-            "log_line_example": lines[0][:200] if lines else None,
-            "requests": cluster.requests_since(mark),
-        }
+        }  # fmt: skip
         log(f"fleet: churn: {result['churn']}")
+        if slices:
+            result["slice_churn"] = await cpu_during(
+                cluster, agent, lambda: churn_slices(cluster, slices, plan.rate, plan.seconds)
+            )
+            log(f"fleet: slice churn: {result['slice_churn']}")
         mine = await cluster.instance(own)
         result["own_instance_served"] = bool(
             mine is not None
