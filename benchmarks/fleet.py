@@ -192,8 +192,9 @@ class Cluster:
         if self.double is not None:
             return self.double.api.apply(obj)
         assert self.client is not None
+        path = SLICES if obj["kind"] == "ResourceSlice" else INSTANCES
         return await self.client.replace(
-            f"{INSTANCES}/{obj['metadata']['name']}", obj, request_timeout=30
+            f"{path}/{obj['metadata']['name']}", obj, request_timeout=30
         )
 
     async def instance(self, name: str) -> dict[str, Any] | None:
