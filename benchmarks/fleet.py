@@ -46,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -358,10 +359,15 @@ async def create_foreign(
     return created
 
 
-async def churn(
-    cluster: Cluster, objects: list[dict[str, Any]], rate: float, seconds: float
+async def rewrite_paced(
+    cluster: Cluster,
+    objects: list[dict[str, Any]],
+    rate: float,
+    seconds: float,
+    change: Callable[[dict[str, Any], int], None],
 ) -> int:
-    """Flip the slot of one foreign Instance after the other at ``rate`` writes/s."""
+    """Write ``objects`` one after the other at ``rate`` writes/s for ``seconds``, each after
+    ``change(obj, n)`` (the ``n``-th write); returns the number of writes."""
     writes = int(rate * seconds)
     started = time.monotonic()
     for n in range(writes):
@@ -369,12 +375,22 @@ async def churn(
         if delay > 0:
             await asyncio.sleep(delay)
         index = n % len(objects)
-        obj = objects[index]
+        change(objects[index], n)
+        objects[index] = await cluster.replace(objects[index])
+    return writes
+
+
+async def churn(
+    cluster: Cluster, objects: list[dict[str, Any]], rate: float, seconds: float
+) -> int:
+    """Flip the slot of one foreign Instance after the other at ``rate`` writes/s."""
+
+    def flip_slot(obj: dict[str, Any], _n: int) -> None:
         slot = f"{obj['metadata']['name']}-0"
         usage = obj["spec"]["deviceUsage"]
         usage[slot] = "" if usage[slot] else obj["spec"]["nodes"][0]
-        objects[index] = await cluster.replace(obj)
-    return writes
+
+    return await rewrite_paced(cluster, objects, rate, seconds, flip_slot)
 
 
 async def churn_slices(
@@ -382,19 +398,12 @@ async def churn_slices(
 ) -> int:
     """Flip an attribute of one foreign node's local slice after the other at ``rate``
     writes/s."""
-    writes = int(rate * seconds)
-    started = time.monotonic()
-    for n in range(writes):
-        delay = started + n / rate - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        index = n % len(slices)
-        obj = slices[index]
+
+    def flip_attribute(obj: dict[str, Any], n: int) -> None:
         attributes = obj["spec"]["devices"][n // len(slices) % CAMERAS_PER_NODE]["attributes"]
-        busy = attributes.get("busy", {}).get("bool", False)
-        attributes["busy"] = {"bool": not busy}
-        slices[index] = await cluster.replace(obj)
-    return writes
+        attributes["busy"] = {"bool": not attributes.get("busy", {}).get("bool", False)}
+
+    return await rewrite_paced(cluster, slices, rate, seconds, flip_attribute)
 
 
 async def cpu_during(cluster: Cluster, agent: Any, work: Any) -> dict[str, Any]:
